@@ -1,0 +1,169 @@
+"""The ``jaxdecode`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class UsageError(ValueError):
+    """Bad input from the command line: reported as one line, exit code 2."""
+
+
+def _unescape(s: str) -> str:
+    r"""Turn the escapes ``\n``, ``\t`` and ``\\`` into their characters."""
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            nxt = s[i + 1]
+            if nxt in "nt\\":
+                out.append({"n": "\n", "t": "\t", "\\": "\\"}[nxt])
+                i += 2
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- commands
+
+def cmd_info(args):
+    from . import checkpoint
+
+    lm = checkpoint.load(args.ckpt)
+    info = {
+        "path": str(lm.path),
+        "config": {"V": lm.cfg.V, "T": lm.cfg.T, "d": lm.cfg.d, "L": lm.cfg.L, "heads": lm.cfg.heads},
+        "parameters": lm.num_params,
+        "vocabulary": lm.vocab.chars,
+        "provenance": {k: v for k, v in lm.meta.items()
+                       if k not in ("V", "T", "d", "L", "heads", "chars")},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return
+    c = info["config"]
+    print(f"checkpoint  {info['path']}")
+    print(f"shape       V={c['V']} T={c['T']} d={c['d']} L={c['L']} heads={c['heads']}")
+    print(f"parameters  {info['parameters']:,}")
+    print(f"vocabulary  {lm.vocab.chars!r}")
+    for k, v in info["provenance"].items():
+        if k == "loss_curve":
+            v = " ".join(f"{s}:{loss}" for s, loss in v)
+        print(f"{k:<11} {v}")
+
+
+def cmd_convert(args):
+    from . import checkpoint
+
+    out = checkpoint.convert(args.pt, args.out_dir, overwrite=args.force)
+    lm = checkpoint.load(out)
+    print(f"wrote {out} ({lm.num_params:,} parameters, V={lm.cfg.V}, T={lm.cfg.T})")
+
+
+def cmd_train(args):
+    from .train import TrainConfig, train
+
+    tc = TrainConfig(d=args.d, L=args.layers, heads=args.heads, T=args.T, batch=args.batch,
+                     steps=args.steps, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                     eval_every=args.eval_every, eval_windows=args.eval_windows)
+    train(args.out_dir, tc, data_path=args.data, resume=args.resume, progress=not args.quiet)
+
+
+def cmd_eval(args):
+    import jax.numpy as jnp
+
+    from . import checkpoint
+    from . import data as data_lib
+    from .train import held_out_loss
+
+    lm = checkpoint.load(args.ckpt)
+    out = {"checkpoint": str(lm.path)}
+    if args.text is None or args.held_out:
+        text = data_lib.read_corpus(args.data)
+        _, val = data_lib.split(text)
+        windows = data_lib.eval_windows(lm.vocab.encode(val), lm.cfg.T, args.windows)
+        params = {k: v for k, v in lm.params.items()}
+        out["held_out_loss"] = held_out_loss(params, lm.cfg, windows)
+        out["held_out_windows"] = int(windows.shape[0])
+    if args.text is not None:
+        from .score import score_texts
+
+        res = score_texts(lm, [_unescape(args.text)], prompts=[_unescape(args.prompt or "")])[0]
+        out["mean_logprob"] = res.mean_logprob
+        out["characters"] = len(res.logprobs)
+    del jnp
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in out.items():
+            print(f"{k:<16} {v:.4f}" if isinstance(v, float) else f"{k:<16} {v}")
+
+
+# ----------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="describe a checkpoint folder")
+    s.add_argument("ckpt", nargs="?", default=None, help="checkpoint folder (default: the shipped model)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("convert", help="convert the book's .pt into a checkpoint folder (no code from the file runs)")
+    s.add_argument("pt")
+    s.add_argument("out_dir")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("train", help="train the character model on Tiny Shakespeare")
+    s.add_argument("out_dir")
+    s.add_argument("--data", default=None, help="corpus path (default: $JAXDECODE_DATA, data/tinyshakespeare.txt)")
+    s.add_argument("--d", type=int, default=256)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--heads", type=int, default=4)
+    s.add_argument("--T", type=int, default=512)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--steps", type=int, default=3000)
+    s.add_argument("--lr", type=float, default=2e-3)
+    s.add_argument("--warmup", type=int, default=100)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--eval-every", type=int, default=250)
+    s.add_argument("--eval-windows", type=int, default=32)
+    s.add_argument("--resume", action="store_true", help="continue from the optimizer state in out_dir")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("eval", help="held-out loss of a checkpoint, or the model's score of a text")
+    s.add_argument("ckpt", nargs="?", default=None)
+    s.add_argument("--data", default=None)
+    s.add_argument("--windows", type=int, default=32, help="held-out windows of T characters")
+    s.add_argument("--text", default=None, help="score this text (mean log-probability per character)")
+    s.add_argument("--prompt", default=None, help="condition --text on this prompt")
+    s.add_argument("--held-out", action="store_true", help="with --text, also compute the held-out loss")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .data import CorpusError
+
+    try:
+        args.func(args)
+    except (UsageError, CheckpointError, CorpusError, ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"jaxdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""The reference character transformer, ported to Flax, with a KV-cached decoding path.
+
+Semantics follow the PyTorch ``CharLM`` exactly: token plus learned position embeddings, ``L``
+pre-norm encoder layers (``x + SA(LN1(x))`` then ``x + FF(LN2(x))``, FF = ``d -> 4d -> d`` with
+exact-erf GELU), causal attention, a final LayerNorm (eps 1e-5) and an output layer tied to the
+token embedding. Its forward keeps only the last ``T`` tokens and numbers their positions
+``0 .. t-1``.
+
+Three entry points, all pure functions of ``params``:
+
+- :func:`forward` -- a whole window, for training and scoring;
+- :func:`prefill` -- a right-padded batch of prompts of different lengths into a :class:`KVCache`;
+- :func:`extend` / :func:`step` -- append ``S`` (or one) tokens per row to the cache.
+
+Up to ``T`` tokens the cache gives the same logits as :func:`forward`. Past ``T`` the book's model
+sees a different window (with shifted positions) at every step; :func:`window_logits` computes that
+exactly with a forward over the last ``T`` tokens of each row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+LN_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a CharLM: vocabulary ``V``, window ``T``, width ``d``, layers ``L``, heads."""
+
+    V: int
+    T: int
+    d: int
+    L: int
+    heads: int
+
+    def __post_init__(self):
+        for name in ("V", "T", "d", "L", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config field {name!r} must be a positive integer, got {value!r}")
+        if self.d % self.heads:
+            raise ValueError(f"config: d={self.d} is not divisible by heads={self.heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d // self.heads
+
+    def num_params(self) -> int:
+        d, L = self.d, self.L
+        per_layer = 3 * d * d + 3 * d + d * d + d + 2 * 4 * d * d + 4 * d + d + 4 * d
+        return self.V * d + self.T * d + L * per_layer + 2 * d
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, and how many positions of each row are filled.
+
+    ``k[l]``, ``v[l]``: ``[B, heads, capacity, head_dim]``; ``length``: ``[B]`` int32. Entries at
+    or beyond ``length[b]`` are garbage and never attended to, so rolling a row back is just
+    lowering its length.
+    """
+
+    k: tuple
+    v: tuple
+    length: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+
+def _init(std):
+    return nn.initializers.normal(stddev=std)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        d = self.cfg.d
+        self.qkv = nn.Dense(3 * d, kernel_init=_init(0.02), name="qkv")
+        self.proj = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="proj")
+
+    def _heads(self, x):  # [B, S, d] -> q, k, v each [B, H, S, hd]
+        B, S, _ = x.shape
+        qkv = self.qkv(x).reshape(B, S, 3, self.cfg.heads, self.cfg.head_dim)
+        q, k, v = (jnp.transpose(qkv[:, :, i], (0, 2, 1, 3)) for i in range(3))
+        return q, k, v
+
+    def _attend(self, q, k, v, mask):  # mask [B or 1, 1, S, Skv] True = may attend
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(self.cfg.head_dim)
+        scores = jnp.where(mask, scores, -jnp.inf)
+        w = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhqk,bhkd->bhqd", w, v)
+        B, H, S, hd = out.shape
+        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
+
+    def __call__(self, x):
+        q, k, v = self._heads(x)
+        S = x.shape[1]
+        causal = jnp.tril(jnp.ones((S, S), bool))[None, None]
+        return self._attend(q, k, v, causal), (k, v)
+
+    def cached(self, x, k_cache, v_cache, length, span):
+        """Append ``x`` ([B, S, d]) at each row's ``length`` and attend over the first ``span``."""
+        q, k, v = self._heads(x)
+        write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
+        k_cache = write(k_cache, k.astype(k_cache.dtype), length)
+        v_cache = write(v_cache, v.astype(v_cache.dtype), length)
+        S = x.shape[1]
+        kk = k_cache[:, :, :span]
+        vv = v_cache[:, :, :span]
+        query_pos = length[:, None] + jnp.arange(S)[None, :]  # [B, S]
+        mask = jnp.arange(span)[None, None, :] <= query_pos[:, :, None]  # [B, S, span]
+        return self._attend(q, kk, vv, mask[:, None]), k_cache, v_cache
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        d = self.cfg.d
+        self.ln1 = nn.LayerNorm(epsilon=LN_EPS, name="ln1")
+        self.attn = Attention(self.cfg, name="attn")
+        self.ln2 = nn.LayerNorm(epsilon=LN_EPS, name="ln2")
+        self.ff1 = nn.Dense(4 * d, kernel_init=_init(0.02), name="ff1")
+        self.ff2 = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="ff2")
+
+    def _ff(self, x):
+        return self.ff2(jax.nn.gelu(self.ff1(self.ln2(x)), approximate=False))
+
+    def __call__(self, x):
+        a, kv = self.attn(self.ln1(x))
+        x = x + a
+        return x + self._ff(x), kv
+
+    def cached(self, x, k_cache, v_cache, length, span):
+        a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
+        x = x + a
+        return x + self._ff(x), k_cache, v_cache
+
+
+class CharLM(nn.Module):
+    """The Flax module; use the functions below rather than calling it directly."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.tok = nn.Embed(c.V, c.d, embedding_init=_init(0.02), name="tok")
+        self.pos = nn.Embed(c.T, c.d, embedding_init=_init(0.02), name="pos")
+        self.blocks = [Block(c, name=f"block_{i}") for i in range(c.L)]
+        self.ln = nn.LayerNorm(epsilon=LN_EPS, name="ln")
+
+    def __call__(self, tokens, return_hidden=False, return_kv=False):
+        t = tokens.shape[1]
+        h = self.tok(tokens) + self.pos(jnp.arange(t))[None]
+        kvs = []
+        for block in self.blocks:
+            h, kv = block(h)
+            kvs.append(kv)
+        h = self.ln(h)
+        logits = self.tok.attend(h)
+        out = (logits,)
+        if return_hidden:
+            out += (h,)
+        if return_kv:
+            out += (kvs,)
+        return out if len(out) > 1 else logits
+
+    def cached(self, tokens, cache: KVCache, span: int):
+        S = tokens.shape[1]
+        positions = cache.length[:, None] + jnp.arange(S)[None, :]
+        h = self.tok(tokens) + self.pos(jnp.minimum(positions, self.cfg.T - 1))
+        ks, vs = [], []
+        for block, kc, vc in zip(self.blocks, cache.k, cache.v):
+            h, kc, vc = block.cached(h, kc, vc, cache.length, span)
+            ks.append(kc)
+            vs.append(vc)
+        logits = self.tok.attend(self.ln(h))
+        return logits, KVCache(tuple(ks), tuple(vs), cache.length + S)
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def init_params(cfg: ModelConfig, key: jax.Array):
+    """Random parameters (GPT-style normal init), as used for training and for tests."""
+    return CharLM(cfg).init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def forward(params, cfg: ModelConfig, tokens: jax.Array, return_hidden: bool = False):
+    """Logits ``[B, t, V]`` for every position of ``tokens`` ``[B, n]``, keeping the last T.
+
+    With ``return_hidden``, also the final (post-LayerNorm) hidden states ``[B, t, d]``.
+    """
+    tokens = tokens[:, -cfg.T:]
+    return CharLM(cfg).apply({"params": params}, tokens, return_hidden=return_hidden)
+
+
+def empty_cache(cfg: ModelConfig, batch: int, capacity: int | None = None, dtype=jnp.float32):
+    capacity = cfg.T if capacity is None else capacity
+    shape = (batch, cfg.heads, capacity, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.L))
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+
+
+def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+            capacity: int | None = None):
+    """Run right-padded prompts ``tokens`` ``[B, P]`` (row b real up to ``lengths[b]``).
+
+    Returns the next-token logits after each prompt ``[B, V]`` and a cache holding the prompts.
+    Requires ``P <= T``; padding past a row's length is causal-masked away and later overwritten.
+    """
+    B, P = tokens.shape
+    if P > cfg.T:
+        raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
+    capacity = cfg.T if capacity is None else capacity
+    logits, kvs = CharLM(cfg).apply({"params": params}, tokens, return_kv=True)
+    pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
+    ks = tuple(jnp.pad(k, pad) for k, _ in kvs)
+    vs = tuple(jnp.pad(v, pad) for _, v in kvs)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, KVCache(ks, vs, lengths)
+
+
+def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None):
+    """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions.
+
+    ``span`` (static) bounds the attended cache prefix: it must be at least
+    ``max(cache.length) + S`` and at most the capacity. Attending only over the filled span is
+    what keeps a decode step cheap when the cache is mostly empty. The caller guarantees every
+    row stays within ``T`` positions (beyond that, use :func:`window_logits`).
+    """
+    span = cache.capacity if span is None else span
+    return CharLM(cfg).apply({"params": params}, tokens, cache, span, method=CharLM.cached)
+
+
+def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None):
+    """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache."""
+    logits, cache = extend(params, cfg, cache, token[:, None], span)
+    return logits[:, 0], cache
+
+
+def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Array):
+    """The book's exact next-token logits for rows of any length: a forward over the last T.
+
+    ``history`` ``[B, N]`` holds each row's tokens left-aligned, ``lengths`` ``[B]`` how many are
+    real. Row b sees ``history[b, max(0, len-T):len]`` numbered from position 0.
+    """
+    B, N = history.shape
+    W = min(N, cfg.T)
+    start = jnp.clip(lengths - W, 0, N - W)
+
+    def take(row, s):
+        return jax.lax.dynamic_slice(row, (s,), (W,))
+
+    windows = jax.vmap(take)(history, start)
+    logits = forward(params, cfg, windows)
+    idx = jnp.clip(lengths - start - 1, 0, W - 1)
+    return jnp.take_along_axis(logits, idx[:, None, None], axis=1)[:, 0]

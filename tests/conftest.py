@@ -1,0 +1,36 @@
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def key():
+    return jax.random.PRNGKey(0)
+
+
+@pytest.fixture(scope="session")
+def corpus_path():
+    p = os.environ.get("JAXDECODE_DATA")
+    if not p or not Path(p).is_file():
+        pytest.skip("the corpus is not available ($JAXDECODE_DATA)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """A small random-weight model (V=12, T=16) with a readable vocabulary."""
+    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.model import ModelConfig, init_params
+    from jaxdecode.vocab import Vocab
+
+    cfg = ModelConfig(V=12, T=16, d=32, L=2, heads=4)
+    params = init_params(cfg, jax.random.PRNGKey(42))
+    # sharper than the 0.02 init so that distributions are far from uniform
+    params = jax.tree_util.tree_map(lambda a: a * 3.0, params)
+    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={})
