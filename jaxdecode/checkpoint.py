@@ -300,7 +300,23 @@ class _StorageType:
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_ignored):
-    size, stride = tuple(size), tuple(stride)
+    if not isinstance(storage, np.ndarray):
+        raise CheckpointError(f"a tensor refers to {type(storage).__name__} instead of a storage")
+    offset = int(offset)
+    size, stride = tuple(int(n) for n in size), tuple(int(s) for s in stride)
+    # as_strided does no bounds checking: make sure every element lies inside the storage
+    if (len(size) != len(stride) or offset < 0 or any(n < 0 for n in size)
+            or any(s < 0 for s in stride)):
+        raise CheckpointError(
+            f"a tensor of shape {size} has an invalid layout (offset {offset}, stride {stride}) "
+            "in its storage")
+    if 0 in size:
+        return np.zeros(size, storage.dtype)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if last >= storage.shape[0]:
+        raise CheckpointError(
+            f"a tensor of shape {size} (offset {offset}, stride {stride}) reaches element {last} "
+            f"of a storage of {storage.shape[0]} elements")
     if not size:
         return storage[offset].copy()
     itemsize = storage.dtype.itemsize
