@@ -102,11 +102,122 @@ def cmd_eval(args):
             print(f"{k:<16} {v:.4f}" if isinstance(v, float) else f"{k:<16} {v}")
 
 
+RULE_FLAGS = [  # (flag, attribute, type, help)
+    ("--temperature", "temperature", float, "divide logits by this; 0 = greedy"),
+    ("--top-k", "top_k", int, "keep the k most probable characters"),
+    ("--top-p", "top_p", float, "keep the smallest set with mass >= p (nucleus)"),
+    ("--min-p", "min_p", float, "keep characters with prob >= this fraction of the top one"),
+    ("--typical", "typical", float, "locally typical sampling with this mass"),
+    ("--epsilon", "epsilon", float, "epsilon sampling: keep prob >= eps"),
+    ("--eta", "eta", float, "eta sampling"),
+    ("--top-n-sigma", "top_n_sigma", float, "keep logits within n standard deviations of the max"),
+    ("--repetition-penalty", "repetition_penalty", float, "CTRL penalty for characters already seen"),
+    ("--frequency-penalty", "frequency_penalty", float, "subtract count * f"),
+    ("--presence-penalty", "presence_penalty", float, "subtract p from characters generated before"),
+    ("--no-repeat-ngram", "no_repeat_ngram", int, "forbid repeating any n-gram"),
+]
+
+
+def _settings(args) -> dict:
+    return {attr: getattr(args, attr) for _, attr, _, _ in RULE_FLAGS if getattr(args, attr) is not None}
+
+
+def _load(args):
+    from . import checkpoint
+
+    return checkpoint.load(args.ckpt)
+
+
+def cmd_generate(args):
+    from .sampling import generate, make_rule
+
+    prompt = _unescape(args.prompt)
+    if not prompt:
+        raise UsageError("the prompt is empty: give at least one character")
+    if args.n < 0:
+        raise UsageError(f"-n must be >= 0, got {args.n}")
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    settings = _settings(args)
+    if args.greedy and settings.get("temperature") not in (None, 0.0):
+        raise UsageError("--greedy contradicts --temperature > 0")
+    rule = make_rule(**settings)  # validates before anything is loaded or traced
+    lm = _load(args)
+    lm.vocab.encode(prompt)  # unknown characters: a clear error before any work
+    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    stream = not args.json and args.num_samples == 1 and sys.stdout.isatty() or (
+        not args.json and args.num_samples == 1 and args.stream)
+    on_text = None
+    if stream:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+
+        def on_text(row, text):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
+                    num_samples=args.num_samples, stop=stop, on_text=on_text)
+    if args.json:
+        doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
+                            "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason} for o in outs],
+               "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
+                            "greedy": bool(args.greedy), "stop": stop, "checkpoint": str(lm.path),
+                            **settings}}
+        print(json.dumps(doc, ensure_ascii=False))
+        return
+    if stream:
+        sys.stdout.write("\n")
+        print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per character", file=sys.stderr)
+        return
+    for i, o in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
+        print(o.prompt + o.text)
+
+
+def cmd_score(args):
+    from .score import score_texts
+
+    text, prompt = _unescape(args.text), _unescape(args.prompt or "")
+    if not text:
+        raise UsageError("the text to score is empty")
+    lm = _load(args)
+    res = score_texts(lm, [text], [prompt])[0]
+    if args.json:
+        print(json.dumps({"prompt": prompt, "text": text, "mean_logprob": res.mean_logprob,
+                          "logprobs": res.logprobs.tolist(),
+                          "probabilities": res.probabilities.tolist()}, ensure_ascii=False))
+    else:
+        print(f"{res.mean_logprob:.4f} nats per character over {len(text)} characters")
+
+
 # ----------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("generate", help="generate text after a prompt")
+    s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
+    s.add_argument("-n", type=int, default=300, help="characters to generate (default 300)")
+    s.add_argument("--num-samples", type=int, default=1)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
+    s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
+    s.add_argument("--greedy", action="store_true", help="always take the most probable character")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s.add_argument("--stream", action="store_true", help="stream text even when stdout is not a terminal")
+    for flag, attr, typ, hlp in RULE_FLAGS:
+        s.add_argument(flag, dest=attr, type=typ, default=None, help=hlp)
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("score", help="the model's log-probability of a text after a prompt")
+    s.add_argument("text")
+    s.add_argument("--prompt", default=None, help="condition on this prompt (default: a newline)")
+    s.add_argument("--ckpt", default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_score)
 
     s = sub.add_parser("info", help="describe a checkpoint folder")
     s.add_argument("ckpt", nargs="?", default=None, help="checkpoint folder (default: the shipped model)")

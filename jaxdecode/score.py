@@ -1,0 +1,107 @@
+"""Log-probabilities of given continuations under the model, in batched passes.
+
+The semantics are the book's: the log-probability of the token at index ``t`` is read from the
+model run on the last ``T`` tokens before it. Up to ``T`` tokens that is one forward over the
+whole text; every position past ``T`` gets its own window (batched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+
+WIDTH_BUCKET = 64
+WINDOW_BATCH = 64
+
+
+@dataclasses.dataclass
+class Score:
+    prompt: str
+    text: str
+    logprobs: np.ndarray  # [len(text)] natural-log probability of each character of text
+
+    @property
+    def mean_logprob(self) -> float:
+        """Mean log-probability per character (nats); the book's score."""
+        return float(np.mean(self.logprobs)) if len(self.logprobs) else float("nan")
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """The probability the model gave each character."""
+        return np.exp(self.logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _token_logprobs(params, tokens, *, cfg):
+    """[B, W] tokens -> [B, W-1] log p(tokens[:, t+1] | tokens[:, :t+1]) for W <= T + 1."""
+    logits = M.forward(params, cfg, tokens[:, :-1])
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _window_logprobs(params, windows, targets, *, cfg):
+    """[N, T] windows (each the T tokens before its target) -> [N] log-probabilities."""
+    lp = jax.nn.log_softmax(M.forward(params, cfg, windows)[:, -1], axis=-1)
+    return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+
+
+def token_logprobs(params, cfg: M.ModelConfig, sequences: Sequence[np.ndarray], starts: Sequence[int]):
+    """For each token sequence, the log-probability of every token from index ``start`` on."""
+    T = cfg.T
+    out = []
+    # positions t <= T: one forward over the first min(len, T + 1) tokens, batched and bucketed
+    heads = [np.asarray(s[:T + 1], np.int32) for s in sequences]
+    W = min(T + 1, max(2, -(-max(len(h) for h in heads) // WIDTH_BUCKET) * WIDTH_BUCKET))
+    B = len(heads)
+    Bb = 1 << max(0, (B - 1).bit_length())
+    batch = np.zeros((Bb, W), np.int32)
+    for i, h in enumerate(heads):
+        batch[i, :len(h)] = h
+    first = np.asarray(_token_logprobs(params, jnp.asarray(batch), cfg=cfg))
+    # positions t > T: the book's window of the T tokens before t
+    windows, targets, owner = [], [], []
+    for i, s in enumerate(sequences):
+        for t in range(max(T + 1, starts[i]), len(s)):
+            windows.append(s[t - T:t])
+            targets.append(s[t])
+            owner.append(i)
+    late = np.zeros((len(windows),), np.float32)
+    for j in range(0, len(windows), WINDOW_BATCH):
+        w = np.zeros((WINDOW_BATCH, T), np.int32)
+        tg = np.zeros((WINDOW_BATCH,), np.int32)
+        part = windows[j:j + WINDOW_BATCH]
+        w[:len(part)] = np.stack(part)
+        tg[:len(part)] = targets[j:j + WINDOW_BATCH]
+        late[j:j + len(part)] = np.asarray(_window_logprobs(params, jnp.asarray(w), jnp.asarray(tg), cfg=cfg))[:len(part)]
+    owner = np.asarray(owner)
+    for i, s in enumerate(sequences):
+        start = starts[i]
+        if start < 1:
+            raise ValueError("scoring starts at index 1 or later: the first token has no context")
+        early = first[i, start - 1:min(len(s), T + 1) - 1]
+        out.append(np.concatenate([early, late[owner == i]]).astype(np.float32))
+    return out
+
+
+def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None) -> list[Score]:
+    """Score each text as a continuation of its prompt (default: a newline, the corpus's separator)."""
+    prompts = list(prompts) if prompts is not None else ["\n"] * len(texts)
+    if len(prompts) != len(texts):
+        raise ValueError(f"{len(prompts)} prompts for {len(texts)} texts")
+    prompts = [p if p else "\n" for p in prompts]
+    seqs, starts = [], []
+    for p, t in zip(prompts, texts):
+        if not t:
+            raise ValueError("the text to score is empty")
+        seqs.append(np.concatenate([lm.vocab.encode(p), lm.vocab.encode(t)]))
+        starts.append(len(p))
+    lps = token_logprobs(lm.params, lm.cfg, seqs, starts)
+    return [Score(prompt=p, text=t, logprobs=lp) for p, t, lp in zip(prompts, texts, lps)]

@@ -1,0 +1,118 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import model as M
+from jaxdecode import sampling as S
+
+
+def _plain_loop(params, cfg, prompt, n, key=None, row_id=0, rule=None, greedy=False):
+    """The book's loop: a full forward over the last T tokens at every step, nothing cached."""
+    ids = list(prompt)
+    state = None
+    if rule is not None:
+        state = rule.init(jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32), cfg.V, n)
+    out = []
+    for s in range(n):
+        logits = M.forward(params, cfg, jnp.asarray([ids], jnp.int32))[:, -1]
+        if rule is not None:
+            logits = rule.apply(logits, state)
+        if greedy:
+            tok = int(jnp.argmax(logits[0]))
+        else:
+            k = jax.random.fold_in(jax.random.fold_in(key, row_id), s)
+            tok = int(jax.random.categorical(k, logits[0]))
+        if rule is not None:
+            state = rule.update(state, jnp.asarray([tok], jnp.int32))
+        ids.append(tok)
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("n", [5, 40])  # 40 runs past T=16: the exact window mode
+def test_greedy_equals_plain_loop(tiny_lm, n):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    prompts = [np.array([1, 2, 3]), np.array([4]), np.arange(10) % cfg.V]
+    res = S.sample_tokens(params, cfg, prompts, n, jax.random.PRNGKey(0), greedy=True, chunk=8)
+    for i, p in enumerate(prompts):
+        assert res.tokens[i, :n].tolist() == _plain_loop(params, cfg, p, n, greedy=True)
+    assert (res.counts == n).all()
+
+
+def test_sampling_equals_plain_loop_with_same_keys(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    key = jax.random.PRNGKey(7)
+    prompts = [np.array([1, 2, 3]), np.array([5, 5]), np.arange(20) % cfg.V]  # last is longer than T
+    n = 24
+    res = S.sample_tokens(params, cfg, prompts, n, key, chunk=8)
+    for i, p in enumerate(prompts):
+        assert res.tokens[i].tolist() == _plain_loop(params, cfg, p, n, key=key, row_id=i)
+
+
+def test_logprobs_are_model_logprobs(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    p = np.array([1, 2, 3])
+    res = S.sample_tokens(params, cfg, [p], 10, jax.random.PRNGKey(1))
+    ids = np.concatenate([p, res.tokens[0]])
+    lp = jax.nn.log_softmax(M.forward(params, cfg, jnp.asarray(ids[None]))[0], axis=-1)
+    want = np.asarray(lp)[np.arange(2, 12), ids[3:13]]
+    np.testing.assert_allclose(res.model_logprobs[0], want, atol=1e-5)
+    # without rules the sampled distribution is the model's
+    np.testing.assert_allclose(res.sample_logprobs[0], want, atol=1e-5)
+
+
+def test_batch_invariance(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.V, size=rng.integers(1, 14)) for _ in range(16)]
+    key = jax.random.PRNGKey(3)
+    together = S.sample_tokens(params, cfg, prompts, 20, key)
+    for i in [0, 5, 11, 15]:
+        alone = S.sample_tokens(params, cfg, [prompts[i]], 20, key, row_ids=[i])
+        assert alone.tokens[0].tolist() == together.tokens[i].tolist()
+    # a sub-batch in another order and batch bucket
+    idx = [9, 2, 14]
+    some = S.sample_tokens(params, cfg, [prompts[i] for i in idx], 20, key, row_ids=idx)
+    for j, i in enumerate(idx):
+        assert some.tokens[j].tolist() == together.tokens[i].tolist()
+
+
+def test_stop_sequences(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    key = jax.random.PRNGKey(0)
+    prompts = [np.array([1, 2]), np.array([3])]
+    free = S.sample_tokens(params, cfg, prompts, 30, key)
+    stop = free.tokens[0, 5:7]  # a pair that row 0 produces at steps 5-6
+    res = S.sample_tokens(params, cfg, prompts, 30, key, stops=[stop])
+    first = next(t for t in range(1, 30) if free.tokens[0, t - 1:t + 1].tolist() == stop.tolist())
+    assert res.counts[0] == first + 1 and res.stopped[0]
+    assert res.tokens[0, :first + 1].tolist() == free.tokens[0, :first + 1].tolist()
+    row1 = free.tokens[1]
+    hits = [t for t in range(1, 30) if row1[t - 1:t + 1].tolist() == stop.tolist()]
+    assert res.counts[1] == (hits[0] + 1 if hits else 30)
+
+
+def test_compile_once_per_bucket(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    rng = np.random.default_rng(1)
+    key = jax.random.PRNGKey(0)
+    S.sample_tokens(params, cfg, [np.array([1])] * 3, 8, key, chunk=8)  # warm the (4, 16) bucket
+    before = (S._cache_chunk._cache_size(), S._prefill._cache_size())
+    for _ in range(4):
+        B = int(rng.integers(3, 5))  # batch bucket 4
+        prompts = [rng.integers(0, cfg.V, size=rng.integers(1, 8)) for _ in range(B)]
+        S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(int(rng.integers(100))), chunk=8)
+    assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
+
+
+def test_bad_input(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    with pytest.raises(ValueError, match=">= 0"):
+        S.sample_tokens(params, cfg, [np.array([1])], -1, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="at least one token"):
+        S.sample_tokens(params, cfg, [np.array([], np.int32)], 3, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="empty"):
+        S.generate(tiny_lm, "", 3)
+    with pytest.raises(ValueError, match="'Z' at position 1"):
+        S.generate(tiny_lm, "aZ", 3)
