@@ -121,6 +121,25 @@ class Attention(nn.Module):
         return self._attend(q, kk, vv, mask[:, None]), k_cache, v_cache
 
 
+    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i, span):
+        """One decode step that leaves the main cache untouched (see :func:`chunk_step`)."""
+        q, k, v = self._heads(x)  # [B, H, 1, hd]
+        k_loc = jax.lax.dynamic_update_slice(k_loc, k.astype(k_loc.dtype), (0, 0, i, 0))
+        v_loc = jax.lax.dynamic_update_slice(v_loc, v.astype(v_loc.dtype), (0, 0, i, 0))
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        s_main = jnp.einsum("bhqd,bhkd->bhqk", q, k_main[:, :, :span]) * scale
+        s_loc = jnp.einsum("bhqd,bhkd->bhqk", q, k_loc) * scale
+        main_ok = (jnp.arange(span)[None, :] < main_len[:, None])[:, None, None, :]  # [B,1,1,span]
+        loc_ok = (jnp.arange(k_loc.shape[2]) <= i)[None, None, None, :]
+        s_main = jnp.where(main_ok, s_main, -jnp.inf)
+        s_loc = jnp.where(loc_ok, s_loc, -jnp.inf)
+        w = jax.nn.softmax(jnp.concatenate([s_main, s_loc], axis=-1), axis=-1)
+        out = (jnp.einsum("bhqk,bhkd->bhqd", w[..., :span], v_main[:, :, :span])
+               + jnp.einsum("bhqk,bhkd->bhqd", w[..., span:], v_loc))
+        B, H, S, hd = out.shape
+        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd)), k_loc, v_loc
+
+
 class Block(nn.Module):
     cfg: ModelConfig
 
@@ -144,6 +163,12 @@ class Block(nn.Module):
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
         return x + self._ff(x), k_cache, v_cache
+
+
+    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i, span):
+        a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i, span)
+        x = x + a
+        return x + self._ff(x), k_loc, v_loc
 
 
 class CharLM(nn.Module):
@@ -185,6 +210,18 @@ class CharLM(nn.Module):
             vs.append(vc)
         logits = self.tok.attend(self.ln(h))
         return logits, KVCache(tuple(ks), tuple(vs), cache.length + S)
+
+
+    def chunked(self, token, cache: KVCache, local: KVCache, i, span: int):
+        positions = jnp.minimum(cache.length + i, self.cfg.T - 1)[:, None]
+        h = self.tok(token[:, None]) + self.pos(positions)
+        ks, vs = [], []
+        for block, kc, vc, kl, vl in zip(self.blocks, cache.k, cache.v, local.k, local.v):
+            h, kl, vl = block.chunked(h, kc, vc, cache.length, kl, vl, i, span)
+            ks.append(kl)
+            vs.append(vl)
+        logits = self.tok.attend(self.ln(h))[:, 0]
+        return logits, KVCache(tuple(ks), tuple(vs), local.length)
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -247,6 +284,32 @@ def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int |
     """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache."""
     logits, cache = extend(params, cfg, cache, token[:, None], span)
     return logits[:, 0], cache
+
+
+def empty_local(cfg: ModelConfig, batch: int, chunk: int, dtype=jnp.float32) -> KVCache:
+    """The per-chunk buffer of :func:`chunk_step` (``length`` unused)."""
+    return empty_cache(cfg, batch, chunk, dtype)
+
+
+def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, span: int):
+    """Decode step ``i`` of a chunk: the main ``cache`` is read, never written.
+
+    A decode loop that writes each new key into a large loop-carried cache and reads it back in
+    the same iteration makes XLA copy the cache every step. Here the keys of the current chunk go
+    into a small ``local`` buffer ``[B, H, chunk, hd]`` at index ``i`` (the same for every row);
+    attention covers the main cache's first ``span`` positions (valid below ``cache.length``)
+    and the local buffer up to ``i``. :func:`merge_chunk` appends the buffer to the cache after
+    the chunk. Returns logits ``[B, V]`` and the updated buffer.
+    """
+    return CharLM(cfg).apply({"params": params}, token, cache, local, i, span, method=CharLM.chunked)
+
+
+def merge_chunk(cache: KVCache, local: KVCache, steps) -> KVCache:
+    """Append the first ``steps`` entries of a chunk buffer to every row of the cache."""
+    write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
+    ks = tuple(write(c, n, cache.length) for c, n in zip(cache.k, local.k))
+    vs = tuple(write(c, n, cache.length) for c, n in zip(cache.v, local.v))
+    return KVCache(ks, vs, cache.length + steps)
 
 
 def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Array):

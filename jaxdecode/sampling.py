@@ -136,21 +136,26 @@ def _advance(st: SamplingState, out, stops, stop_lens, T):
                    donate_argnames=("cache",))
 def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_ids, stops,
                  stop_lens, step_end, *, cfg: M.ModelConfig, span: int, chunk: int, greedy: bool):
-    """``chunk`` steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
+    """``chunk`` steps over the cache (read-only inside the scan, see ``model.chunk_step``),
+    attending over its first ``span`` positions; steps >= step_end are no-ops."""
+    B = state.logits.shape[0]
+    step_start = state.step
 
-    def body(carry, _):
-        st, cache = carry
+    def body(carry, i):
+        st, local = carry
         active = st.step < step_end
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
-        logits, cache = M.step(params, cfg, cache, token, span=span)
+        logits, local = M.chunk_step(params, cfg, cache, local, i, token, span)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
-        # an inactive step leaves the state as it was (the cache writes land past the valid length)
+        # an inactive step leaves the state as it was (its buffer entry is never merged)
         new = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, st)
         emitted = active & ~st.done
-        return (new, cache), StepOutput(token, mlp, slp, emitted)
+        return (new, local), StepOutput(token, mlp, slp, emitted)
 
-    (state, cache), outs = jax.lax.scan(body, (state, cache), None, length=chunk)
+    local = M.empty_local(cfg, B, chunk, cache.k[0].dtype)
+    (state, local), outs = jax.lax.scan(body, (state, local), jnp.arange(chunk))
+    cache = M.merge_chunk(cache, local, jnp.clip(step_end - step_start, 0, chunk))
     return state, cache, outs
 
 
@@ -299,7 +304,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
         step_end = jnp.int32(taken + valid)
         if taken < n_cache:
-            span = min(capacity, round_up(Pmax + taken + chunk, SPAN_BUCKET))
+            span = min(capacity, round_up(Pmax + taken, SPAN_BUCKET))  # the filled part at chunk start
             state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, cfg=cfg,
                                              span=span, chunk=chunk, greedy=greedy, **common)
         else:
