@@ -1,0 +1,633 @@
+"""Beam search as a chunked ``lax.scan`` over a KV cache, and exact search for the mode.
+
+:func:`beam_search` keeps the ``k`` highest-scoring partial continuations of every prompt, extends
+each by every token and keeps the ``k`` best of the ``k * V`` candidates, scored by total
+log-probability. It starts from the prompt alone (one live beam, the others at ``-inf``), so with
+no end tokens and no length penalty it is exactly the book's ``beam``: per beam the top ``k``
+tokens, all candidates sorted, the best ``k`` kept, and ``k = 1`` is greedy decoding.
+
+End tokens and stop strings: a candidate that completes one leaves the beam for a pool of ``k``
+finished hypotheses, its score divided by the GNMT length penalty ``((5 + |y|) / 6) ** alpha``
+(Wu et al. 2016, |y| the generated length, end tokens included). A row stops searching once no
+live beam can beat its worst finished hypothesis: a live beam's final score is at most its score
+divided by the largest penalty it can still reach (at the maximum length for ``alpha > 0``, as in
+flax's ``examples/wmt/decode.py``). When the steps run out, the live beams compete with the pool.
+
+The loop reuses the sampling loop's layout (:mod:`jaxdecode.sampling`): batch padded to a power
+of two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend over a static
+cache span bucket, and past the model window ``T`` the exact window mode (a forward over each
+beam's last ``T`` tokens). The beam axis is flattened into the batch for the model: row ``b``'s
+beam ``j`` is model row ``b * k + j``.
+
+:func:`mode_search` finds the single most probable continuation of ``n`` tokens by best-first
+search; :mod:`jaxdecode.studies.beam_curse` compares the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from .sampling import (DEFAULT_CHUNK, PROMPT_BUCKET, SPAN_BUCKET, _encode_stops, _push_recent,
+                       batch_bucket, pad_rule, round_up)
+
+NEG_INF = -jnp.inf
+TOKEN_BUCKET = 64  # the generated-token buffers are this many tokens wide, rounded up
+
+# (history [N, W] left-aligned, lengths [N]) -> next-token logits [N, V]; see beam_search
+LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+# ----------------------------------------------------------------------------- beam helpers
+
+
+def flatten_beams(x):
+    """[B, k, ...] -> [B * k, ...]: the beam axis folded into the batch (beam j of row b at b*k+j)."""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def unflatten_beams(x, k: int):
+    """[B * k, ...] -> [B, k, ...]."""
+    return x.reshape((x.shape[0] // k, k) + x.shape[1:])
+
+
+def add_beams(x, k: int):
+    """[B, ...] -> [B * k, ...]: every row repeated for its k beams."""
+    return jnp.repeat(x, k, axis=0)
+
+
+def gather_beams(x, parent):
+    """x [B, k, ...], parent [B, k] -> [B, k, ...]: beam j becomes beam ``parent[b, j]`` of x."""
+    idx = parent.reshape(parent.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def gather_flat(tree, parent):
+    """Every leaf [B * k, ...] of ``tree`` reordered so that beam j of row b is its parent."""
+    B, k = parent.shape
+    flat = (jnp.arange(B)[:, None] * k + parent).reshape(-1)  # [B * k]
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, flat, axis=0), tree)
+
+
+def _gather_cache(cache: M.KVCache, parent, span: int) -> M.KVCache:
+    """Reorder the cache rows by parent, copying only the first ``span`` positions.
+
+    Positions past ``span`` lie beyond every row's length: garbage that is overwritten before it
+    is attended to, so they need not follow their beam.
+    """
+    def gather(c):  # [B*k, H, capacity, hd]
+        part = gather_flat(c[:, :, :span], parent)
+        return jax.lax.dynamic_update_slice(c, part, (0, 0, 0, 0))
+
+    return M.KVCache(tuple(map(gather, cache.k)), tuple(map(gather, cache.v)),
+                     gather_flat(cache.length, parent))
+
+
+def gnmt_length_penalty(length, alpha):
+    """The GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al. 2016)."""
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+# ----------------------------------------------------------------------------- loop state
+
+
+class BeamState(NamedTuple):
+    """The loop carry (everything but the KV cache); B rows (bucketed), k beams, N token slots."""
+
+    logits: jax.Array  # [B*k, V] raw next-token logits of every live beam
+    live_score: jax.Array  # [B, k] summed log-probabilities (processed by the rule), -inf = none
+    live_logprob: jax.Array  # [B, k] summed log-probabilities under the unmodified model
+    live_tokens: jax.Array  # [B, k, N] generated tokens, real up to ``step``
+    recent: jax.Array  # [B*k, T] the last T tokens of each beam, left-aligned
+    length: jax.Array  # [B*k] tokens so far (prompt + generated), may exceed T
+    tail: jax.Array  # [B*k, S] the last S generated tokens (for stop strings), -1 = none yet
+    rule_state: Any  # the rule's state, leaves [B*k, ...]
+    fin_score: jax.Array  # [B, k] length-normalized scores of finished hypotheses, best first
+    fin_logprob: jax.Array  # [B, k] their unmodified model log-probabilities
+    fin_tokens: jax.Array  # [B, k, N] their tokens (end tokens included)
+    fin_length: jax.Array  # [B, k] their lengths
+    done: jax.Array  # [B] bool: no live beam can still beat the worst finished hypothesis
+    step: jax.Array  # [] int32, steps taken
+
+
+def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int) -> BeamState:
+    """The state before the first step: one live beam per row (the prompt), k-1 empty ones.
+
+    ``logits`` [B, V], ``recent`` [B, T], ``length`` [B] and ``rule_state`` are per row; they are
+    repeated for the k beams here.
+    """
+    B = logits.shape[0]
+    score = jnp.where(jnp.arange(k)[None, :] == 0, 0.0, NEG_INF) * jnp.ones((B, 1))  # [B, k]
+    rep = functools.partial(add_beams, k=k)
+    return BeamState(
+        logits=rep(logits), live_score=score, live_logprob=score,
+        live_tokens=jnp.zeros((B, k, N), jnp.int32), recent=rep(recent), length=rep(length),
+        tail=jnp.full((B * k, S), -1, jnp.int32), rule_state=jax.tree_util.tree_map(rep, rule_state),
+        fin_score=jnp.full((B, k), NEG_INF), fin_logprob=jnp.full((B, k), NEG_INF),
+        fin_tokens=jnp.zeros((B, k, N), jnp.int32), fin_length=jnp.zeros((B, k), jnp.int32),
+        done=jnp.zeros((B,), bool), step=jnp.int32(0))
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _ends(tail, stops, stop_lens, V: int):
+    """[B*k, V] bool: appending token v to the beam completes one of the stop sequences.
+
+    ``tail`` [B*k, S] holds the last S generated tokens; ``stops`` [n_stops, S] right-aligned.
+    """
+    S = stops.shape[1]
+    pos = jnp.arange(S - 1)[None, :]  # [1, S-1] positions of the new tail before its last token
+    relevant = pos >= (S - stop_lens)[:, None]  # [n_stops, S-1]
+    prefix = (tail[:, None, 1:] == stops[None, :, :-1]) | ~relevant[None]  # [B*k, n_stops, S-1]
+    prefix = jnp.all(prefix, axis=-1) & (stop_lens > 0)[None]  # [B*k, n_stops]
+    last = stops[:, -1][:, None] == jnp.arange(V)[None, :]  # [n_stops, V]
+    return jnp.any(prefix[:, :, None] & last[None], axis=1)
+
+
+def _write_token(tokens, token, step):
+    """tokens [B, k, N] with ``token`` [B, k] written at position ``step``."""
+    return jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, step))
+
+
+def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: int):
+    """Extend every live beam by every token and keep the best; returns (state, parent, token).
+
+    ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search.
+    """
+    B, k = st.live_score.shape
+    V = st.logits.shape[-1]
+    model_lp = jax.nn.log_softmax(st.logits, axis=-1)  # [B*k, V]
+    if rule is None:
+        lp = model_lp
+    else:
+        from .rules import processed_logprobs
+
+        lp = processed_logprobs(rule.apply(st.logits, st.rule_state))
+    cand = st.live_score[:, :, None] + unflatten_beams(lp, k)  # [B, k, V]
+    cand_raw = (st.live_logprob[:, :, None] + unflatten_beams(model_lp, k)).reshape(B, k * V)
+    new_len = st.step + 1  # generated length of every candidate
+
+    if stops is not None:
+        ends = unflatten_beams(_ends(st.tail, stops, stop_lens, V), k)  # [B, k, V]
+        live_cand = jnp.where(ends, NEG_INF, cand).reshape(B, k * V)
+    else:
+        live_cand = cand.reshape(B, k * V)
+    score, idx = jax.lax.top_k(live_cand, k)  # [B, k], best first
+    parent, token = idx // V, (idx % V).astype(jnp.int32)
+    # an inactive step must leave the beams (and so the cache rows) where they are
+    parent = jnp.where(active, parent, jnp.arange(k)[None, :])
+
+    live_tokens = _write_token(gather_beams(st.live_tokens, parent), token, st.step)
+    logprob = jnp.take_along_axis(cand_raw, idx, axis=1)
+    flat_token = flatten_beams(token)
+    rows = gather_flat((st.recent, st.length, st.tail, st.rule_state), parent)
+    recent, length, tail, rule_state = rows
+    recent = _push_recent(recent, length, flat_token, T)
+    tail = jnp.concatenate([tail[:, 1:], flat_token[:, None]], axis=1)
+    if rule is not None:
+        rule_state = rule.update(rule_state, flat_token)
+
+    fin = (st.fin_score, st.fin_logprob, st.fin_tokens, st.fin_length)
+    done = st.done
+    if stops is not None:
+        # candidates that complete a stop sequence join the pool of k finished hypotheses
+        norm = cand / gnmt_length_penalty(new_len, alpha)[:, None, None]
+        f_score, f_idx = jax.lax.top_k(jnp.where(ends, norm, NEG_INF).reshape(B, k * V), k)
+        f_parent, f_token = f_idx // V, (f_idx % V).astype(jnp.int32)
+        f_tokens = _write_token(gather_beams(st.live_tokens, f_parent), f_token, st.step)
+        f_logprob = jnp.take_along_axis(cand_raw, f_idx, axis=1)
+        f_length = jnp.full((B, k), new_len, jnp.int32)
+        pool = [jnp.concatenate(p, axis=1) for p in zip(fin, (f_score, f_logprob, f_tokens, f_length))]
+        _, keep = jax.lax.top_k(pool[0], k)  # [B, k] of 2k, the older first among equals
+        fin = tuple(gather_beams(p, keep) for p in pool)
+
+        # the best a live beam can still reach: its score over the largest penalty ahead
+        lp_next = gnmt_length_penalty(jnp.minimum(new_len + 1, max_len), alpha)
+        bound = score[:, 0] / jnp.maximum(lp_next, gnmt_length_penalty(max_len, alpha))  # [B]
+        done = done | (bound < fin[0][:, -1]) | (score[:, 0] == NEG_INF)
+
+    new = st._replace(live_score=score, live_logprob=logprob, live_tokens=live_tokens,
+                      recent=recent, length=length + 1, tail=tail, rule_state=rule_state,
+                      fin_score=fin[0], fin_logprob=fin[1], fin_tokens=fin[2], fin_length=fin[3],
+                      done=done, step=st.step + 1)
+    return new, parent, flat_token
+
+
+def _keep_if_active(active, new, old):
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, old)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "span", "chunk"), donate_argnames=("cache",))
+def _beam_cache_chunk(params, state: BeamState, cache: M.KVCache, rule, stops, stop_lens, alpha,
+                      max_len, step_end, *, cfg: M.ModelConfig, span: int, chunk: int):
+    """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
+
+    def body(carry, _):
+        st, cache = carry
+        active = st.step < step_end
+        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
+        cache = _gather_cache(cache, parent, span)
+        logits, cache = M.step(params, cfg, cache, token, span=span)
+        # an inactive step leaves the state as it was (its cache write lands past the valid length)
+        new = _keep_if_active(active, new._replace(logits=logits), st)
+        return (new, cache), None
+
+    (state, cache), _ = jax.lax.scan(body, (state, cache), None, length=chunk)
+    return state, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "logits_fn"))
+def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end,
+                       *, cfg: M.ModelConfig, chunk: int, logits_fn: LogitsFn | None):
+    """``chunk`` beam steps of the exact window mode: a forward over each beam's last T tokens."""
+
+    def body(st, _):
+        active = st.step < step_end
+        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
+        if logits_fn is None:
+            logits = M.window_logits(params, cfg, new.recent, new.length)
+        else:
+            logits = logits_fn(new.recent, jnp.minimum(new.length, cfg.T))
+        return _keep_if_active(active, new._replace(logits=logits), st), None
+
+    state, _ = jax.lax.scan(body, state, None, length=chunk)
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "k", "N", "S"))
+def _beam_prefill(params, prompt, recent, lengths, rule_state, *, cfg, capacity, k, N, S):
+    logits, cache = M.prefill(params, cfg, prompt, lengths, capacity=capacity)
+    cache = jax.tree_util.tree_map(functools.partial(add_beams, k=k), cache)
+    return beam_init(logits, recent, lengths, rule_state, k, N, S), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "N", "S", "logits_fn"))
+def _beam_window_start(params, recent, lengths, rule_state, *, cfg, k, N, S, logits_fn):
+    if logits_fn is None:
+        logits = M.window_logits(params, cfg, recent, lengths)
+    else:
+        logits = logits_fn(recent, jnp.minimum(lengths, cfg.T))
+    return beam_init(logits, recent, lengths, rule_state, k, N, S)
+
+
+@functools.partial(jax.jit, static_argnames=("V", "max_new"))
+def _rule_init(rule, prompt, lengths, *, V, max_new):
+    return rule.init(prompt, lengths, V, max_new)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class Hypothesis:
+    """One continuation found by beam search."""
+
+    tokens: np.ndarray  # [n] int32 generated tokens (end tokens included)
+    score: float  # search score: summed (rule-processed) log-probability / length penalty
+    logprob: float  # summed log-probability under the unmodified model
+    finished: bool  # ended with an end token / stop string (else it ran out of steps)
+
+
+@dataclasses.dataclass
+class BeamResult:
+    """Per prompt, up to ``n_best`` hypotheses, best first."""
+
+    hypotheses: list[list[Hypothesis]]
+    steps: int  # steps run (fewer than n when every row finished early)
+
+    def best(self, i: int = 0) -> Hypothesis:
+        return self.hypotheses[i][0]
+
+
+def _check_int(name: str, value, low: int):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _end_sequences(end_tokens, V: int) -> list[np.ndarray]:
+    if end_tokens is None:
+        return []
+    if isinstance(end_tokens, (int, np.integer)):
+        end_tokens = [end_tokens]
+    out = []
+    for e in end_tokens:
+        e = np.atleast_1d(np.asarray(e, np.int32))
+        if e.ndim != 1 or e.size == 0:
+            raise ValueError("an end token sequence must be a non-empty 1-d sequence of token ids")
+        if e.min() < 0 or e.max() >= V:
+            raise ValueError(f"end token ids must lie in [0, {V}), got {e.tolist()}")
+        out.append(e)
+    return out
+
+
+def _alpha_per_row(length_penalty_alpha, B: int, Bb: int) -> np.ndarray:
+    a = np.asarray(length_penalty_alpha, np.float64)
+    if a.ndim == 0:
+        a = np.full((B,), float(a))
+    if a.shape != (B,):
+        raise ValueError(f"length_penalty must be a number or one per prompt ({B}), got shape {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"length_penalty must be finite, got {a.tolist()}")
+    return np.concatenate([a, np.zeros(Bb - B)]).astype(np.float32)
+
+
+def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: int, k: int, *,
+                n_best: int = 1, length_penalty: float | Sequence[float] = 0.0,
+                end_tokens: Sequence[int | Sequence[int]] | None = None, rule=None,
+                chunk: int = DEFAULT_CHUNK, logits_fn: LogitsFn | None = None) -> BeamResult:
+    """Beam search of width ``k`` for ``n`` tokens after each prompt (token arrays of any lengths).
+
+    ``length_penalty``: the GNMT exponent alpha (a number or one per prompt; traced, so every
+    value shares one compiled program). ``end_tokens``: end tokens or stop strings (token
+    sequences); a hypothesis that completes one is finished. ``rule``: a :mod:`jaxdecode.rules`
+    rule; scores then sum the processed log-probabilities, while ``logprob`` stays the model's.
+    Returns up to ``n_best`` (<= k) hypotheses per prompt, best first.
+
+    ``logits_fn(history [N, W], lengths [N]) -> logits [N, V]`` replaces the model (then
+    ``params`` is unused and only ``cfg.V`` and ``cfg.T`` matter): row i's tokens so far are
+    ``history[i, :lengths[i]]``, its last ``T`` when longer. For fake models in tests and for
+    models other than the reference one.
+    """
+    B = len(prompts)
+    if B == 0:
+        raise ValueError("no prompts given")
+    n = _check_int("the number of new tokens n", n, 0)
+    k = _check_int("the beam width k", k, 1)
+    n_best = _check_int("n_best", n_best, 1)
+    if n_best > k:
+        raise ValueError(f"n_best={n_best} exceeds the beam width k={k}")
+    chunk = _check_int("chunk", chunk, 1)
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    for p in prompts:
+        if p.min() < 0 or p.max() >= cfg.V:
+            raise ValueError(f"prompt token ids must lie in [0, {cfg.V}), got min {p.min()} max {p.max()}")
+    ends = _end_sequences(end_tokens, cfg.V)
+    Bb = batch_bucket(B)
+    alpha = _alpha_per_row(length_penalty, B, Bb)
+    if n == 0:
+        empty = np.zeros((0,), np.int32)
+        return BeamResult([[Hypothesis(empty, 0.0, 0.0, False)] for _ in range(B)], 0)
+
+    T = cfg.T
+    Pmax = int(lens.max())
+    Pb = round_up(Pmax, PROMPT_BUCKET)
+    prompt = np.zeros((Bb, Pb), np.int32)
+    recent = np.zeros((Bb, T), np.int32)
+    length = np.ones((Bb,), np.int32)  # dummy rows: one token
+    for i, p in enumerate(prompts):
+        prompt[i, :len(p)] = p
+        last = p[-T:]
+        recent[i, :len(last)] = last
+        length[i] = len(p)
+    stop_arr, stop_lens = _encode_stops(ends)
+    S = stop_arr.shape[1] if stop_arr is not None else 1
+    N = round_up(n, TOKEN_BUCKET)
+
+    rule_b = None
+    rule_state = None
+    if rule is not None:
+        rule_b = pad_rule(rule, B, Bb)
+        rule_state = _rule_init(rule_b, jnp.asarray(prompt), jnp.asarray(length), V=cfg.V,
+                                max_new=round_up(n, 256))
+        rule_b = jax.tree_util.tree_map(functools.partial(add_beams, k=k), rule_b)  # [Bb*k]
+
+    capacity = T + chunk  # slack so that no-op steps of a last partial chunk never clamp a write
+    cache = None
+    if Pmax <= T and logits_fn is None:
+        state, cache = _beam_prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(recent),
+                                     jnp.asarray(length), rule_state, cfg=cfg, capacity=capacity,
+                                     k=k, N=N, S=S)
+        n_cache = min(n, T - Pmax)
+    else:
+        state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state,
+                                   cfg=cfg, k=k, N=N, S=S, logits_fn=logits_fn)
+        n_cache = 0
+    common = dict(rule=rule_b, stops=stop_arr, stop_lens=stop_lens, alpha=jnp.asarray(alpha),
+                  max_len=jnp.int32(n))
+
+    taken = 0
+    while taken < n:
+        valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
+        step_end = jnp.int32(taken + valid)
+        if taken < n_cache:
+            span = min(capacity, round_up(Pmax + taken + chunk, SPAN_BUCKET))
+            state, cache = _beam_cache_chunk(params, state, cache, step_end=step_end, cfg=cfg,
+                                             span=span, chunk=chunk, **common)
+        else:
+            cache = None
+            state = _beam_window_chunk(params, state, step_end=step_end, cfg=cfg, chunk=chunk,
+                                       logits_fn=logits_fn, **common)
+        taken += valid
+        if stop_arr is not None and bool(np.all(np.asarray(state.done)[:B])):
+            break  # no row can improve on its finished hypotheses
+
+    return _collect(jax.device_get(state), B, n_best, alpha, taken)
+
+
+def _collect(st: BeamState, B: int, n_best: int, alpha: np.ndarray, steps: int) -> BeamResult:
+    """The best finished hypotheses and (for rows still searching) live beams of every row."""
+    out = []
+    for b in range(B):
+        cands = []  # (score, logprob, tokens, finished); the pool first among equal scores
+        for j in range(st.fin_score.shape[1]):
+            if np.isfinite(st.fin_score[b, j]):
+                cands.append((float(st.fin_score[b, j]), float(st.fin_logprob[b, j]),
+                              st.fin_tokens[b, j, :st.fin_length[b, j]], True))
+        if not st.done[b]:
+            lp = ((5.0 + steps) / 6.0) ** float(alpha[b])
+            for j in range(st.live_score.shape[1]):
+                if np.isfinite(st.live_score[b, j]):
+                    cands.append((float(np.float32(st.live_score[b, j]) / np.float32(lp)),
+                                  float(st.live_logprob[b, j]), st.live_tokens[b, j, :steps], False))
+        cands.sort(key=lambda c: -c[0])
+        out.append([Hypothesis(np.asarray(t, np.int32).copy(), s, lp_, f)
+                    for s, lp_, t, f in cands[:n_best]])
+    return BeamResult(out, steps)
+
+
+@dataclasses.dataclass
+class BeamText:
+    """One continuation of a text prompt found by beam search."""
+
+    prompt: str
+    text: str
+    tokens: np.ndarray  # [n] int32
+    score: float  # summed (rule-processed) log-probability / length penalty
+    logprob: float  # summed log-probability under the unmodified model
+    finished: bool  # ended with a stop string
+
+    @property
+    def mean_logprob(self) -> float:
+        """The model's mean log-probability per generated character (nats)."""
+        return self.logprob / len(self.tokens) if len(self.tokens) else float("nan")
+
+
+def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: int = 1,
+                  length_penalty: float | Sequence[float] = 0.0, stop: str | Sequence[str] | None = None,
+                  rule=None, chunk: int = DEFAULT_CHUNK) -> list[list[BeamText]]:
+    """Beam search of width ``k`` for ``n`` characters after each prompt with a loaded model.
+
+    Returns one list per prompt (also for a single string) of up to ``n_best`` continuations,
+    best first. ``stop``: stop strings that finish a hypothesis (included in its text).
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    for p in prompts:
+        if not p:
+            raise ValueError("the prompt is empty: give at least one character")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not s:
+            raise ValueError("a stop string must not be empty")
+    encoded = [lm.vocab.encode(p) for p in prompts]
+    ends = [lm.vocab.encode(s) for s in stops] or None
+    res = beam_search(lm.params, lm.cfg, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
+                      end_tokens=ends, rule=rule, chunk=chunk)
+    return [[BeamText(prompt=p, text=lm.vocab.decode(h.tokens), tokens=h.tokens, score=h.score,
+                      logprob=h.logprob, finished=h.finished) for h in hyps]
+            for p, hyps in zip(prompts, res.hypotheses)]
+
+
+# ----------------------------------------------------------------------------- exact search
+
+
+class SearchBudgetExceeded(RuntimeError):
+    """Exact search expanded more nodes than its budget allows."""
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _expand_cached(params, cache: M.KVCache, prompt_logits, tokens, depth, *, cfg):
+    """Next-token log-probabilities [m, V] after prompt + ``tokens[i, :depth[i]]``.
+
+    ``cache`` holds the prompt (one row), ``prompt_logits`` [1, V] the logits after it.
+    """
+    m = tokens.shape[0]
+    rows = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (m,) + a.shape[1:]), cache)
+    logits, _ = M.extend(params, cfg, rows, tokens)  # [m, W, V]; causal: padding never looks back
+    at = jnp.maximum(depth - 1, 0)[:, None, None]
+    out = jnp.take_along_axis(logits, at, axis=1)[:, 0]
+    out = jnp.where((depth == 0)[:, None], prompt_logits, out)
+    return jax.nn.log_softmax(out, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _expand_window(params, history, lengths, *, cfg):
+    return jax.nn.log_softmax(M.window_logits(params, cfg, history, lengths), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def _prompt_prefill(params, prompt, length, *, cfg, capacity):
+    return M.prefill(params, cfg, prompt, length, capacity=capacity)
+
+
+def mode_search(params, cfg: M.ModelConfig, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
+                lower_bound: float | None = None, batch: int = 32) -> tuple[np.ndarray, float, int]:
+    """The most probable continuation of ``n`` tokens: (tokens [n], log-probability, nodes expanded).
+
+    Best-first search over prefixes (uniform-cost search with a heap keyed by minus the
+    log-probability): log-probabilities only fall as a prefix grows, so the first complete
+    hypothesis popped is the mode. Nodes are expanded ``batch`` at a time, in heap order, in one
+    model call; a complete hypothesis is only returned when it is the top of the heap with no
+    expansion pending, so batching never changes the answer. Children whose log-probability falls
+    below ``lower_bound`` (that of any known continuation, by default greedy's) cannot lead to the
+    mode and are not pushed. Raises :class:`SearchBudgetExceeded` after ``node_budget`` expansions.
+    """
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    n = _check_int("the number of new tokens n", n, 0)
+    node_budget = _check_int("node_budget", node_budget, 1)
+    batch = _check_int("batch", batch, 1)
+    P = len(prompt)
+    if P < 1:
+        raise ValueError("the prompt needs at least one token")
+    if prompt.min() < 0 or prompt.max() >= cfg.V:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.V})")
+    if n == 0:
+        return np.zeros((0,), np.int32), 0.0, 0
+
+    W = max(n - 1, 1)  # a node to expand has at most n - 1 generated tokens
+    if P + n <= cfg.T:
+        Pb = round_up(P, PROMPT_BUCKET)
+        padded = np.zeros((1, Pb), np.int32)
+        padded[0, :P] = prompt
+        prompt_logits, cache = _prompt_prefill(params, jnp.asarray(padded[:, :min(Pb, cfg.T)]),
+                                               jnp.asarray([P], jnp.int32), cfg=cfg,
+                                               capacity=round_up(Pb + W, PROMPT_BUCKET))
+
+        def expand(nodes):
+            tokens = np.zeros((batch, W), np.int32)
+            depth = np.zeros((batch,), np.int32)
+            for i, t in enumerate(nodes):
+                tokens[i, :len(t)] = t
+                depth[i] = len(t)
+            out = _expand_cached(params, cache, prompt_logits, jnp.asarray(tokens), jnp.asarray(depth),
+                                 cfg=cfg)
+            return np.asarray(out, np.float64)[:len(nodes)]
+    else:
+        def expand(nodes):  # the book's window: a forward over the last T tokens of each prefix
+            history = np.zeros((batch, cfg.T), np.int32)
+            lengths = np.ones((batch,), np.int32)
+            for i, t in enumerate(nodes):
+                seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-cfg.T:]
+                history[i, :len(seq)] = seq
+                lengths[i] = len(seq)
+            out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), cfg=cfg)
+            return np.asarray(out, np.float64)[:len(nodes)]
+
+    expanded = 0
+    if lower_bound is None:  # greedy decoding's log-probability
+        toks, lower_bound = (), 0.0
+        for _ in range(n):
+            lp = expand([toks])[0]
+            toks += (int(np.argmax(lp)),)
+            lower_bound += float(lp[toks[-1]])
+        expanded = n
+    # float32 sums along different paths differ by rounding: keep a margin so that the
+    # known continuation itself is never pruned
+    bound = lower_bound - 1e-3 * (1.0 + abs(lower_bound))
+
+    heap = [(0.0, 0, ())]  # (-log-probability, tie-breaker, generated tokens)
+    pushed = 1
+    while heap:
+        nodes = []
+        while heap and len(nodes) < batch:
+            neg, _, toks = heap[0]
+            if len(toks) == n:
+                if not nodes:
+                    return np.asarray(toks, np.int32), -neg, expanded
+                break  # expand the pending nodes first: their children may beat it
+            heapq.heappop(heap)
+            nodes.append((neg, toks))
+        if expanded + len(nodes) > node_budget:
+            raise SearchBudgetExceeded(
+                f"exact search exceeded its node budget of {node_budget:,} expansions "
+                f"({expanded:,} expanded, {len(heap):,} prefixes waiting); raise node_budget")
+        lps = expand([t for _, t in nodes])
+        expanded += len(nodes)
+        for (neg, toks), lp in zip(nodes, lps):
+            child = lp - neg  # [V] log-probabilities of the children
+            for v in np.flatnonzero(child >= bound):
+                heapq.heappush(heap, (-float(child[v]), pushed, toks + (int(v),)))
+                pushed += 1
+    raise RuntimeError("exact search pruned every continuation: lower_bound exceeds the mode's "
+                       "log-probability")
+
+
+__all__ = [
+    "BeamResult", "BeamState", "BeamText", "Hypothesis", "SearchBudgetExceeded", "add_beams",
+    "beam_generate", "beam_init", "beam_search", "flatten_beams", "gather_beams",
+    "gather_flat", "gnmt_length_penalty", "mode_search", "unflatten_beams",
+]
