@@ -1,0 +1,791 @@
+"""Speculative sampling: a cheap draft proposes, the target verifies several tokens in one pass.
+
+Leviathan, Kalman and Matias (2023), "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. (2023), "Accelerating Large Language Model Decoding with Speculative Sampling".
+
+Each iteration, for every row of the batch at once:
+
+1. the draft proposes ``gamma`` tokens ``x_1 .. x_gamma`` from its distributions ``q_i``;
+2. the target scores the pending token and the ``gamma`` proposals in ONE :func:`model.extend`
+   pass, which gives its distributions ``p_1 .. p_{gamma+1}``;
+3. proposal ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
+   rejection a token is drawn from the normalized residual ``max(p_i - q_i, 0)``; if all are
+   accepted, one more token comes from ``p_{gamma+1}``;
+4. each row keeps what it accepted plus that one token: its target cache length (and the
+   draft's state) rolls back to exactly that context.
+
+Whatever the draft, each row's output has exactly the target's distribution (processed by the
+same stateless rule as the draft's: temperature, top-k, top-p, min-p, ...); the draft only
+changes how many tokens each target pass yields. With ``greedy=True`` a proposal is accepted
+while it equals the target's argmax and the correction is the argmax, so the output equals
+greedy decoding.
+
+Rows accept different numbers of tokens, so each row has its own output buffer, count, target
+cache length and draft state. The whole run is a few jitted ``lax.while_loop`` segments, one per
+static attended span of the KV cache (as in :mod:`jaxdecode.sampling`): no host round trip per
+token. Randomness: row ``r`` draws all the noise of iteration ``i`` (the draft's Gumbel noise, the
+acceptance uniforms, the Gumbel noise of the corrected token; fixed entries per position) from
+``fold_in(fold_in(key, r), i)`` (:func:`iteration_noise`). A row's output therefore depends only
+on the user key, its row id and its own history, never on its batch.
+
+The KV cache gives the book's exact logits only within the model window ``T``; requests whose
+prompt plus ``n`` plus ``gamma + 1`` do not fit are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from .sampling import PROMPT_BUCKET, SPAN_BUCKET, Generation, batch_bucket, pad_rule, round_up
+
+NEG_INF = -jnp.inf
+
+
+def _logprobs(logits):
+    """``log_softmax`` that keeps ``-inf`` entries (removed tokens) at ``-inf`` without NaN."""
+    finite = jnp.isfinite(logits)
+    m = jnp.max(jnp.where(finite, logits, NEG_INF), axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    shifted = logits - m
+    lse = jnp.log(jnp.sum(jnp.where(logits == NEG_INF, 0.0, jnp.exp(shifted)), axis=-1,
+                          keepdims=True))
+    return jnp.where(logits == NEG_INF, NEG_INF, shifted - lse)
+
+
+def _take(x, idx):
+    """``x[b, j, idx[b, j]]`` for ``x`` ``[B, S, V]`` and ``idx`` ``[B, S]``."""
+    return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
+    """``[B]`` keys ``fold_in(key, row_id)``."""
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+
+
+class Noise(NamedTuple):
+    """The randomness of one iteration, for every row (one uniform draw per row and iteration)."""
+
+    accept: jax.Array  # [B, gamma] uniform in (0, 1): the acceptance tests
+    final: jax.Array  # [B, V] Gumbel: the corrected (or extra) token
+    draft: jax.Array | None  # [B, gamma, V] Gumbel: the draft's proposals
+
+
+def iteration_noise(keys, iteration, gamma: int, V: int, draft: bool = True) -> Noise:
+    """Noise for every row: ``uniform(fold_in(keys[b], iteration))``, cut into its parts.
+
+    Position ``j`` of row ``b`` at iteration ``i`` uses fixed entries of that row's draw, so a
+    row's randomness depends only on the user key, its row id, the iteration and the position.
+    """
+    m = gamma + V + (gamma * V if draft else 0)
+    tiny = jnp.finfo(jnp.float32).tiny
+    i = jnp.asarray(iteration, jnp.uint32)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i), (m,), minval=tiny))(keys)
+    gumbel = lambda x: -jnp.log(-jnp.log(x))  # noqa: E731
+    B = keys.shape[0]
+    return Noise(u[:, :gamma], gumbel(u[:, gamma:gamma + V]),
+                 gumbel(u[:, gamma + V:]).reshape(B, gamma, V) if draft else None)
+
+
+def _accept(p, q, draft, noise: Noise | None, greedy: bool):
+    """:func:`accept` with the iteration's ``noise`` (unused when ``greedy``)."""
+    B, G = draft.shape
+    rows = jnp.arange(B)
+    p_draft = p[:, :G]  # [B, G, V] the target at the proposed positions
+    if greedy:
+        ok = draft == jnp.argmax(p_draft, axis=-1)
+    else:
+        # accept with probability min(1, p/q): u < p/q, written without the division
+        ok = noise.accept * _take(q, draft) < _take(p_draft, draft)
+    n_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+    p_next = p[rows, n_accepted]  # [B, V] the target where the row stops
+    if greedy:
+        return n_accepted, jnp.argmax(p_next, axis=-1).astype(jnp.int32)
+    q_next = q[rows, jnp.minimum(n_accepted, G - 1)]
+    residual = jnp.maximum(p_next - q_next, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # after a rejection the residual is a valid distribution (its mass is positive whenever a
+    # rejection can happen); after all accepted, the target's own next distribution
+    rejected = (n_accepted < G)[:, None] & (mass > 0)
+    dist = jnp.where(rejected, residual / jnp.where(mass > 0, mass, 1.0), p_next)
+    token = jnp.argmax(jnp.log(dist) + noise.final, axis=-1)  # a draw from dist (Gumbel-max)
+    return n_accepted, token.astype(jnp.int32)
+
+
+def accept(p, q, draft, key, *, row_ids=None, iteration=0, greedy: bool = False):
+    """The acceptance step of speculative sampling on plain arrays.
+
+    ``p`` ``[B, gamma+1, V]``: the target's probabilities at the positions of the proposals and
+    one past them; ``q`` ``[B, gamma, V]``: the draft's probabilities the proposals ``draft``
+    ``[B, gamma]`` were drawn from. Returns ``n_accepted`` ``[B]`` (how many leading proposals are
+    kept) and ``next_token`` ``[B]`` (the residual sample after the first rejection, or a sample
+    from ``p[:, gamma]`` when all were accepted). Row ``b`` draws its noise from
+    ``fold_in(fold_in(key, row_ids[b]), iteration)`` (:func:`iteration_noise`).
+
+    With ``greedy``, a proposal is kept while it is the argmax of ``p`` (logits work too) and
+    ``next_token`` is the argmax where the row stops; ``q`` is not used.
+    """
+    draft = jnp.asarray(draft, jnp.int32)
+    B, G = draft.shape
+    p = jnp.asarray(p, jnp.float32)
+    if p.shape[:2] != (B, G + 1):
+        raise ValueError(f"accept: p must have shape [B, gamma+1, V] = [{B}, {G + 1}, V], "
+                         f"got {p.shape}")
+    if not greedy:
+        q = jnp.asarray(q, jnp.float32)
+        if q.shape != (B, G, p.shape[2]):
+            raise ValueError(f"accept: q must have shape {(B, G, p.shape[2])}, got {q.shape}")
+    row_ids = jnp.arange(B) if row_ids is None else jnp.asarray(row_ids)
+    return _accept_keys(p, q, draft, key, row_ids, jnp.asarray(iteration), greedy=greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _accept_keys(p, q, draft, key, row_ids, iteration, greedy):
+    noise = None
+    if not greedy:
+        noise = iteration_noise(row_keys(key, row_ids), iteration, draft.shape[1], p.shape[2], draft=False)
+    return _accept(p, q, draft, noise, greedy)
+
+
+# ----------------------------------------------------------------------------- drafts
+
+
+def _draft(cls):
+    """Make ``cls`` a frozen dataclass and a pytree whose fields marked ``static`` are metadata."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    data = [f.name for f in fields if not f.metadata.get("static", False)]
+    meta = [f.name for f in fields if f.metadata.get("static", False)]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def _static():
+    return dataclasses.field(metadata={"static": True})
+
+
+def _pick(processed, gumbel):
+    """One token per row from processed logits ``[B, V]``: a draw with Gumbel noise ``[B, V]``
+    (Gumbel-max: ``argmax(logits + G)`` follows ``softmax(logits)``), or the argmax if ``None``."""
+    if gumbel is not None:
+        processed = processed + gumbel
+    return jnp.argmax(processed, axis=-1).astype(jnp.int32)
+
+
+class Draft:
+    """The interface of a draft. Drafts are pytrees (tables, parameters are leaves), so a jitted
+    loop takes them as arguments; shape-changing settings (``n``, the config) are static.
+
+    ``init(prompt [B, P], lengths [B], capacity) -> state``
+        state for right-padded prompts; ``capacity`` bounds every position the loop will touch.
+    ``propose(state, noise [B, gamma, V] | None, gamma, process, span)``
+    ``-> (tokens [B, gamma], q [B, gamma, V] | None, state)``
+        ``gamma`` proposals after each row's accepted context, with the processed logits ``q``
+        they were drawn from (``process`` maps raw logits ``[B, V]`` to processed ones). Proposal
+        ``j`` is ``argmax(q_j + noise[:, j])`` (Gumbel-max sampling), or ``argmax(q_j)`` when
+        ``noise`` is ``None`` (greedy decoding). A deterministic draft returns ``q = None`` (a
+        point mass on each proposal). ``span`` is the static attended cache span of the segment.
+    ``commit(state, tokens [B, gamma], n_accepted [B], token [B], active [B]) -> state``
+        advance to the context plus ``tokens[:, :n_accepted]`` plus ``token`` (rolling back
+        whatever ``propose`` added beyond that); rows that are not ``active`` keep the state they
+        had before ``propose``.
+    """
+
+    def check(self, cfg: M.ModelConfig, need: int) -> None:
+        """Raise ValueError if the draft cannot serve target ``cfg`` for ``need`` positions."""
+
+    def init(self, prompt, lengths, capacity: int):
+        raise NotImplementedError
+
+    def propose(self, state, noise, gamma: int, process, span: int):
+        raise NotImplementedError
+
+    def commit(self, state, tokens, n_accepted, token, active):
+        raise NotImplementedError
+
+
+# --- n-gram table
+
+
+class NGramState(NamedTuple):
+    context: jax.Array  # [B, n-1] int32 the last n-1 tokens of the context; V = none (too short)
+
+
+@_draft
+class NGramDraft(Draft):
+    """A character n-gram model with add-``alpha`` smoothing (the chapter's trigram for ``n = 3``).
+
+    ``keys`` ``[K]`` int32: the contexts seen in training (base ``V + 1`` numbers, sorted);
+    ``logits`` ``[K, V]`` float32: the log-probabilities of the next token after each. An unseen
+    (or incomplete) context gives the uniform distribution, as smoothing of zero counts does.
+    """
+
+    keys: jax.Array
+    logits: jax.Array
+    n: int = _static()
+    V: int = _static()
+
+    @classmethod
+    def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01) -> "NGramDraft":
+        """Count every window of ``n`` tokens of ``tokens`` (a 1-D id array)."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"NGramDraft: n must be an integer >= 1, got {n!r}")
+        if (V + 1) ** (n - 1) >= 2**31:
+            raise ValueError(f"NGramDraft: n={n} is too large for V={V} (contexts must fit int32)")
+        if not alpha > 0:
+            raise ValueError(f"NGramDraft: the smoothing alpha must be > 0, got {alpha!r}")
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        if len(tokens) < n:
+            raise ValueError(f"NGramDraft: the text has {len(tokens)} tokens, fewer than n={n}")
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ValueError(f"NGramDraft: token ids must lie in [0, {V})")
+        m = len(tokens) - n + 1
+        ctx = np.zeros(m, np.int64)
+        for j in range(n - 1):
+            ctx = ctx * (V + 1) + tokens[j:j + m]
+        nxt = tokens[n - 1:n - 1 + m]
+        keys, inverse = np.unique(ctx, return_inverse=True)
+        counts = np.full((len(keys), V), alpha, np.float64)
+        np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
+        logp = np.log(counts / counts.sum(axis=1, keepdims=True))
+        return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), n, V)
+
+    @classmethod
+    def from_corpus(cls, vocab, text: str, n: int = 3, alpha: float = 0.01,
+                    train_fraction: float = 0.9) -> "NGramDraft":
+        """Estimate from the first ``train_fraction`` of ``text`` (the book's training split)."""
+        train = text[:int(train_fraction * len(text))]
+        return cls.from_tokens(vocab.encode(train), len(vocab), n=n, alpha=alpha)
+
+    def check(self, cfg, need):
+        if cfg.V != self.V:
+            raise ValueError(f"NGramDraft: the table has V={self.V}, the target V={cfg.V}")
+
+    def _context_id(self, context):  # [B, n-1] -> [B]
+        cid = jnp.zeros(context.shape[:1], jnp.int32)
+        for j in range(self.n - 1):
+            cid = cid * (self.V + 1) + context[:, j]
+        return cid
+
+    def _next_logits(self, context):  # [B, n-1] -> log-probabilities [B, V]
+        cid = self._context_id(context)
+        K = self.keys.shape[0]
+        at = jnp.minimum(jnp.searchsorted(self.keys, cid), K - 1)
+        seen = self.keys[at] == cid
+        return jnp.where(seen[:, None], self.logits[at], -float(np.log(self.V)))
+
+    def init(self, prompt, lengths, capacity):
+        k = self.n - 1
+        idx = jnp.asarray(lengths)[:, None] - k + jnp.arange(k)[None, :]  # [B, n-1]
+        tok = jnp.take_along_axis(prompt, jnp.maximum(idx, 0), axis=1)
+        return NGramState(jnp.where(idx >= 0, tok, self.V).astype(jnp.int32))
+
+    def propose(self, state, noise, gamma, process, span):
+        def body(context, gumbel):
+            processed = process(self._next_logits(context))
+            tok = _pick(processed, gumbel)
+            return jnp.concatenate([context[:, 1:], tok[:, None]], axis=1), (tok, processed)
+
+        xs = None if noise is None else jnp.transpose(noise, (1, 0, 2))
+        _, (tokens, q) = jax.lax.scan(body, state.context, xs, length=gamma)
+        return tokens.T, jnp.transpose(q, (1, 0, 2)), state
+
+    def commit(self, state, tokens, n_accepted, token, active):
+        B, G = tokens.shape
+        k = self.n - 1
+        seq = jnp.concatenate([state.context, tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        seq = seq.at[jnp.arange(B), k + n_accepted].set(token)  # [B, k + G + 1]
+        idx = (n_accepted + 1)[:, None] + jnp.arange(k)[None, :]
+        context = jnp.take_along_axis(seq, idx, axis=1)
+        return NGramState(jnp.where(active[:, None], context, state.context))
+
+
+# --- a small model
+
+
+class ModelDraftState(NamedTuple):
+    cache: M.KVCache  # the draft's cache: the context without its last npend tokens
+    pending: jax.Array  # [B, 2] int32 tokens of the context not yet in the cache (npend of them)
+    npend: jax.Array  # [B] int32 1 or 2
+    base: jax.Array  # [B] int32 the cache length before the last propose
+
+
+@_draft
+class ModelDraft(Draft):
+    """A small CharLM with its own parameters and KV cache (same vocabulary as the target).
+
+    The cache holds the accepted context except its last one or two tokens, which the next
+    :meth:`propose` feeds in a single ``extend`` (two tokens when every proposal was accepted:
+    the last proposal itself was never fed to the draft).
+    """
+
+    params: Any
+    cfg: M.ModelConfig = _static()
+
+    @classmethod
+    def from_lm(cls, lm) -> "ModelDraft":
+        return cls(lm.params, lm.cfg)
+
+    def check(self, cfg, need):
+        if cfg.V != self.cfg.V:
+            raise ValueError(f"ModelDraft: the draft model has V={self.cfg.V}, the target V={cfg.V}")
+        if need > self.cfg.T:
+            raise ValueError(f"ModelDraft: the request needs {need} positions, more than the draft "
+                             f"model's window T={self.cfg.T}")
+
+    def init(self, prompt, lengths, capacity):
+        B, P = prompt.shape
+        lengths = jnp.asarray(lengths, jnp.int32)
+        _, cache = M.prefill(self.params, self.cfg, prompt[:, :min(P, self.cfg.T)], lengths - 1,
+                             capacity=capacity)
+        last = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0]
+        return ModelDraftState(cache, jnp.stack([last, last], axis=1), jnp.ones((B,), jnp.int32),
+                               lengths - 1)
+
+    def propose(self, state, noise, gamma, process, span):
+        base = state.cache.length
+        # rows with one pending token feed it plus a throwaway copy, read the logits at index 0
+        # and count one position: the copy lies past the length and is overwritten next step
+        logits2, cache = M.extend(self.params, self.cfg, state.cache, state.pending, span)
+        logits = jnp.take_along_axis(logits2, (state.npend - 1)[:, None, None], axis=1)[:, 0]
+        cache = cache._replace(length=base + state.npend)
+        first = process(logits)
+        tok = _pick(first, None if noise is None else noise[:, 0])
+
+        def body(carry, gumbel):
+            cache, tok = carry
+            logits, cache = M.step(self.params, self.cfg, cache, tok, span)
+            processed = process(logits)
+            nxt = _pick(processed, gumbel)
+            return (cache, nxt), (nxt, processed)
+
+        xs = None if noise is None else jnp.transpose(noise[:, 1:], (1, 0, 2))
+        (cache, _), (toks, qs) = jax.lax.scan(body, (cache, tok), xs, length=gamma - 1)
+        tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)  # [B, gamma]
+        q = jnp.concatenate([first[:, None], jnp.transpose(qs, (1, 0, 2))], axis=1)  # [B, gamma, V]
+        return tokens, q, state._replace(cache=cache, base=base)
+
+    def commit(self, state, tokens, n_accepted, token, active):
+        G = tokens.shape[1]
+        context = state.base + state.npend  # context length (with the pending tokens)
+        full = n_accepted == G
+        # the cache holds context + proposals 1..G-1; keep context + the accepted ones
+        length = jnp.where(full, context + G - 1, context + n_accepted)
+        pending = jnp.where(full[:, None], jnp.stack([tokens[:, -1], token], axis=1),
+                            jnp.stack([token, token], axis=1))
+        npend = jnp.where(full, 2, 1).astype(jnp.int32)
+        return ModelDraftState(
+            state.cache._replace(length=jnp.where(active, length, state.base)),
+            jnp.where(active[:, None], pending, state.pending),
+            jnp.where(active, npend, state.npend),
+            state.base)
+
+
+# --- prompt lookup
+
+
+class LookupState(NamedTuple):
+    history: jax.Array  # [B, capacity] int32 each row's context, left-aligned
+    length: jax.Array  # [B] int32
+
+
+@_draft
+class PromptLookupDraft(Draft):
+    """Continue the most recent earlier occurrence of the context's last ``n`` tokens.
+
+    Deterministic: ``q`` is a point mass on the proposal. The continuation copies the tokens that
+    followed the occurrence, reading on into the proposals themselves when it reaches the end of
+    the context (so a repeating pattern keeps repeating). Without an occurrence it proposes the
+    last token again.
+    """
+
+    n: int = _static()
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"PromptLookupDraft: n must be an integer >= 1, got {self.n!r}")
+
+    def init(self, prompt, lengths, capacity):
+        B, P = prompt.shape
+        w = min(P, capacity)  # padding may be wider than the capacity, real prompts are not
+        history = jnp.zeros((B, capacity), jnp.int32).at[:, :w].set(prompt[:, :w])
+        return LookupState(history, jnp.asarray(lengths, jnp.int32))
+
+    def _match_end(self, history, length):
+        """[B]: the last index j <= length-2 where history[j-n+1 .. j] equals the context's last
+        n tokens; length - 2 (repeat the last token) where there is none."""
+        B, C = history.shape
+        j = jnp.arange(C)[None, :]
+        match = (j >= self.n - 1) & (j <= length[:, None] - 2) & (length[:, None] >= self.n)
+        for i in range(self.n):
+            want = jnp.take_along_axis(history, jnp.maximum(length - 1 - i, 0)[:, None], axis=1)
+            shifted = jnp.pad(history, ((0, 0), (i, 0)))[:, :C]  # shifted[b, j] = history[b, j-i]
+            match &= shifted == want
+        found = jnp.any(match, axis=1)
+        last = C - 1 - jnp.argmax(match[:, ::-1], axis=1)
+        return jnp.where(found, last, length - 2)
+
+    def propose(self, state, noise, gamma, process, span):
+        history, length = state
+        B = history.shape[0]
+        start = self._match_end(history, length)
+        rows = jnp.arange(B)
+        tokens = []
+        for i in range(1, gamma + 1):
+            # start + i < length + i - 1: always an earlier context or proposal position
+            tok = history[rows, jnp.maximum(start + i, 0)]
+            history = history.at[rows, length + i - 1].set(tok, mode="drop")
+            tokens.append(tok)
+        return jnp.stack(tokens, axis=1), None, state
+
+    def commit(self, state, tokens, n_accepted, token, active):
+        history, length = state
+        B, G = tokens.shape
+        seq = jnp.concatenate([tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        seq = seq.at[jnp.arange(B), n_accepted].set(token)  # [B, G + 1]
+        write = jax.vmap(lambda h, s, at: jax.lax.dynamic_update_slice(h, s, (at,)))
+        # inactive rows write past their length only (garbage there is never read)
+        history = write(history, seq, length)
+        return LookupState(history, jnp.where(active, length + n_accepted + 1, length))
+
+
+def make_draft(kind: str, lm, data_path=None, *, n: int | None = None) -> Draft:
+    """A draft for target ``lm``: ``"ngram"`` (a trigram table from the training split of the
+    corpus, ``n`` default 3), ``"draft"`` (the shipped small model ``shakespeare-char-draft``) or
+    ``"lookup"`` (prompt lookup over the last ``n`` tokens, default 3)."""
+    if kind == "ngram":
+        from .data import read_corpus
+
+        return NGramDraft.from_corpus(lm.vocab, read_corpus(data_path), n=3 if n is None else n)
+    if kind == "draft":
+        from .checkpoint import DRAFT_NAME, load
+
+        small = load(DRAFT_NAME)
+        if small.vocab.chars != lm.vocab.chars:
+            raise ValueError("the draft model's vocabulary differs from the target's")
+        return ModelDraft.from_lm(small)
+    if kind == "lookup":
+        return PromptLookupDraft(3 if n is None else n)
+    raise ValueError(f"unknown draft kind {kind!r}: use 'ngram', 'draft' or 'lookup'")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class SpecState(NamedTuple):
+    """The loop carry."""
+
+    cache: M.KVCache  # the target's cache: the context without its last (pending) token
+    pending: jax.Array  # [B] int32 the context's last token
+    context: jax.Array  # [B] int32 context length: prompt + generated
+    draft: Any  # the draft's state
+    tokens: jax.Array  # [B, N] int32 generated tokens (valid up to count, then garbage)
+    model_logprobs: jax.Array  # [B, N] float32 under the unmodified target
+    sample_logprobs: jax.Array  # [B, N] float32 under the processed target
+    count: jax.Array  # [B] int32 tokens generated (may overshoot n by up to gamma)
+    passes: jax.Array  # [B] int32 target passes
+    examined: jax.Array  # [B] int32 proposals that met the acceptance test
+    accepted: jax.Array  # [B] int32 proposals accepted
+    iteration: jax.Array  # [] int32
+
+
+def _stateless(rule, V: int) -> None:
+    if rule is None:
+        return
+    state = jax.eval_shape(lambda r: r.init(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                                            V, 1), rule)
+    if jax.tree_util.tree_leaves(state):
+        raise ValueError(
+            f"{type(rule).__name__}: rules that keep state (repetition/frequency/presence "
+            "penalties, no-repeat n-grams) are not supported with speculative decoding; use "
+            "stateless rules (temperature, top-k, top-p, min-p, ...)")
+
+
+def _processor(rule, B: int, V: int):
+    if rule is None:
+        return lambda logits: logits
+    state = rule.init(jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), V, 1)
+    return lambda logits: rule.apply(logits, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gamma", "span", "greedy"),
+                   donate_argnames=("state",))
+def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
+             cfg: M.ModelConfig, gamma: int, span: int, greedy: bool) -> SpecState:
+    """Iterate while some row is unfinished and every unfinished row fits in ``span``."""
+    B = state.pending.shape[0]
+    V = cfg.V
+    rows = jnp.arange(B)
+    keys = row_keys(key, row_ids)
+    process = _processor(rule, B, V)
+    process_all = jax.vmap(process, in_axes=1, out_axes=1)  # over the positions of [B, S, V]
+
+    def cond(st):
+        active = st.count < n
+        need = jnp.max(jnp.where(active, st.context + gamma, 0))
+        return jnp.any(active) & (need <= span)
+
+    def body(st):
+        active = st.count < n
+        noise = None if greedy else iteration_noise(keys, st.iteration, gamma, V)
+        drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
+                                                 process, span)
+        fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
+        logits, cache = M.extend(params, cfg, st.cache, fed, span)  # [B, gamma+1, V]
+        processed = process_all(logits)
+        sample_lp = _logprobs(processed)
+        if greedy:
+            n_acc, nxt = _accept(processed, None, drafts, None, True)
+        elif q_logits is None:  # a deterministic draft: q is a point mass on each proposal
+            n_acc, nxt = _accept(jnp.exp(sample_lp), jax.nn.one_hot(drafts, V), drafts, noise, False)
+        else:
+            n_acc, nxt = _accept(jnp.exp(sample_lp), jnp.exp(_logprobs(q_logits)), drafts, noise,
+                                 False)
+        new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        new = new.at[rows, n_acc].set(nxt)  # [B, gamma+1] valid up to n_acc
+        write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
+        # finished rows write past n only (the buffer has room), and are cut off on the host
+        tokens = write(st.tokens, new, st.count)
+        mlp = write(st.model_logprobs, _take(_logprobs(logits), new), st.count)
+        slp = write(st.sample_logprobs, _take(sample_lp, new), st.count)
+        # roll back: keep the pending token and the accepted proposals
+        cache = cache._replace(length=jnp.where(active, st.context + n_acc, st.cache.length))
+        dstate = draft.commit(dstate, drafts, n_acc, nxt, active)
+        on = active.astype(jnp.int32)
+        return SpecState(
+            cache=cache,
+            pending=jnp.where(active, nxt, st.pending),
+            context=st.context + on * (n_acc + 1),
+            draft=dstate,
+            tokens=tokens, model_logprobs=mlp, sample_logprobs=slp,
+            count=st.count + on * (n_acc + 1),
+            passes=st.passes + on,
+            examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
+            accepted=st.accepted + on * n_acc,
+            iteration=st.iteration + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def _prefill(params, tokens, lengths, *, cfg, capacity):
+    return M.prefill(params, cfg, tokens, lengths, capacity=capacity)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def _draft_init(draft, prompt, lengths, *, capacity):
+    return draft.init(prompt, lengths, capacity)
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counts of one row (or summed over rows) of a speculative run."""
+
+    gamma: int
+    passes: int  # target passes (one extend of gamma + 1 positions each)
+    proposed: int  # draft tokens proposed: gamma per pass
+    examined: int  # proposals that met the acceptance test (up to and including the first rejection)
+    accepted: int  # proposals accepted
+    generated: int  # tokens produced, including the overshoot cut off at n
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: the share of examined proposals that were accepted."""
+        return self.accepted / self.examined if self.examined else float("nan")
+
+    @property
+    def chars_per_pass(self) -> float:
+        return self.generated / self.passes if self.passes else float("nan")
+
+    @property
+    def predicted_chars_per_pass(self) -> float:
+        """``(1 - alpha^(gamma+1)) / (1 - alpha)``: tokens per pass if acceptances were i.i.d."""
+        return predicted_chars_per_pass(self.acceptance_rate, self.gamma)
+
+    @classmethod
+    def total(cls, stats: Sequence["SpeculativeStats"]) -> "SpeculativeStats":
+        stats = list(stats)
+        if len({s.gamma for s in stats}) != 1:
+            raise ValueError("SpeculativeStats.total: the stats have different gammas")
+        return cls(stats[0].gamma, *(sum(getattr(s, f) for s in stats)
+                                     for f in ("passes", "proposed", "examined", "accepted", "generated")))
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, chars_per_pass=self.chars_per_pass,
+                 predicted_chars_per_pass=self.predicted_chars_per_pass)
+        return d
+
+
+def predicted_chars_per_pass(alpha: float, gamma: int) -> float:
+    """Expected tokens per target pass for i.i.d. acceptances at rate ``alpha`` (Leviathan et al.)."""
+    if alpha != alpha:
+        return float("nan")
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclasses.dataclass
+class SpeculativeResult:
+    tokens: np.ndarray  # [B, n] int32
+    model_logprobs: np.ndarray  # [B, n] float32
+    sample_logprobs: np.ndarray  # [B, n] float32
+    stats: list  # [B] SpeculativeStats
+
+
+def _batch_bucket(b: int) -> int:
+    """Powers of two up to 1024 rows, then multiples of 1024 (big batches waste little)."""
+    return batch_bucket(b) if b <= 1024 else round_up(b, 1024)
+
+
+def check_request(cfg: M.ModelConfig, max_prompt: int, n: int, gamma: int) -> None:
+    """Raise ValueError unless prompt + n + gamma + 1 fits in the model window."""
+    need = max_prompt + n + gamma + 1
+    if need > cfg.T:
+        raise ValueError(
+            f"speculative decoding: the prompt ({max_prompt}) plus n ({n}) plus gamma + 1 "
+            f"({gamma + 1}) is {need} positions, more than the model window T={cfg.T}; the KV cache "
+            f"is exact only within the window: shorten the request or use plain sampling")
+
+
+def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Array, *,
+                       draft: Draft, gamma: int = 4, rule=None, greedy: bool = False,
+                       row_ids: Sequence[int] | None = None) -> SpeculativeResult:
+    """Generate ``n`` tokens after each prompt (token arrays, or one ``[B, P]`` array) by
+    speculative sampling from target ``params``/``cfg`` with ``draft``.
+
+    ``rule`` (stateless) processes both the target's and the draft's logits; the output has the
+    processed target's distribution. ``row_ids`` (default ``0..B-1``) name the rows for the PRNG.
+    """
+    if not isinstance(gamma, (int, np.integer)) or isinstance(gamma, bool) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    gamma = int(gamma)
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:  # equal lengths: no per-row work
+        lens = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
+    else:
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        lens = np.array([len(p) for p in prompts], np.int32)
+    B = len(lens)
+    if B == 0:
+        raise ValueError("no prompts given")
+    if n < 0:
+        raise ValueError(f"the number of new tokens must be >= 0, got {n}")
+    if lens.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    row_ids = np.arange(B) if row_ids is None else np.asarray(row_ids)
+    if row_ids.shape != (B,):
+        raise ValueError(f"row_ids must have one id per prompt ({B}), got shape {row_ids.shape}")
+    _stateless(rule, cfg.V)
+    Pmax = int(lens.max())
+    check_request(cfg, Pmax, n, gamma)
+    draft.check(cfg, Pmax + n + gamma + 1)
+    if n == 0:
+        e = np.zeros((B, 0), np.int32)
+        zero = SpeculativeStats(gamma, 0, 0, 0, 0, 0)
+        return SpeculativeResult(e, e.astype(np.float32), e.astype(np.float32),
+                                 [dataclasses.replace(zero) for _ in range(B)])
+
+    Bb = _batch_bucket(B)
+    Pb = round_up(Pmax, PROMPT_BUCKET)
+    prompt = np.zeros((Bb, Pb), np.int32)
+    length = np.ones((Bb,), np.int32)
+    length[:B] = lens
+    if isinstance(prompts, np.ndarray):
+        prompt[:B, :Pmax] = prompts
+    else:
+        for i, p in enumerate(prompts):
+            prompt[i, :len(p)] = p
+    count = np.zeros((Bb,), np.int32)
+    count[B:] = n  # padding rows start finished
+    row_ids_b = np.concatenate([row_ids, np.arange(B, Bb) + 2**30]).astype(np.uint32)
+    rule_b = pad_rule(rule, B, Bb)
+    # room for every write of a finished row (at most 2 gamma + 2 past the window)
+    capacity = cfg.T + 2 * gamma + 2
+    N = round_up(n + 2 * gamma + 2, 64)
+
+    prompt_j, length_j = jnp.asarray(prompt), jnp.asarray(length)
+    cache = _prefill(params, prompt_j[:, :min(Pb, cfg.T)], length_j - 1, cfg=cfg, capacity=capacity)
+    state = SpecState(
+        cache=cache,
+        pending=jnp.asarray(prompt[np.arange(Bb), length - 1]),
+        context=length_j,
+        draft=_draft_init(draft, prompt_j, length_j, capacity=capacity),
+        tokens=jnp.zeros((Bb, N), jnp.int32),
+        model_logprobs=jnp.zeros((Bb, N), jnp.float32),
+        sample_logprobs=jnp.zeros((Bb, N), jnp.float32),
+        count=jnp.asarray(count),
+        passes=jnp.zeros((Bb,), jnp.int32), examined=jnp.zeros((Bb,), jnp.int32),
+        accepted=jnp.zeros((Bb,), jnp.int32), iteration=jnp.int32(0))
+    n_j = jnp.int32(n)
+    ids_j = jnp.asarray(row_ids_b)
+    while True:
+        count_h, context_h = jax.device_get((state.count, state.context))
+        active = count_h < n
+        if not active.any():
+            break
+        # unfinished rows stay within T (checked above); finished ones may attend to garbage
+        span = min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
+        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, cfg=cfg, gamma=gamma,
+                         span=span, greedy=greedy)
+
+    out = jax.device_get(state)
+    stats = [SpeculativeStats(gamma, int(out.passes[b]), gamma * int(out.passes[b]),
+                              int(out.examined[b]), int(out.accepted[b]), int(out.count[b]))
+             for b in range(B)]
+    return SpeculativeResult(np.asarray(out.tokens[:B, :n], np.int32),
+                             np.asarray(out.model_logprobs[:B, :n], np.float32),
+                             np.asarray(out.sample_logprobs[:B, :n], np.float32), stats)
+
+
+@dataclasses.dataclass
+class SpeculativeGeneration(Generation):
+    """A :class:`jaxdecode.sampling.Generation` with the speculative run's counts for its row."""
+
+    stats: SpeculativeStats = None
+
+
+def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
+                         seed: int = 0, key: jax.Array | None = None, rule=None, greedy: bool = False,
+                         num_samples: int = 1) -> list[SpeculativeGeneration]:
+    """Generate ``n`` characters after each prompt by speculative sampling with ``draft``.
+
+    Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
+    ``i`` uses row id ``i * num_samples + j`` (as :func:`jaxdecode.sampling.generate`). Each
+    carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    for p in prompts:
+        if not p:
+            raise ValueError("the prompt is empty: give at least one character")
+    encoded = [lm.vocab.encode(p) for p in prompts]
+    rows = [e for e in encoded for _ in range(num_samples)]
+    key = jax.random.PRNGKey(seed) if key is None else key
+    res = speculative_tokens(lm.params, lm.cfg, rows, n, key, draft=draft, gamma=gamma, rule=rule,
+                             greedy=greedy)
+    return [SpeculativeGeneration(prompt=prompts[r // num_samples], text=lm.vocab.decode(res.tokens[r]),
+                                  tokens=res.tokens[r], model_logprobs=res.model_logprobs[r],
+                                  sample_logprobs=res.sample_logprobs[r], finish_reason="length",
+                                  stats=res.stats[r])
+            for r in range(len(rows))]
+
+
+__all__ = [
+    "accept", "iteration_noise", "Noise", "Draft", "NGramDraft", "ModelDraft", "PromptLookupDraft",
+    "make_draft",
+    "SpeculativeStats", "SpeculativeResult", "SpeculativeGeneration", "predicted_chars_per_pass",
+    "check_request", "speculative_tokens", "speculative_generate",
+]

@@ -1,0 +1,131 @@
+"""Wall-clock characters per second: speculative decoding against plain sampling.
+
+For each batch size (default 1 and 32), plain ancestral sampling
+(:func:`jaxdecode.sampling.sample_tokens`) and speculative sampling with each draft (trigram
+table, small draft model, prompt lookup) and each gamma (default 1, 2, 4, 8), all with the same
+target and no rule. Every configuration runs once to compile (its wall time is reported as the
+warm-up; compile time is warm-up minus the timed run) and then ``--repeats`` timed runs (the
+fastest counts). Rows of a batch continue the same prompt with different row ids.
+
+    python scripts/bench_speculative.py --out bench_speculative.json
+    python scripts/bench_speculative.py --ckpt path/to/checkpoint --drafts ngram,lookup --batches 1
+
+Prints a markdown table and writes the numbers as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxdecode import checkpoint, sampling
+from jaxdecode import speculative as SP
+
+PROMPT = "KATHARINA:\nMoved! in good time: "
+
+
+def _timed(fn, repeats: int):
+    t0 = time.perf_counter()
+    out = fn()
+    warm = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, warm, best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default=None, help="target checkpoint folder (default: the shipped model)")
+    ap.add_argument("--draft-ckpt", default=checkpoint.DRAFT_NAME, help="draft model checkpoint")
+    ap.add_argument("--data", default=None, help="corpus for the trigram draft")
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--n", type=int, default=256, help="characters generated per row")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--gammas", default="1,2,4,8")
+    ap.add_argument("--drafts", default="ngram,draft,lookup")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    lm = checkpoint.load(args.ckpt)
+    batches = [int(b) for b in args.batches.split(",")]
+    gammas = [int(g) for g in args.gammas.split(",")]
+    kinds = [k for k in args.drafts.split(",") if k]
+    prompt = lm.vocab.encode(args.prompt)
+    key = jax.random.PRNGKey(args.seed)
+
+    drafts, skipped = {}, {}
+    for kind in kinds:
+        try:
+            if kind == "draft":
+                small = checkpoint.load(args.draft_ckpt)
+                if small.vocab.chars != lm.vocab.chars:
+                    raise ValueError("the draft model's vocabulary differs from the target's")
+                drafts[kind] = SP.ModelDraft.from_lm(small)
+            else:
+                drafts[kind] = SP.make_draft(kind, lm, args.data)
+        except Exception as e:  # noqa: BLE001 - report and bench the others
+            skipped[kind] = f"{type(e).__name__}: {e}"
+            print(f"skipping draft {kind!r}: {skipped[kind]}", file=sys.stderr)
+
+    rows = []
+    for B in batches:
+        prompts = [prompt] * B
+        res, warm, best = _timed(lambda: sampling.sample_tokens(lm.params, lm.cfg, prompts, args.n, key),
+                                 args.repeats)
+        plain_cps = B * args.n / best
+        rows.append({"method": "plain", "draft": None, "gamma": None, "batch": B, "seconds": best,
+                     "warmup_seconds": warm, "compile_seconds": max(warm - best, 0.0),
+                     "chars_per_second": plain_cps, "speedup": 1.0,
+                     "mean_logprob": float(np.mean(res.model_logprobs))})
+        print(f"plain B={B}: {plain_cps:,.0f} chars/s", file=sys.stderr)
+        for kind, draft in drafts.items():
+            for gamma in gammas:
+                res, warm, best = _timed(
+                    lambda: SP.speculative_tokens(lm.params, lm.cfg, prompts, args.n, key, draft=draft,
+                                                  gamma=gamma), args.repeats)
+                total = SP.SpeculativeStats.total(res.stats)
+                cps = B * args.n / best
+                rows.append({"method": "speculative", "draft": kind, "gamma": gamma, "batch": B,
+                             "seconds": best, "warmup_seconds": warm,
+                             "compile_seconds": max(warm - best, 0.0), "chars_per_second": cps,
+                             "speedup": cps / plain_cps, "acceptance_rate": total.acceptance_rate,
+                             "chars_per_pass": total.chars_per_pass,
+                             "predicted_chars_per_pass": total.predicted_chars_per_pass,
+                             "mean_logprob": float(np.mean(res.model_logprobs))})
+                print(f"{kind} gamma={gamma} B={B}: {cps:,.0f} chars/s ({cps / plain_cps:.2f}x)",
+                      file=sys.stderr)
+
+    lines = ["| method | draft | gamma | batch | chars/s | vs plain | compile s | alpha | chars/pass |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        spec = r["method"] == "speculative"
+        lines.append("| {} | {} | {} | {} | {:,.0f} | {:.2f}x | {:.1f} | {} | {} |".format(
+            r["method"], r["draft"] or "", r["gamma"] or "", r["batch"], r["chars_per_second"],
+            r["speedup"], r["compile_seconds"],
+            f"{r['acceptance_rate']:.2f}" if spec else "",
+            f"{r['chars_per_pass']:.2f}" if spec else ""))
+    print("\n".join(lines))
+    if args.out:
+        meta = {"checkpoint": str(lm.path), "n": args.n, "prompt": args.prompt, "repeats": args.repeats,
+                "seed": args.seed, "skipped_drafts": skipped, "jax": jax.__version__,
+                "backend": jax.default_backend(), "machine": platform.machine(),
+                "cpu_count": os.cpu_count()}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Speculative sampling: the acceptance rule, exactness against enumerated distributions,
+greedy equivalence, batch invariance and the errors it raises."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxdecode import rules
+from jaxdecode import sampling as S
+from jaxdecode import speculative as SP
+from jaxdecode.exact import chisquare_pvalue, exact_distribution, model_next_logits
+from jaxdecode.model import ModelConfig, init_params
+
+P_MIN = 1e-3  # chi-square p-value below which a fixed-seed sample counts as a mismatch
+
+
+def random_params(cfg: ModelConfig, seed: int, scale: float):
+    """Random weights without compiling Flax's init: normal(scale), LayerNorm scales 1."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        if getattr(path[-1], "key", None) == "scale":
+            return jnp.ones(leaf.shape, jnp.float32)
+        return jnp.asarray(rng.normal(0.0, scale, leaf.shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+# a small target for the exactness tests (cheap enough for 1e5 rows per case) and its draft
+EXACT_CFG = ModelConfig(V=8, T=12, d=8, L=1, heads=1)
+EXACT_PROMPT = np.array([1, 2, 3, 1], np.int32)  # "1" recurs, so prompt lookup finds matches
+DRAWS = 100_000  # rows per case
+
+
+TOP_P = (1.0, 0.8)  # top-p 1 keeps every token: plain sampling, with the same compiled program
+
+
+@pytest.fixture(scope="module")
+def exact_model():
+    params = random_params(EXACT_CFG, 0, 1.0)
+    next_logits = model_next_logits(params, EXACT_CFG)
+    want = {p: exact_distribution(next_logits, EXACT_PROMPT, 3, rule=rules.top_p(p), V=EXACT_CFG.V)
+            for p in TOP_P}
+    return params, EXACT_CFG, want
+
+
+def make_drafts(V: int, T: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    text = rng.integers(0, V, 3000)
+    dcfg = ModelConfig(V=V, T=T, d=4, L=1, heads=1)
+    return {
+        "ngram": SP.NGramDraft.from_tokens(text, V, n=3),
+        "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), dcfg),
+        "lookup": SP.PromptLookupDraft(2),
+    }
+
+
+@pytest.fixture(scope="module")
+def exact_drafts():
+    return make_drafts(EXACT_CFG.V, EXACT_CFG.T)
+
+
+@pytest.fixture(scope="module")
+def small_lm():
+    """A random model shaped like conftest's ``tiny_lm`` (V=12, T=16), with one layer."""
+    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.vocab import Vocab
+
+    cfg = ModelConfig(V=12, T=16, d=16, L=1, heads=2)
+    return LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={})
+
+
+@pytest.fixture(scope="module")
+def small_drafts(small_lm):
+    return make_drafts(small_lm.cfg.V, small_lm.cfg.T, seed=2)
+
+
+# ----------------------------------------------------------------------------- the acceptance rule
+
+
+def test_toy_acceptance_and_frequencies():
+    """The chapter's check: p = [.5, .2, .2, .1] against a uniform draft."""
+    n, V = 200_000, 4
+    p = np.array([0.5, 0.2, 0.2, 0.1], np.float32)
+    q = np.full(V, 0.25, np.float32)
+    draft = np.random.default_rng(0).integers(0, V, (n, 1)).astype(np.int32)
+    P = jnp.broadcast_to(jnp.asarray(p), (n, 2, V))
+    Q = jnp.broadcast_to(jnp.asarray(q), (n, 1, V))
+    n_acc, nxt = SP.accept(P, Q, draft, jax.random.PRNGKey(0))
+    n_acc, nxt = np.asarray(n_acc), np.asarray(nxt)
+    assert abs(n_acc.mean() - 0.75) < 0.005  # sum_i min(p_i, q_i)
+    first = np.where(n_acc == 1, draft[:, 0], nxt)
+    counts = np.bincount(first, minlength=V)
+    assert stats.chisquare(counts, p * n).pvalue > P_MIN
+    # a rejected proposal is replaced from the residual max(p - q, 0) = [.25, 0, 0, 0]
+    assert set(np.unique(nxt[n_acc == 0])) <= {0}
+    assert np.all(nxt[n_acc == 0] != draft[n_acc == 0, 0])
+
+
+def test_accept_all_and_greedy():
+    V = 5
+    p = jnp.asarray(np.eye(V, dtype=np.float32)[[1, 2, 3]])[None]  # point masses at 1, 2, 3
+    q = p[:, :2]
+    n_acc, nxt = SP.accept(p, q, np.array([[1, 2]]), jax.random.PRNGKey(0))
+    assert int(n_acc[0]) == 2 and int(nxt[0]) == 3  # everything kept, one more from p[:, 2]
+    n_acc, nxt = SP.accept(p, q, np.array([[1, 4]]), jax.random.PRNGKey(0))
+    assert int(n_acc[0]) == 1 and int(nxt[0]) == 2
+    logits = jnp.log(p + 0.01)
+    n_acc, nxt = SP.accept(logits, None, np.array([[1, 0]]), jax.random.PRNGKey(0), greedy=True)
+    assert int(n_acc[0]) == 1 and int(nxt[0]) == 2
+
+
+def test_predicted_chars_per_pass():
+    assert SP.predicted_chars_per_pass(0.0, 4) == 1.0
+    assert SP.predicted_chars_per_pass(1.0, 4) == 5.0
+    assert SP.predicted_chars_per_pass(0.6, 1) == pytest.approx(1.6)
+
+
+# ----------------------------------------------------------------------------- drafts
+
+
+def test_ngram_table_matches_counts():
+    V, alpha = 3, 0.01
+    tokens = np.array([0, 1, 2, 0, 1, 0, 0, 1, 2])
+    d = SP.NGramDraft.from_tokens(tokens, V, n=3, alpha=alpha)
+    counts = np.full((V, V, V), alpha)
+    np.add.at(counts, (tokens[:-2], tokens[1:-1], tokens[2:]), 1)
+    want = counts / counts.sum(-1, keepdims=True)
+    ctx = jnp.asarray([[a, b] for a in range(V) for b in range(V)], jnp.int32)
+    got = np.exp(np.asarray(d._next_logits(ctx))).reshape(V, V, V)
+    seen = counts.sum(-1) > V * alpha + 0.5
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5)
+    np.testing.assert_allclose(got[~seen], 1.0 / V, rtol=1e-5)  # unseen context: uniform
+    # an incomplete context (prompt shorter than n - 1) is unseen as well
+    state = d.init(jnp.asarray([[2, 0]]), jnp.asarray([1]), 8)
+    assert state.context.tolist() == [[V, 2]]
+
+
+def test_ngram_from_corpus_uses_the_training_split():
+    from jaxdecode.vocab import Vocab
+
+    vocab = Vocab("ab")
+    d = SP.NGramDraft.from_corpus(vocab, "ab" * 45 + "bbbbbbbbbb", n=2)
+    # "bb" occurs only in the last 10%: after "b" the table has seen only "a"
+    p = np.exp(np.asarray(d._next_logits(jnp.asarray([[1]]))))[0]
+    assert p[0] > 0.99
+
+
+def test_prompt_lookup_proposals():
+    d = SP.PromptLookupDraft(2)
+    # context 5 6 7 5 6: "5 6" occurred before, followed by 7 5 6 7 ...
+    state = d.init(jnp.asarray([[5, 6, 7, 5, 6], [1, 2, 3, 4, 0]]), jnp.asarray([5, 4]), 16)
+    tokens, q, _ = d.propose(state, None, 4, lambda x: x, 16)
+    assert q is None
+    assert tokens[0].tolist() == [7, 5, 6, 7]
+    assert tokens[1].tolist() == [4, 4, 4, 4]  # no occurrence: repeat the last token
+    # commit two accepted proposals and a correction, then propose again
+    state = d.commit(state, tokens, jnp.asarray([2, 0]), jnp.asarray([9, 2]), jnp.asarray([True, True]))
+    assert state.length.tolist() == [8, 5]
+    assert state.history[0, :8].tolist() == [5, 6, 7, 5, 6, 7, 5, 9]
+    # accept the first proposal (7) and add 5 in row 0; row 1 is finished (not active)
+    state = d.commit(state, tokens, jnp.asarray([1, 4]), jnp.asarray([5, 1]), jnp.asarray([True, False]))
+    assert state.length.tolist() == [10, 5]  # the inactive row keeps its context
+    tokens, _, _ = d.propose(state, None, 3, lambda x: x, 16)
+    # context 5 6 7 5 6 7 5 9 7 5: "7 5" last occurred at positions 5-6, followed by 9 7 5
+    assert tokens[0].tolist() == [9, 7, 5]
+    assert tokens[1].tolist() == [2, 2, 2]  # context 1 2 3 4 2: "4 2" is new, repeat the last
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("kind", ["ngram", "model", "lookup"])
+def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kind, gamma):
+    """Each row of a big batch is one draw; the first 3 tokens follow the processed target."""
+    params, cfg, want = exact_model
+    prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
+    for p in TOP_P:
+        res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(11), draft=exact_drafts[kind],
+                                    gamma=gamma, rule=rules.top_p(p))
+        codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
+        counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
+        pvalue = chisquare_pvalue(counts, want[p])
+        total = SP.SpeculativeStats.total(res.stats)
+        assert pvalue > P_MIN, (kind, gamma, p, pvalue)
+        assert total.generated >= 3 * DRAWS and total.passes >= DRAWS
+        assert 0 < total.accepted <= total.examined <= total.proposed == gamma * total.passes
+
+
+# ----------------------------------------------------------------------------- greedy, batches
+
+
+def ragged_prompts(V, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, V, size=s).astype(np.int32) for s in sizes]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "model", "lookup"])
+def test_greedy_speculative_equals_greedy(small_lm, small_drafts, kind):
+    cfg, params = small_lm.cfg, small_lm.params
+    prompts = ragged_prompts(cfg.V, [1, 6, 3, 2, 5])
+    prompts[2] = np.array([3, 4, 3], np.int32)
+    n, gamma = 6, 3
+    want = S.sample_tokens(params, cfg, prompts, n, jax.random.PRNGKey(0), greedy=True)
+    got = SP.speculative_tokens(params, cfg, prompts, n, jax.random.PRNGKey(5), draft=small_drafts[kind],
+                                gamma=gamma, greedy=True)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_allclose(got.model_logprobs, want.model_logprobs, atol=1e-4)
+    for s in got.stats:
+        assert s.generated >= n and s.passes >= 1
+
+
+def test_generate_api(small_lm, small_drafts):
+    # the shapes of the greedy test above, so that its programs are reused
+    prompts = ["a", "hi. ab", "cdc", "e\n", "f.ghi"]
+    greedy = S.generate(small_lm, prompts, 6, greedy=True)
+    gens = SP.speculative_generate(small_lm, prompts, 6, draft=small_drafts["lookup"], gamma=3, greedy=True)
+    assert [g.text for g in gens] == [g.text for g in greedy]
+    for g in gens:
+        assert len(g.tokens) == 6 and np.isfinite(g.mean_logprob)
+        assert g.stats.passes >= 2 and g.stats.proposed == 3 * g.stats.passes
+    total = SP.SpeculativeStats.total([g.stats for g in gens])
+    assert total.passes == sum(g.stats.passes for g in gens)
+
+
+def test_batch_invariance(small_lm, small_drafts):
+    cfg, params = small_lm.cfg, small_lm.params
+    prompts = ragged_prompts(cfg.V, [2, 5, 1, 4, 3, 5, 2], seed=3)
+    key = jax.random.PRNGKey(7)
+    kw = dict(draft=small_drafts["ngram"], gamma=2, rule=rules.top_k(5))
+    together = SP.speculative_tokens(params, cfg, prompts, 8, key, **kw)
+    for i in [0, 4, 6]:
+        alone = SP.speculative_tokens(params, cfg, [prompts[i]], 8, key, row_ids=[i], **kw)
+        assert alone.tokens[0].tolist() == together.tokens[i].tolist()
+        assert alone.stats[0] == together.stats[i]
+    # the high-level API: sample j of prompt i is row i * num_samples + j
+    gens = SP.speculative_generate(small_lm, small_lm.vocab.decode(prompts[0]), 8, key=key, **kw)
+    assert gens[0].tokens.tolist() == together.tokens[0].tolist()
+    assert gens[0].text == small_lm.vocab.decode(together.tokens[0])
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("rule", [rules.repetition_penalty(1.3), rules.no_repeat_ngram(2),
+                                  rules.chain(rules.top_p(0.9), rules.presence_penalty(0.5))])
+def test_stateful_rules_are_refused(small_lm, small_drafts, rule):
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        SP.speculative_tokens(small_lm.params, small_lm.cfg, [np.array([1, 2])], 3, jax.random.PRNGKey(0),
+                              draft=small_drafts["ngram"], rule=rule)
+
+
+def test_requests_past_the_window_are_refused(small_lm, small_drafts):
+    cfg = small_lm.cfg  # T = 16
+    with pytest.raises(ValueError, match="model window T=16"):
+        SP.speculative_tokens(small_lm.params, cfg, [np.arange(5) % cfg.V], 8, jax.random.PRNGKey(0),
+                              draft=small_drafts["lookup"], gamma=4)  # 5 + 8 + 5 = 18 > 16
+    with pytest.raises(ValueError, match="gamma"):
+        SP.speculative_tokens(small_lm.params, cfg, [np.array([1])], 3, jax.random.PRNGKey(0),
+                              draft=small_drafts["lookup"], gamma=0)
+    with pytest.raises(ValueError, match="draft kind"):
+        SP.make_draft("nope", small_lm)
