@@ -246,10 +246,19 @@ class _AtomicFolder:
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
         return self.tmp
 
+    def _publish_permissions(self):
+        # mkdtemp makes a private folder; give the result the permissions of a normal folder
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)
+        for f in self.tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        self._publish_permissions()
         old = None
         if self.target.exists():
             old = self.target.with_name(f".{self.target.name}.old.{os.getpid()}")

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 
 class UsageError(ValueError):
     """Bad input from the command line: reported as one line, exit code 2."""
@@ -142,6 +144,11 @@ def cmd_generate(args):
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
     rule = make_rule(**settings)  # validates before anything is loaded or traced
+    if args.beam is not None:
+        return _generate_beam(args, prompt, rule, settings)
+    for flag in ("length_penalty", "n_best"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs --beam")
     lm = _load(args)
     lm.vocab.encode(prompt)  # unknown characters: a clear error before any work
     stop = [_unescape(s) for s in args.stop] if args.stop else None
@@ -174,6 +181,55 @@ def cmd_generate(args):
         if len(outs) > 1:
             print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
         print(o.prompt + o.text)
+
+
+def _generate_beam(args, prompt, rule, settings):
+    from .beam import beam_generate
+
+    if args.beam < 1:
+        raise UsageError(f"--beam must be >= 1, got {args.beam}")
+    n_best = args.n_best if args.n_best is not None else 1
+    if not 1 <= n_best <= args.beam:
+        raise UsageError(f"--n-best must lie in [1, --beam={args.beam}], got {n_best}")
+    if args.num_samples != 1:
+        raise UsageError("--num-samples does not apply to beam search (use --n-best)")
+    alpha = args.length_penalty if args.length_penalty is not None else 0.0
+    lm = _load(args)
+    lm.vocab.encode(prompt)
+    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha,
+                         stop=stop, rule=rule)[0]
+    if args.json:
+        doc = {"outputs": [{"prompt": prompt, "text": h.text, "mean_logprob": h.mean_logprob,
+                            "tokens": np.asarray(h.tokens).tolist(), "score": h.score,
+                            "logprob": h.logprob, "finished": bool(h.finished)} for h in hyps],
+               "settings": {"n": args.n, "beam": args.beam, "n_best": n_best, "length_penalty": alpha,
+                            "stop": stop, "checkpoint": str(lm.path), **settings}}
+        print(json.dumps(doc, ensure_ascii=False))
+        return
+    for i, h in enumerate(hyps):
+        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per character")
+        print(prompt + h.text)
+
+
+def cmd_mode(args):
+    from .beam import mode_search
+
+    prompt = _unescape(args.prompt)
+    if not prompt:
+        raise UsageError("the prompt is empty: give at least one character")
+    if args.n < 1:
+        raise UsageError(f"-n must be >= 1, got {args.n}")
+    lm = _load(args)
+    tokens, logprob, nodes = mode_search(lm.params, lm.cfg, lm.vocab.encode(prompt), args.n,
+                                         node_budget=args.budget)
+    text = lm.vocab.decode(tokens)
+    if args.json:
+        print(json.dumps({"prompt": prompt, "text": text, "logprob": logprob, "nodes_expanded": nodes},
+                         ensure_ascii=False))
+    else:
+        print(f"--- mode of {args.n} characters: log-probability {logprob:.4f} ({nodes} nodes expanded)")
+        print(prompt + text)
 
 
 def cmd_score(args):
@@ -210,7 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream", action="store_true", help="stream text even when stdout is not a terminal")
     for flag, attr, typ, hlp in RULE_FLAGS:
         s.add_argument(flag, dest=attr, type=typ, default=None, help=hlp)
+    s.add_argument("--beam", type=int, default=None, metavar="K", help="beam search with K beams")
+    s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
+                   help="beam: divide scores by ((5+|y|)/6)^ALPHA")
+    s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("mode", help="the most probable continuation of n characters (exact best-first search)")
+    s.add_argument("prompt")
+    s.add_argument("-n", type=int, default=12)
+    s.add_argument("--budget", type=int, default=100_000, help="give up after expanding this many nodes")
+    s.add_argument("--ckpt", default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_mode)
 
     s = sub.add_parser("score", help="the model's log-probability of a text after a prompt")
     s.add_argument("text")
@@ -268,7 +336,8 @@ def main(argv=None) -> int:
 
     try:
         args.func(args)
-    except (UsageError, CheckpointError, CorpusError, ValueError, FileExistsError, FileNotFoundError) as e:
+    except (UsageError, CheckpointError, CorpusError, ValueError, RuntimeError, FileExistsError,
+            FileNotFoundError) as e:
         print(f"jaxdecode: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

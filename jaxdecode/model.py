@@ -23,6 +23,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -255,6 +256,9 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     Returns the next-token logits after each prompt ``[B, V]`` and a cache holding the prompts.
     Requires ``P <= T``; padding past a row's length is causal-masked away and later overwritten.
     """
+    lengths = jnp.asarray(lengths, jnp.int32)
+    chex.assert_rank(tokens, 2)
+    chex.assert_shape(lengths, (tokens.shape[0],))
     B, P = tokens.shape
     if P > cfg.T:
         raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")

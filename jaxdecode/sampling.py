@@ -262,6 +262,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
                            np.zeros(B, bool))
     T = cfg.T
+    chunk = min(chunk, batch_bucket(n))  # short requests do not run a whole chunk of idle steps
     Bb = batch_bucket(B)
     Pmax = int(lens.max())
     Pb = round_up(Pmax, PROMPT_BUCKET)

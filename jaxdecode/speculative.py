@@ -225,14 +225,20 @@ class NGramDraft(Draft):
     """A character n-gram model with add-``alpha`` smoothing (the chapter's trigram for ``n = 3``).
 
     ``keys`` ``[K]`` int32: the contexts seen in training (base ``V + 1`` numbers, sorted);
-    ``logits`` ``[K, V]`` float32: the log-probabilities of the next token after each. An unseen
-    (or incomplete) context gives the uniform distribution, as smoothing of zero counts does.
+    ``logits`` ``[K + 1, V]`` float32: the log-probabilities of the next token after each, and a
+    last row for every unseen (or incomplete) context: uniform, as smoothing of zero counts gives.
+    ``index`` ``[(V + 1)^(n - 1)]`` int32 maps a context number to its row directly when that
+    table is small (up to 4M entries: a gather instead of a binary search per draft step);
+    otherwise it is ``None`` and ``keys`` is searched.
     """
 
     keys: jax.Array
     logits: jax.Array
+    index: jax.Array | None
     n: int = _static()
     V: int = _static()
+
+    MAX_INDEX = 1 << 22
 
     @classmethod
     def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01) -> "NGramDraft":
@@ -257,7 +263,13 @@ class NGramDraft(Draft):
         counts = np.full((len(keys), V), alpha, np.float64)
         np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
         logp = np.log(counts / counts.sum(axis=1, keepdims=True))
-        return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), n, V)
+        logp = np.concatenate([logp, np.full((1, V), -np.log(V))])
+        index = None
+        if (V + 1) ** (n - 1) <= cls.MAX_INDEX:
+            index = np.full(((V + 1) ** (n - 1),), len(keys), np.int32)
+            index[keys] = np.arange(len(keys))
+            index = jnp.asarray(index)
+        return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), index, n, V)
 
     @classmethod
     def from_corpus(cls, vocab, text: str, n: int = 3, alpha: float = 0.01,
@@ -278,10 +290,11 @@ class NGramDraft(Draft):
 
     def _next_logits(self, context):  # [B, n-1] -> log-probabilities [B, V]
         cid = self._context_id(context)
+        if self.index is not None:
+            return self.logits[self.index[cid]]
         K = self.keys.shape[0]
         at = jnp.minimum(jnp.searchsorted(self.keys, cid), K - 1)
-        seen = self.keys[at] == cid
-        return jnp.where(seen[:, None], self.logits[at], -float(np.log(self.V)))
+        return self.logits[jnp.where(self.keys[at] == cid, at, K)]
 
     def init(self, prompt, lengths, capacity):
         k = self.n - 1

@@ -114,14 +114,23 @@ def train(out_dir, tc: TrainConfig, data_path=None, resume: bool = False, progre
     start, history, wall, train_loss = 0, [], 0.0, float("nan")
     if resume and (out_dir / STATE_FILE).is_file():
         prog = json.loads((out_dir / PROGRESS_FILE).read_text())
-        if prog["train_config"] != dataclasses.asdict(tc):
-            raise ValueError(f"{out_dir}: cannot resume, it was trained with {prog['train_config']}")
+        # the run length may change on resume (the cosine schedule is then recomputed from the
+        # current step on); every other setting must match the run being continued
+        saved = {k: v for k, v in prog["train_config"].items() if k != "steps"}
+        mine = {k: v for k, v in dataclasses.asdict(tc).items() if k != "steps"}
+        if saved != mine:
+            diff = {k: (saved.get(k), mine.get(k)) for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)}
+            raise ValueError(f"{out_dir}: cannot resume with different settings (saved, given): {diff}")
+        if prog["step"] > tc.steps:
+            raise ValueError(f"{out_dir}: already trained {prog['step']} steps, more than steps={tc.steps}")
         if prog["corpus_sha256"] != corpus_sha:
             raise ValueError(f"{out_dir}: cannot resume, it was trained on a different corpus")
         lm = ckpt_lib.load(out_dir)
         params = jax.tree_util.tree_map(jnp.asarray, lm.params)
         opt_state = serialization.from_bytes(opt_state, (out_dir / STATE_FILE).read_bytes())
         start, history, wall = prog["step"], [tuple(h) for h in prog["history"]], prog["wall_s"]
+        if prog["train_config"]["steps"] != tc.steps:
+            log(f"resuming with steps={tc.steps} (was {prog['train_config']['steps']})")
         train_loss = prog["train_loss"]
         log(f"resuming {out_dir} at step {start}")
 

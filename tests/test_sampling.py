@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,6 +7,19 @@ import pytest
 
 from jaxdecode import model as M
 from jaxdecode import sampling as S
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _last_logits(params, cfg, window, idx):
+    # causal attention: padding after idx does not change the logits at idx (one compile)
+    return M.forward(params, cfg, window)[:, idx]
+
+
+def _full_forward_next(params, cfg, ids):
+    ctx = ids[-cfg.T:]
+    window = np.zeros((1, cfg.T), np.int32)
+    window[0, :len(ctx)] = ctx
+    return _last_logits(params, cfg, jnp.asarray(window), len(ctx) - 1)
 
 
 def _plain_loop(params, cfg, prompt, n, key=None, row_id=0, rule=None, greedy=False):
@@ -15,7 +30,7 @@ def _plain_loop(params, cfg, prompt, n, key=None, row_id=0, rule=None, greedy=Fa
         state = rule.init(jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32), cfg.V, n)
     out = []
     for s in range(n):
-        logits = M.forward(params, cfg, jnp.asarray([ids], jnp.int32))[:, -1]
+        logits = _full_forward_next(params, cfg, ids)
         if rule is not None:
             logits = rule.apply(logits, state)
         if greedy:
@@ -116,3 +131,80 @@ def test_bad_input(tiny_lm):
         S.generate(tiny_lm, "", 3)
     with pytest.raises(ValueError, match="'Z' at position 1"):
         S.generate(tiny_lm, "aZ", 3)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+from collections import Counter  # noqa: E402
+
+from jaxdecode import exact, rules  # noqa: E402
+
+EXACT_CASES = {
+    "plain": lambda: None,
+    "top_p": lambda: rules.top_p(0.8),
+    "min_p": lambda: rules.min_p(0.1),
+    "penalties": lambda: rules.chain(rules.repetition_penalty(1.5), rules.frequency_penalty(0.7),
+                                     rules.presence_penalty(0.4), rules.temperature(0.9)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_CASES))
+def test_sampling_matches_exact_distribution(tiny_lm, case):
+    """Empirical frequencies of 3-token continuations against the enumerated distribution."""
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    rule = EXACT_CASES[case]()
+    prompt = np.array([1, 2, 3, 1], np.int32)
+    probs = exact.exact_distribution(exact.model_next_logits(params, cfg), prompt, 3, rule=rule, V=cfg.V)
+    rows, rounds = 2048, 8
+    counts = Counter()
+    for r in range(rounds):
+        res = S.sample_tokens(params, cfg, [prompt] * rows, 3, jax.random.PRNGKey(11 + r), rule=rule)
+        counts.update(map(tuple, res.tokens.tolist()))
+    assert sum(counts.values()) == rows * rounds
+    assert exact.chisquare_pvalue(counts, probs) > 1e-3
+    # the processed log-probability reported for each draw is the product the enumeration gives
+    seq = tuple(res.tokens[0].tolist())
+    np.testing.assert_allclose(res.sample_logprobs[0].sum(), np.log(probs[seq]), atol=1e-4)
+
+
+def test_one_trace_whatever_the_rule_values(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    prompts = [np.array([1, 2]), np.array([3, 4, 5])]
+    make = lambda t, p, f: rules.chain(rules.frequency_penalty(f), rules.temperature(t), rules.top_p(p))  # noqa: E731
+    S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(0), rule=make(1.0, 0.9, 0.1), chunk=8)
+    before = S._cache_chunk._cache_size()
+    for t, p, f in [(0.5, 0.3, 0.0), (2.0, 1.0, 1.5), (0.0, 0.7, 0.2)]:
+        S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(1), rule=make(t, p, f), chunk=8)
+    # per-row settings: one value per prompt
+    per_row = make(jnp.array([0.7, 1.3]), jnp.array([0.5, 0.95]), jnp.array([0.0, 0.3]))
+    S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(1), rule=per_row, chunk=8)
+    assert S._cache_chunk._cache_size() == before
+
+
+def test_per_row_settings_match_separate_runs(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    prompts = [np.array([1, 2]), np.array([3, 4, 5])]
+    key = jax.random.PRNGKey(5)
+    both = S.sample_tokens(params, cfg, prompts, 12, key, rule=rules.top_p(jnp.array([0.3, 0.9])))
+    for i, p in enumerate([0.3, 0.9]):
+        one = S.sample_tokens(params, cfg, [prompts[i]], 12, key, rule=rules.top_p(p), row_ids=[i])
+        assert one.tokens[0].tolist() == both.tokens[i].tolist()
+
+
+def test_temperature_zero_is_greedy(tiny_lm):
+    cfg, params = tiny_lm.cfg, tiny_lm.params
+    prompts = [np.array([1, 2]), np.array([7])]
+    g = S.sample_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(0), greedy=True)
+    t0 = S.sample_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(9), rule=rules.temperature(0.0))
+    assert g.tokens.tolist() == t0.tokens.tolist()
+    np.testing.assert_allclose(t0.sample_logprobs, 0.0, atol=1e-6)
+
+
+def test_make_rule_order_and_errors():
+    r = S.make_rule(top_p=0.9, temperature=0.7, repetition_penalty=1.2)
+    assert [type(x).__name__ for x in r.rules] == ["RepetitionPenalty", "Temperature", "TopP"]
+    assert S.make_rule() is None
+    with pytest.raises(rules.RuleError, match="top_p"):
+        S.make_rule(top_p=1.5)
+    with pytest.raises(rules.RuleError, match="unknown"):
+        S.make_rule(top_q=0.5)

@@ -1,0 +1,199 @@
+"""Generation throughput against baselines and physical bounds, measured in one run.
+
+    python scripts/bench.py [--ckpt DIR] [--out docs/benchmarks.json] [--batches 1,16,64,256]
+
+Rows (characters per second, 300 new characters after a 32-character prompt, inside one window):
+
+- ``book loop``: the chapter's loop, a full forward over the whole text for every new character
+  (jitted, the text padded to a multiple of 64 so that it compiles a handful of times), batch 1;
+- ``python loop``: a Python loop over a jitted cached step (full-capacity cache, one dispatch per
+  character), the usual hand-written decode loop;
+- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9;
+- one row past the window (600 characters: the exact window mode after T).
+
+Each row is compared with its physical bound on this machine, the larger of FLOPs / measured
+matmul peak and bytes read per step (weights + the filled KV cache) / measured memory bandwidth.
+Compile time is measured separately (the first call in a fresh bucket minus a warm call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode import checkpoint, rules
+from jaxdecode import model as M
+from jaxdecode import sampling as S
+
+PROMPT = "KATHARINA:\nMoved! in good time: "
+
+
+def best_of(f, repeats=3):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def matmul_peak() -> float:
+    a = jnp.ones((1024, 1024), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    return 2 * 1024**3 / best_of(lambda: f(a), 10)
+
+
+def memory_bandwidth() -> float:
+    x = jnp.ones((64 * 1024 * 1024,), jnp.float32)  # 256 MB
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    return x.nbytes / best_of(lambda: f(x), 5)
+
+
+def bound(cfg: M.ModelConfig, B: int, mean_context: float, peak: float, bw: float) -> float:
+    """Characters per second at the physical limit for batch B at a mean context length."""
+    d, L, V = cfg.d, cfg.L, cfg.V
+    dense = L * 12 * d * d + V * d  # multiply-adds per token in the matmuls
+    flops = B * (2 * dense + L * 4 * mean_context * d)  # + attention scores and weighted sum
+    weights = 4 * (L * 12 * d * d + V * d)
+    kv = B * L * 2 * mean_context * d * 4
+    return B / max(flops / peak, (weights + kv) / bw)
+
+
+def window_bound(cfg: M.ModelConfig, P: int, n: int, peak: float, bw: float) -> float:
+    """Batch-1 bound for n characters after P when the text passes T: every step after the
+    window fills is a forward over T tokens (the book's semantics), the steps before are cached."""
+    cached = cfg.T - P
+    t_cached = sum(1 / bound(cfg, 1, P + s, peak, bw) for s in range(cached))
+    dense = cfg.L * 12 * cfg.d ** 2 + cfg.V * cfg.d
+    window_flops = cfg.T * (2 * dense + cfg.L * 2 * cfg.T * cfg.d)  # causal attention over T
+    t_window = (n - cached) * max(window_flops / peak, 4 * dense / bw)
+    return n / (t_cached + t_window)
+
+
+def book_loop(lm, prompt_ids, n):
+    cfg, params = lm.cfg, lm.params
+    f = jax.jit(lambda p, x, i: jnp.argmax(M.forward(p, cfg, x)[0, i]))
+
+    def run(n):
+        ids = list(prompt_ids)
+        for _ in range(n):
+            W = min(cfg.T, -(-len(ids) // 64) * 64)
+            ctx = ids[-cfg.T:]
+            x = np.zeros((1, W), np.int32)
+            x[0, :len(ctx)] = ctx
+            ids.append(int(f(params, jnp.asarray(x), len(ctx) - 1)))
+        return ids
+
+    run(n)  # compile every width once
+    t = time.perf_counter()
+    run(n)
+    return n / (time.perf_counter() - t)
+
+
+def python_loop(lm, prompt_ids, n, B):
+    """A hand-written decode loop: one jitted cached step per character, dispatched from Python."""
+    cfg, params = lm.cfg, lm.params
+    tokens = jnp.asarray(np.tile(prompt_ids, (B, 1)))
+    lengths = jnp.full((B,), len(prompt_ids), jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, cache, token):
+        logits, cache = M.step(params, cfg, cache, token)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    def run():
+        logits, cache = M.prefill(params, cfg, tokens, lengths)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        for _ in range(n - 1):
+            tok, cache = step(params, cache, tok)
+        return tok
+
+    run()
+    t = time.perf_counter()
+    jax.block_until_ready(run())
+    return B * n / (time.perf_counter() - t)
+
+
+def jaxdecode_rate(lm, prompt_ids, n, B, rule=None, greedy=False):
+    prompts = [prompt_ids] * B
+    key = jax.random.PRNGKey(0)
+    t0 = time.perf_counter()
+    S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy)
+    first = time.perf_counter() - t0
+    warm = best_of(lambda: S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy).tokens, 2)
+    return B * n / warm, max(0.0, first - warm)
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
+            "jax": jax.__version__, "python": platform.python_version()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("-n", type=int, default=300)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+
+    lm = checkpoint.load(args.ckpt)
+    cfg = lm.cfg
+    ids = lm.vocab.encode(PROMPT)
+    n = args.n
+    peak, bw = matmul_peak(), memory_bandwidth()
+    info = machine()
+    print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']})")
+    print(f"# matmul peak {peak / 1e9:.0f} GFLOP/s, memory bandwidth {bw / 1e9:.1f} GB/s")
+    ctx = len(ids) + n / 2
+    rows = []
+
+    def add(name, B, rate, compile_s=None, bound_rate=None):
+        b = bound(cfg, B, ctx, peak, bw) if bound_rate is None else bound_rate
+        rows.append({"row": name, "batch": B, "chars_per_s": rate, "bound_chars_per_s": b,
+                     "fraction_of_bound": rate / b, "compile_s": compile_s})
+        c = f"{compile_s:.1f}" if compile_s is not None else ""
+        print(f"| {name:<28} | {B:>5} | {rate:>10,.0f} | {b:>10,.0f} | {rate / b:>6.0%} | {c:>6} |", flush=True)
+
+    print("| row | batch | chars/s | bound | of bound | compile s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    book = book_loop(lm, ids, n)
+    add("book loop (full forward)", 1, book)
+    for B in [int(b) for b in args.batches.split(",")]:
+        add("python loop, cached step", B, python_loop(lm, ids, n, B))
+        rate, comp = jaxdecode_rate(lm, ids, n, B, greedy=True)
+        add("jaxdecode greedy", B, rate, comp)
+        rate, comp = jaxdecode_rate(lm, ids, n, B, rule=rules.top_p(0.9))
+        add("jaxdecode top-p 0.9", B, rate, comp)
+    long_n = cfg.T + 100 - len(ids)
+    rate, comp = jaxdecode_rate(lm, ids, long_n, 1, rule=rules.top_p(0.9))
+    add(f"jaxdecode top-p, {long_n} chars (past T)", 1, rate, comp,
+        bound_rate=window_bound(cfg, len(ids), long_n, peak, bw))
+    speedup = next(r["chars_per_s"] for r in rows if r["row"] == "jaxdecode greedy" and r["batch"] == 1) / book
+    print(f"# batch-1 greedy: {speedup:.0f}x the book loop")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": info, "matmul_peak_flops": peak, "memory_bandwidth_bytes": bw,
+                       "checkpoint": str(lm.path), "n": n, "prompt": PROMPT, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+
+from jaxdecode import checkpoint
+from jaxdecode.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_lm, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    checkpoint.save(path, tiny_lm.params, tiny_lm.cfg, tiny_lm.vocab, meta={"note": "random weights"})
+    return str(path)
+
+
+def test_generate_json(tiny_ckpt, capsys):
+    assert main(["generate", r"ab\nc", "-n", "20", "--num-samples", "3", "--top-p", "0.9",
+                 "--temperature", "0.8", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["outputs"]) == 3
+    for o in doc["outputs"]:
+        assert o["prompt"] == "ab\nc" and len(o["text"]) == 20 and len(o["tokens"]) == 20
+        assert o["mean_logprob"] < 0
+    assert doc["settings"]["top_p"] == 0.9 and doc["settings"]["seed"] == 3
+    # the same seed gives the same text
+    assert main(["generate", r"ab\nc", "-n", "20", "--num-samples", "3", "--top-p", "0.9",
+                 "--temperature", "0.8", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == doc
+
+
+def test_generate_text_and_stream(tiny_ckpt, capsys):
+    assert main(["generate", "abc", "-n", "40", "--greedy", "--ckpt", tiny_ckpt, "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    assert main(["generate", "abc", "-n", "40", "--greedy", "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert streamed == "abc" + doc["outputs"][0]["text"] + "\n"
+
+
+def test_score(tiny_ckpt, capsys):
+    assert main(["score", "abc", "--prompt", "ha", "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["logprobs"]) == 3 and doc["mean_logprob"] < 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "abZ"], "'Z' at position 2"),
+    (["generate", ""], "prompt is empty"),
+    (["generate", "abc", "-n", "-1"], "-n must be >= 0"),
+    (["generate", "abc", "--top-p", "1.5"], "top_p"),
+    (["generate", "abc", "--temperature", "-1"], "temperature"),
+    (["generate", "abc", "--top-k", "0"], "top_k"),
+    (["generate", "abc", "--min-p", "2"], "min_p"),
+    (["generate", "abc", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["generate", "abc", "--num-samples", "0"], "num-samples"),
+    (["score", "", "--prompt", "a"], "empty"),
+])
+def test_bad_input_is_one_line_exit_2(tiny_ckpt, capsys, argv, message):
+    assert main(argv + ["--ckpt", tiny_ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: error:") and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    assert main(["generate", "abc", "--ckpt", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_beam_json(tiny_ckpt, capsys):
+    assert main(["generate", "abc", "-n", "10", "--beam", "4", "--n-best", "3", "--length-penalty", "0.6",
+                 "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    scores = [o["score"] for o in doc["outputs"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert all(len(o["text"]) == 10 for o in doc["outputs"])
+
+
+def test_mode_command(tiny_ckpt, capsys):
+    assert main(["mode", "abc", "-n", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["text"]) == 3 and doc["logprob"] <= 0
+    # the mode is at least as probable as the greedy continuation
+    assert main(["generate", "abc", "-n", "3", "--beam", "1", "--ckpt", tiny_ckpt, "--json"]) == 0
+    greedy = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert doc["logprob"] >= greedy["logprob"] - 1e-5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "abc", "--beam", "0"], "--beam must be >= 1"),
+    (["generate", "abc", "--beam", "2", "--n-best", "3"], "--n-best"),
+    (["generate", "abc", "--n-best", "2"], "needs --beam"),
+    (["mode", "abc", "-n", "0"], "-n must be >= 1"),
+])
+def test_beam_bad_input(tiny_ckpt, capsys, argv, message):
+    assert main(argv + ["--ckpt", tiny_ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: error:") and message in err
