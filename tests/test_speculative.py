@@ -134,6 +134,9 @@ def test_ngram_table_matches_counts():
     seen = counts.sum(-1) > V * alpha + 0.5
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5)
     np.testing.assert_allclose(got[~seen], 1.0 / V, rtol=1e-5)  # unseen context: uniform
+    # without the direct index (large tables), a binary search over the seen contexts
+    sparse = SP.NGramDraft(d.keys, d.logits, None, d.n, d.V)
+    np.testing.assert_array_equal(np.asarray(sparse._next_logits(ctx)), np.asarray(d._next_logits(ctx)))
     # an incomplete context (prompt shorter than n - 1) is unseen as well
     state = d.init(jnp.asarray([[2, 0]]), jnp.asarray([1]), 8)
     assert state.context.tolist() == [[V, 2]]
