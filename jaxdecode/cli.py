@@ -75,8 +75,6 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    import jax.numpy as jnp
-
     from . import checkpoint
     from . import data as data_lib
     from .train import held_out_loss
@@ -87,21 +85,24 @@ def cmd_eval(args):
         text = data_lib.read_corpus(args.data)
         _, val = data_lib.split(text)
         windows = data_lib.eval_windows(lm.vocab.encode(val), lm.cfg.T, args.windows)
-        params = {k: v for k, v in lm.params.items()}
-        out["held_out_loss"] = held_out_loss(params, lm.cfg, windows)
+        out["held_out_loss"] = held_out_loss(lm.params, lm.cfg, windows)
         out["held_out_windows"] = int(windows.shape[0])
+        if "held_out_loss" in lm.meta and lm.meta.get("held_out_windows") == windows.shape[0]:
+            out["recorded_held_out_loss"] = lm.meta["held_out_loss"]
     if args.text is not None:
         from .score import score_texts
 
-        res = score_texts(lm, [_unescape(args.text)], prompts=[_unescape(args.prompt or "")])[0]
+        text = _unescape(args.text)
+        if not text:
+            raise UsageError("the text to score is empty")
+        res = score_texts(lm, [text], prompts=[_unescape(args.prompt or "")])[0]
         out["mean_logprob"] = res.mean_logprob
         out["characters"] = len(res.logprobs)
-    del jnp
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for k, v in out.items():
-            print(f"{k:<16} {v:.4f}" if isinstance(v, float) else f"{k:<16} {v}")
+            print(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}")
 
 
 RULE_FLAGS = [  # (flag, attribute, type, help)
@@ -145,7 +146,13 @@ def cmd_generate(args):
         raise UsageError("--greedy contradicts --temperature > 0")
     rule = make_rule(**settings)  # validates before anything is loaded or traced
     if args.beam is not None:
+        if args.speculative is not None:
+            raise UsageError("--beam and --speculative cannot be combined")
         return _generate_beam(args, prompt, rule, settings)
+    if args.speculative is not None:
+        return _generate_speculative(args, prompt, rule, settings)
+    if args.gamma is not None:
+        raise UsageError("--gamma needs --speculative")
     for flag in ("length_penalty", "n_best"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --beam")
@@ -212,6 +219,39 @@ def _generate_beam(args, prompt, rule, settings):
         print(prompt + h.text)
 
 
+def _generate_speculative(args, prompt, rule, settings):
+    from .speculative import SpeculativeStats, make_draft, speculative_generate
+
+    gamma = 4 if args.gamma is None else args.gamma
+    if gamma < 1:
+        raise UsageError(f"--gamma must be >= 1, got {gamma}")
+    if args.stop:
+        raise UsageError("--stop is not supported with --speculative")
+    lm = _load(args)
+    lm.vocab.encode(prompt)
+    draft = make_draft(args.speculative, lm, data_path=args.data)
+    outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
+                                greedy=args.greedy, num_samples=args.num_samples)
+    total = SpeculativeStats.total([o.stats for o in outs])
+    line = (f"speculative ({args.speculative}, gamma={gamma}): acceptance {total.acceptance_rate:.2f}, "
+            f"{total.chars_per_pass:.2f} characters per target pass "
+            f"(i.i.d. prediction {total.predicted_chars_per_pass:.2f}), {total.passes} passes")
+    if args.json:
+        doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
+                            "tokens": o.tokens.tolist(), "stats": o.stats.as_dict()} for o in outs],
+               "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
+                            "greedy": bool(args.greedy), "speculative": args.speculative, "gamma": gamma,
+                            "checkpoint": str(lm.path), **settings},
+               "stats": total.as_dict()}
+        print(json.dumps(doc, ensure_ascii=False))
+        return
+    for i, o in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
+        print(o.prompt + o.text)
+    print(line, file=sys.stderr)
+
+
 def cmd_mode(args):
     from .beam import mode_search
 
@@ -270,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
                    help="beam: divide scores by ((5+|y|)/6)^ALPHA")
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
+    s.add_argument("--speculative", choices=["ngram", "draft", "lookup"], default=None,
+                   help="speculative sampling with this draft (exact: same distribution as plain sampling)")
+    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default 4)")
+    s.add_argument("--data", default=None, help="corpus for the n-gram draft (default: $JAXDECODE_DATA)")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("mode", help="the most probable continuation of n characters (exact best-first search)")
@@ -328,9 +372,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _enable_compilation_cache():
+    """Keep compiled programs between runs (``$JAXDECODE_CACHE``, default ~/.cache/jaxdecode;
+    set it to an empty string to turn the cache off)."""
+    import os
+
+    path = os.environ.get("JAXDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode"))
+    if not path:
+        return
+    try:
+        import jax
+
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    except (OSError, AttributeError):
+        pass  # a read-only home or an older jax: run without the cache
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:  # the console script, not a test calling main([...])
+        _enable_compilation_cache()
     from .checkpoint import CheckpointError
     from .data import CorpusError
 

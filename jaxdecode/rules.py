@@ -226,8 +226,8 @@ class TopP(Rule):
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
         # p = 1 keeps everything: in exact arithmetic no token's preceding mass reaches 1
         drop_sorted = (before >= p) & (p < 1)
-        rows = jnp.arange(B)[:, None]
-        drop = jnp.zeros((B, V), bool).at[rows, order].set(drop_sorted)
+        # back to vocabulary order through the inverse permutation (a gather; a scatter is slow on CPU)
+        drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
         return _truncate(logits, ~drop)
 
 

@@ -95,3 +95,26 @@ def test_beam_bad_input(tiny_ckpt, capsys, argv, message):
     assert main(argv + ["--ckpt", tiny_ckpt]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxdecode: error:") and message in err
+
+
+def test_generate_speculative_lookup_json(tiny_ckpt, capsys):
+    argv = ["generate", "abcabcab", "-n", "6", "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
+    assert main(argv + ["--greedy", "--speculative", "lookup", "--gamma", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--greedy"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]  # greedy speculative == greedy
+    st = spec["stats"]
+    assert st["passes"] >= 1 and 0 <= st["accepted"] <= st["proposed"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "abc", "--speculative", "lookup", "--gamma", "0"], "--gamma must be >= 1"),
+    (["generate", "abc", "--gamma", "2"], "needs --speculative"),
+    (["generate", "abc", "--speculative", "lookup", "--beam", "2"], "cannot be combined"),
+    (["generate", "abc", "--speculative", "lookup", "--repetition-penalty", "1.2"], "speculative"),
+])
+def test_speculative_bad_input(tiny_ckpt, capsys, argv, message):
+    assert main(argv + ["--ckpt", tiny_ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: error:") and message in err
