@@ -98,7 +98,7 @@ def test_beam_bad_input(tiny_ckpt, capsys, argv, message):
 
 
 def test_generate_speculative_lookup_json(tiny_ckpt, capsys):
-    argv = ["generate", "abcabcab", "-n", "6", "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
+    argv = ["generate", "abcab", "-n", "6", "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
     assert main(argv + ["--greedy", "--speculative", "lookup", "--gamma", "2"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert main(argv + ["--greedy"]) == 0
