@@ -52,31 +52,40 @@ def matmul_peak() -> float:
     return 2 * 1024**3 / best_of(lambda: f(a), 10)
 
 
-def memory_bandwidth() -> float:
-    x = jnp.ones((64 * 1024 * 1024,), jnp.float32)  # 256 MB
+@functools.lru_cache(maxsize=None)
+def memory_bandwidth(nbytes: int) -> float:
+    """Read bandwidth for a working set of ``nbytes`` (rounded to a power of two, >= 1 MB): a
+    model whose weights fit in the last-level cache is bounded by that cache, not by DRAM."""
+    size = max(1 << 20, 1 << (int(nbytes) - 1).bit_length())
+    x = jnp.ones((size // 4,), jnp.float32)
     f = jax.jit(jnp.sum)
     f(x).block_until_ready()
-    return x.nbytes / best_of(lambda: f(x), 5)
+    reps = max(3, min(50, (1 << 30) // size))
+    return size / best_of(lambda: f(x), reps)
 
 
-def bound(cfg: M.ModelConfig, B: int, mean_context: float, peak: float, bw: float) -> float:
+def step_bytes(cfg: M.ModelConfig, B: int, context: float) -> float:
+    weights = 4 * (cfg.L * 12 * cfg.d * cfg.d + cfg.V * cfg.d)
+    return weights + B * cfg.L * 2 * context * cfg.d * 4
+
+
+def bound(cfg: M.ModelConfig, B: int, mean_context: float, peak: float) -> float:
     """Characters per second at the physical limit for batch B at a mean context length."""
     d, L, V = cfg.d, cfg.L, cfg.V
     dense = L * 12 * d * d + V * d  # multiply-adds per token in the matmuls
     flops = B * (2 * dense + L * 4 * mean_context * d)  # + attention scores and weighted sum
-    weights = 4 * (L * 12 * d * d + V * d)
-    kv = B * L * 2 * mean_context * d * 4
-    return B / max(flops / peak, (weights + kv) / bw)
+    nbytes = step_bytes(cfg, B, mean_context)
+    return B / max(flops / peak, nbytes / memory_bandwidth(int(nbytes)))
 
 
-def window_bound(cfg: M.ModelConfig, P: int, n: int, peak: float, bw: float) -> float:
+def window_bound(cfg: M.ModelConfig, P: int, n: int, peak: float) -> float:
     """Batch-1 bound for n characters after P when the text passes T: every step after the
     window fills is a forward over T tokens (the book's semantics), the steps before are cached."""
     cached = cfg.T - P
-    t_cached = sum(1 / bound(cfg, 1, P + s, peak, bw) for s in range(cached))
+    t_cached = sum(1 / bound(cfg, 1, P + s, peak) for s in range(cached))
     dense = cfg.L * 12 * cfg.d ** 2 + cfg.V * cfg.d
     window_flops = cfg.T * (2 * dense + cfg.L * 2 * cfg.T * cfg.d)  # causal attention over T
-    t_window = (n - cached) * max(window_flops / peak, 4 * dense / bw)
+    t_window = (n - cached) * max(window_flops / peak, 4 * dense / memory_bandwidth(4 * dense))
     return n / (t_cached + t_window)
 
 
@@ -159,15 +168,17 @@ def main():
     cfg = lm.cfg
     ids = lm.vocab.encode(PROMPT)
     n = args.n
-    peak, bw = matmul_peak(), memory_bandwidth()
+    peak = matmul_peak()
     info = machine()
     print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']})")
-    print(f"# matmul peak {peak / 1e9:.0f} GFLOP/s, memory bandwidth {bw / 1e9:.1f} GB/s")
+    bws = {f"{mb} MB": memory_bandwidth(mb << 20) for mb in (16, 64, 256, 1024)}
+    print(f"# matmul peak {peak / 1e9:.0f} GFLOP/s; read bandwidth by working set: "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bws.items()))
     ctx = len(ids) + n / 2
     rows = []
 
     def add(name, B, rate, compile_s=None, bound_rate=None):
-        b = bound(cfg, B, ctx, peak, bw) if bound_rate is None else bound_rate
+        b = bound(cfg, B, ctx, peak) if bound_rate is None else bound_rate
         rows.append({"row": name, "batch": B, "chars_per_s": rate, "bound_chars_per_s": b,
                      "fraction_of_bound": rate / b, "compile_s": compile_s})
         c = f"{compile_s:.1f}" if compile_s is not None else ""
@@ -186,12 +197,12 @@ def main():
     long_n = cfg.T + 100 - len(ids)
     rate, comp = jaxdecode_rate(lm, ids, long_n, 1, rule=rules.top_p(0.9))
     add(f"jaxdecode top-p, {long_n} chars (past T)", 1, rate, comp,
-        bound_rate=window_bound(cfg, len(ids), long_n, peak, bw))
+        bound_rate=window_bound(cfg, len(ids), long_n, peak))
     speedup = next(r["chars_per_s"] for r in rows if r["row"] == "jaxdecode greedy" and r["batch"] == 1) / book
     print(f"# batch-1 greedy: {speedup:.0f}x the book loop")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": info, "matmul_peak_flops": peak, "memory_bandwidth_bytes": bw,
+            json.dump({"machine": info, "matmul_peak_flops": peak, "read_bandwidth": bws,
                        "checkpoint": str(lm.path), "n": n, "prompt": PROMPT, "rows": rows}, f, indent=2)
 
 

@@ -208,3 +208,31 @@ def test_make_rule_order_and_errors():
         S.make_rule(top_p=1.5)
     with pytest.raises(rules.RuleError, match="unknown"):
         S.make_rule(top_q=0.5)
+
+
+# ----------------------------------------------------------------------------- shipped checkpoint
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from jaxdecode import checkpoint
+
+    try:
+        return checkpoint.load()
+    except checkpoint.CheckpointError as e:
+        pytest.skip(str(e))
+
+
+def test_shipped_greedy_300_equals_book_loop(shipped):
+    """300 greedy characters with the cache == the book's loop (a full forward per character)."""
+    cfg, params = shipped.cfg, shipped.params
+    prompt = shipped.vocab.encode("KATHARINA:\nMoved! in good time: ")
+    f = jax.jit(lambda p, x, i: jnp.argmax(M.forward(p, cfg, x)[0, i]))
+    ids = list(prompt)
+    for _ in range(300):
+        width = -(-len(ids) // 64) * 64  # a few compiled widths; causal, so padding is invisible
+        x = np.zeros((1, width), np.int32)
+        x[0, :len(ids)] = ids
+        ids.append(int(f(params, jnp.asarray(x), len(ids) - 1)))
+    res = S.sample_tokens(params, cfg, [prompt], 300, jax.random.PRNGKey(0), greedy=True)
+    assert res.tokens[0].tolist() == ids[len(prompt):]
