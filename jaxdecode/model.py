@@ -256,7 +256,7 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     Returns the next-token logits after each prompt ``[B, V]`` and a cache holding the prompts.
     Requires ``P <= T``; padding past a row's length is causal-masked away and later overwritten.
     """
-    lengths = jnp.asarray(lengths, jnp.int32)
+    lengths = jnp.array(lengths, jnp.int32)  # a copy: the cache must not alias the caller's array
     chex.assert_rank(tokens, 2)
     chex.assert_shape(lengths, (tokens.shape[0],))
     B, P = tokens.shape
@@ -267,7 +267,6 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
     ks = tuple(jnp.pad(k, pad) for k, _ in kvs)
     vs = tuple(jnp.pad(v, pad) for _, v in kvs)
-    lengths = jnp.asarray(lengths, jnp.int32)
     last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     return last, KVCache(ks, vs, lengths)
 
