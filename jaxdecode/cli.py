@@ -272,6 +272,25 @@ def cmd_mode(args):
         print(prompt + text)
 
 
+def cmd_study(args):
+    """The chapter's experiments, one command each: JSON (and a PNG with matplotlib) in --out."""
+    lm = _load(args)
+    out = args.out or f"results/{args.name}"
+    if args.name == "speculative":
+        from .studies import speculative
+
+        res = speculative.run(lm, out, data_path=args.data)
+    elif args.name == "beam-curse":
+        from .studies import beam_curse
+
+        res = beam_curse.run(lm, out, n_prompts=args.prompts, n=args.n, data_path=args.data,
+                             node_budget=args.budget)
+    else:  # argparse restricts the choices
+        raise UsageError(f"unknown study {args.name!r}")
+    print(json.dumps(res, indent=2, default=str)[:4000])
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def cmd_score(args):
     from .score import score_texts
 
@@ -330,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ckpt", default=None)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_score)
+
+    s = sub.add_parser("study", help="reproduce one of the chapter's experiments (JSON + PNG)")
+    s.add_argument("name", choices=["speculative", "beam-curse"])
+    s.add_argument("--out", default=None, help="output folder (default results/NAME)")
+    s.add_argument("--ckpt", default=None)
+    s.add_argument("--data", default=None)
+    s.add_argument("--prompts", type=int, default=24, help="beam-curse: held-out prompts")
+    s.add_argument("-n", type=int, default=12, help="beam-curse: characters searched")
+    s.add_argument("--budget", type=int, default=100_000, help="beam-curse: exact-search node budget")
+    s.set_defaults(func=cmd_study)
 
     s = sub.add_parser("info", help="describe a checkpoint folder")
     s.add_argument("ckpt", nargs="?", default=None, help="checkpoint folder (default: the shipped model)")
