@@ -36,8 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
-from .sampling import (DEFAULT_CHUNK, PROMPT_BUCKET, SPAN_BUCKET, _encode_stops, _push_recent,
-                       batch_bucket, pad_rule, round_up)
+from .sampling import (
+    DEFAULT_CHUNK,
+    PROMPT_BUCKET,
+    SPAN_BUCKET,
+    _encode_stops,
+    _push_recent,
+    batch_bucket,
+    pad_rule,
+    round_up,
+)
 
 NEG_INF = -jnp.inf
 TOKEN_BUCKET = 64  # the generated-token buffers are this many tokens wide, rounded up

@@ -9,7 +9,7 @@ decoding can then be checked against it exactly (greedy / beam) or with a chi-sq
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

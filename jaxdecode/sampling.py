@@ -96,7 +96,7 @@ def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool):
     else:
         keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_ids)
         token = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
-    take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]  # noqa: E731
+    take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
     model_lp = take(jax.nn.log_softmax(logits, axis=-1))
     sample_lp = take(processed_logprobs(processed))
     if rule is not None:
@@ -321,7 +321,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         if stop_arr is not None and bool(np.all(np.asarray(state.done)[:B])):
             break  # every row has produced a stop string
 
-    cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)  # noqa: E731
+    cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
     tokens, mlp, slp, emitted = cat(0), cat(1), cat(2), cat(3)
     counts = emitted.sum(axis=1).astype(np.int32)
     stopped = np.asarray(state.done)[:B]

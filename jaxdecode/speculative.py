@@ -91,7 +91,7 @@ def iteration_noise(keys, iteration, gamma: int, V: int, draft: bool = True) -> 
     tiny = jnp.finfo(jnp.float32).tiny
     i = jnp.asarray(iteration, jnp.uint32)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i), (m,), minval=tiny))(keys)
-    gumbel = lambda x: -jnp.log(-jnp.log(x))  # noqa: E731
+    gumbel = lambda x: -jnp.log(-jnp.log(x))
     B = keys.shape[0]
     return Noise(u[:, :gamma], gumbel(u[:, gamma:gamma + V]),
                  gumbel(u[:, gamma + V:]).reshape(B, gamma, V) if draft else None)
@@ -241,7 +241,7 @@ class NGramDraft(Draft):
     MAX_INDEX = 1 << 22
 
     @classmethod
-    def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01) -> "NGramDraft":
+    def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01) -> NGramDraft:
         """Count every window of ``n`` tokens of ``tokens`` (a 1-D id array)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"NGramDraft: n must be an integer >= 1, got {n!r}")
@@ -273,7 +273,7 @@ class NGramDraft(Draft):
 
     @classmethod
     def from_corpus(cls, vocab, text: str, n: int = 3, alpha: float = 0.01,
-                    train_fraction: float = 0.9) -> "NGramDraft":
+                    train_fraction: float = 0.9) -> NGramDraft:
         """Estimate from the first ``train_fraction`` of ``text`` (the book's training split)."""
         train = text[:int(train_fraction * len(text))]
         return cls.from_tokens(vocab.encode(train), len(vocab), n=n, alpha=alpha)
@@ -345,7 +345,7 @@ class ModelDraft(Draft):
     cfg: M.ModelConfig = _static()
 
     @classmethod
-    def from_lm(cls, lm) -> "ModelDraft":
+    def from_lm(cls, lm) -> ModelDraft:
         return cls(lm.params, lm.cfg)
 
     def check(self, cfg, need):
@@ -625,7 +625,7 @@ class SpeculativeStats:
         return predicted_chars_per_pass(self.acceptance_rate, self.gamma)
 
     @classmethod
-    def total(cls, stats: Sequence["SpeculativeStats"]) -> "SpeculativeStats":
+    def total(cls, stats: Sequence[SpeculativeStats]) -> SpeculativeStats:
         stats = list(stats)
         if len({s.gamma for s in stats}) != 1:
             raise ValueError("SpeculativeStats.total: the stats have different gammas")
@@ -797,8 +797,19 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
 
 
 __all__ = [
-    "accept", "iteration_noise", "Noise", "Draft", "NGramDraft", "ModelDraft", "PromptLookupDraft",
+    "Draft",
+    "ModelDraft",
+    "NGramDraft",
+    "Noise",
+    "PromptLookupDraft",
+    "SpeculativeGeneration",
+    "SpeculativeResult",
+    "SpeculativeStats",
+    "accept",
+    "check_request",
+    "iteration_noise",
     "make_draft",
-    "SpeculativeStats", "SpeculativeResult", "SpeculativeGeneration", "predicted_chars_per_pass",
-    "check_request", "speculative_tokens", "speculative_generate",
+    "predicted_chars_per_pass",
+    "speculative_generate",
+    "speculative_tokens",
 ]

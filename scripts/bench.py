@@ -52,7 +52,7 @@ def matmul_peak() -> float:
     return 2 * 1024**3 / best_of(lambda: f(a), 10)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_bandwidth(nbytes: int) -> float:
     """Read bandwidth for a working set of ``nbytes`` (rounded to a power of two, >= 1 MB): a
     model whose weights fit in the last-level cache is bounded by that cache, not by DRAM."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
+from torch import nn
 
 CHARS = " abcdefghi.\n"
 CONFIG = {"V": len(CHARS), "T": 16, "d": 32, "L": 2, "heads": 4}

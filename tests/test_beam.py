@@ -224,7 +224,7 @@ def test_end_token_and_length_penalty_change_the_winner():
 
 
 def test_stop_string_and_early_end():
-    a, b, END = 0, 1, 2
+    b, END = 1, 2
     # the stop string "b END": "END" alone no longer ends, so the winner of case 1 above,
     # b END a, is now cut at b END (finished, ln .405) and beats every 3-token hypothesis
     r = _chain(3, 2, end_tokens=[[b, END]])

@@ -135,9 +135,9 @@ def test_bad_input(tiny_lm):
 
 # ----------------------------------------------------------------------------- exactness
 
-from collections import Counter  # noqa: E402
+from collections import Counter
 
-from jaxdecode import exact, rules  # noqa: E402
+from jaxdecode import exact, rules
 
 EXACT_CASES = {
     "plain": lambda: None,
@@ -170,7 +170,7 @@ def test_sampling_matches_exact_distribution(tiny_lm, case):
 def test_one_trace_whatever_the_rule_values(tiny_lm):
     cfg, params = tiny_lm.cfg, tiny_lm.params
     prompts = [np.array([1, 2]), np.array([3, 4, 5])]
-    make = lambda t, p, f: rules.chain(rules.frequency_penalty(f), rules.temperature(t), rules.top_p(p))  # noqa: E731
+    make = lambda t, p, f: rules.chain(rules.frequency_penalty(f), rules.temperature(t), rules.top_p(p))
     S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(0), rule=make(1.0, 0.9, 0.1), chunk=8)
     before = S._cache_chunk._cache_size()
     for t, p, f in [(0.5, 0.3, 0.0), (2.0, 1.0, 1.5), (0.0, 0.7, 0.2)]:
