@@ -329,6 +329,21 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
                        counts, stopped)
 
 
+def encode_prompts(lm, prompts: str | Sequence[str], num_samples: int):
+    """Check and encode text prompts; returns the prompt list and one token row per sample
+    (prompt-major: sample ``j`` of prompt ``i`` is row ``i * num_samples + j``)."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    for p in prompts:
+        if not p:
+            raise ValueError("the prompt is empty: give at least one character")
+    encoded = [lm.vocab.encode(p) for p in prompts]
+    return prompts, [e for e in encoded for _ in range(num_samples)]
+
+
 def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, key: jax.Array | None = None,
              rule=None, greedy: bool = False, num_samples: int = 1, stop: str | Sequence[str] | None = None,
              chunk: int = DEFAULT_CHUNK, on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
@@ -338,19 +353,9 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, k
     of prompt ``i`` uses row id ``i * num_samples + j``, so it is the same whether the prompt is
     generated alone or with others. ``on_text(row, new_text)`` streams text as chunks finish.
     """
-    single = isinstance(prompts, str)
-    prompts = [prompts] if single else list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    for p in prompts:
-        if not p:
-            raise ValueError("the prompt is empty: give at least one character")
-    encoded = [lm.vocab.encode(p) for p in prompts]
+    prompts, rows = encode_prompts(lm, prompts, num_samples)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stop_tokens = [lm.vocab.encode(s) for s in stops]
-    rows = [e for e in encoded for _ in range(num_samples)]
     key = jax.random.PRNGKey(seed) if key is None else key
 
     on_chunk = None

@@ -44,20 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import model as M
-from .sampling import PROMPT_BUCKET, SPAN_BUCKET, Generation, batch_bucket, pad_rule, round_up
+from .rules import processed_logprobs
+from .sampling import PROMPT_BUCKET, SPAN_BUCKET, Generation, batch_bucket, encode_prompts, pad_rule, round_up
 
 NEG_INF = -jnp.inf
 
 
 def _logprobs(logits):
     """``log_softmax`` that keeps ``-inf`` entries (removed tokens) at ``-inf`` without NaN."""
-    finite = jnp.isfinite(logits)
-    m = jnp.max(jnp.where(finite, logits, NEG_INF), axis=-1, keepdims=True)
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    shifted = logits - m
-    lse = jnp.log(jnp.sum(jnp.where(logits == NEG_INF, 0.0, jnp.exp(shifted)), axis=-1,
-                          keepdims=True))
-    return jnp.where(logits == NEG_INF, NEG_INF, shifted - lse)
+    return processed_logprobs(logits)
 
 
 def _take(x, idx):
@@ -776,16 +771,7 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
     ``i`` uses row id ``i * num_samples + j`` (as :func:`jaxdecode.sampling.generate`). Each
     carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
     """
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    for p in prompts:
-        if not p:
-            raise ValueError("the prompt is empty: give at least one character")
-    encoded = [lm.vocab.encode(p) for p in prompts]
-    rows = [e for e in encoded for _ in range(num_samples)]
+    prompts, rows = encode_prompts(lm, prompts, num_samples)
     key = jax.random.PRNGKey(seed) if key is None else key
     res = speculative_tokens(lm.params, lm.cfg, rows, n, key, draft=draft, gamma=gamma, rule=rule,
                              greedy=greedy)
