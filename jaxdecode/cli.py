@@ -280,6 +280,15 @@ def cmd_study(args):
         from .studies import speculative
 
         res = speculative.run(lm, out, data_path=args.data)
+    elif args.name == "decoders":
+        from .studies import decoders
+
+        res = decoders.run(lm, out, data_path=args.data)
+        for row in res["rows"]:
+            print(f"--- {row['decoder']}: {row['mean_logprob']:.2f} nats per character")
+            print(row["text"])
+        print(f"wrote {out}", file=sys.stderr)
+        return
     elif args.name == "beam-curse":
         from .studies import beam_curse
 
@@ -351,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_score)
 
     s = sub.add_parser("study", help="reproduce one of the chapter's experiments (JSON + PNG)")
-    s.add_argument("name", choices=["speculative", "beam-curse"])
+    s.add_argument("name", choices=["decoders", "speculative", "beam-curse"])
     s.add_argument("--out", default=None, help="output folder (default results/NAME)")
     s.add_argument("--ckpt", default=None)
     s.add_argument("--data", default=None)

@@ -118,3 +118,18 @@ def test_speculative_bad_input(tiny_ckpt, capsys, argv, message):
     assert main(argv + ["--ckpt", tiny_ckpt]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxdecode: error:") and message in err
+
+
+def test_study_decoders(tiny_ckpt, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc def. ghi\n" * 2000, encoding="utf-8")
+    from jaxdecode import checkpoint
+    from jaxdecode.studies import decoders
+
+    lm = checkpoint.load(tiny_ckpt)
+    res = decoders.compare(lm, corpus.read_text(), prompt="ghi\nabc", n=8, k=3)
+    by = {r["decoder"]: r for r in res["rows"]}
+    assert by["human"]["text"] == " def. gh"
+    assert all(len(r["text"]) == 8 for r in res["rows"])
+    with pytest.raises(ValueError, match="does not occur"):
+        decoders.compare(lm, corpus.read_text(), prompt="zzz", n=8)
