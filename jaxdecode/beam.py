@@ -40,10 +40,10 @@ from .sampling import (
     DEFAULT_CHUNK,
     PROMPT_BUCKET,
     SPAN_BUCKET,
-    _encode_stops,
-    _push_recent,
     batch_bucket,
+    encode_stops,
     pad_rule,
+    push_recent,
     round_up,
 )
 
@@ -199,7 +199,7 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
     flat_token = flatten_beams(token)
     rows = gather_flat((st.recent, st.length, st.tail, st.rule_state), parent)
     recent, length, tail, rule_state = rows
-    recent = _push_recent(recent, length, flat_token, T)
+    recent = push_recent(recent, length, flat_token, T)
     tail = jnp.concatenate([tail[:, 1:], flat_token[:, None]], axis=1)
     if rule is not None:
         rule_state = rule.update(rule_state, flat_token)
@@ -400,7 +400,7 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
         last = p[-T:]
         recent[i, :len(last)] = last
         length[i] = len(p)
-    stop_arr, stop_lens = _encode_stops(ends)
+    stop_arr, stop_lens = encode_stops(ends)
     S = stop_arr.shape[1] if stop_arr is not None else 1
     N = round_up(n, TOKEN_BUCKET)
 

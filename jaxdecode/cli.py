@@ -131,12 +131,24 @@ def _load(args):
     return checkpoint.load(args.ckpt)
 
 
-def cmd_generate(args):
-    from .sampling import generate, make_rule
-
+def _read_prompt(args) -> str:
     prompt = _unescape(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty: give at least one character")
+    return prompt
+
+
+def _print_samples(outs):
+    for i, o in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
+        print(o.prompt + o.text)
+
+
+def cmd_generate(args):
+    from .sampling import generate, make_rule
+
+    prompt = _read_prompt(args)
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     if args.num_samples < 1:
@@ -184,10 +196,7 @@ def cmd_generate(args):
         sys.stdout.write("\n")
         print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per character", file=sys.stderr)
         return
-    for i, o in enumerate(outs):
-        if len(outs) > 1:
-            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
-        print(o.prompt + o.text)
+    _print_samples(outs)
 
 
 def _generate_beam(args, prompt, rule, settings):
@@ -245,19 +254,14 @@ def _generate_speculative(args, prompt, rule, settings):
                "stats": total.as_dict()}
         print(json.dumps(doc, ensure_ascii=False))
         return
-    for i, o in enumerate(outs):
-        if len(outs) > 1:
-            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
-        print(o.prompt + o.text)
+    _print_samples(outs)
     print(line, file=sys.stderr)
 
 
 def cmd_mode(args):
     from .beam import mode_search
 
-    prompt = _unescape(args.prompt)
-    if not prompt:
-        raise UsageError("the prompt is empty: give at least one character")
+    prompt = _read_prompt(args)
     if args.n < 1:
         raise UsageError(f"-n must be >= 1, got {args.n}")
     lm = _load(args)

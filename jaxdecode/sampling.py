@@ -104,7 +104,7 @@ def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool):
     return token, model_lp, sample_lp, rule_state
 
 
-def _push_recent(recent, length, token, T):
+def push_recent(recent, length, token, T):
     """Append ``token`` to each row's last-T buffer (shifting once it is full)."""
     B = recent.shape[0]
     full = length >= T
@@ -124,7 +124,7 @@ def _stop_hit(tail, stops, stop_lens):
 
 def _advance(st: SamplingState, out, stops, stop_lens, T):
     token, _, _, _ = out
-    recent = _push_recent(st.recent, st.length, token, T)
+    recent = push_recent(st.recent, st.length, token, T)
     tail = jnp.concatenate([st.tail[:, 1:], token[:, None]], axis=1)
     done = st.done
     if stops is not None:
@@ -220,7 +220,7 @@ def pad_rule(rule, B: int, Bb: int):
     return jax.tree_util.tree_map(fix, rule)
 
 
-def _encode_stops(stops: Sequence[np.ndarray]):
+def encode_stops(stops: Sequence[np.ndarray]):
     if not stops:
         return None, None
     S = round_up(max(len(s) for s in stops), 8)
@@ -277,7 +277,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         length[i] = len(p)
     row_ids_b = np.concatenate([row_ids, np.arange(B, Bb) + 2**30]).astype(np.uint32)
     rule_b = pad_rule(rule, B, Bb)
-    stop_arr, stop_lens = _encode_stops(stops)
+    stop_arr, stop_lens = encode_stops(stops)
     S = stop_arr.shape[1] if stop_arr is not None else 1
     n_bucket = round_up(n, 256)
 
