@@ -123,22 +123,27 @@ class Attention(nn.Module):
 
 
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i, span):
-        """One decode step that leaves the main cache untouched (see :func:`chunk_step`)."""
+        """One decode step that leaves the main cache untouched (see :func:`chunk_step`).
+
+        The local buffers are ``[B * H, chunk, hd]``: with a separate batch axis, XLA splits the
+        write at ``B = 1`` into two fused copies and then copies the buffer several times per step.
+        """
         q, k, v = self._heads(x)  # [B, H, 1, hd]
-        k_loc = jax.lax.dynamic_update_slice(k_loc, k.astype(k_loc.dtype), (0, 0, i, 0))
-        v_loc = jax.lax.dynamic_update_slice(v_loc, v.astype(v_loc.dtype), (0, 0, i, 0))
+        B, H, _, hd = q.shape
+        k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, hd).astype(k_loc.dtype), (0, i, 0))
+        v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, hd).astype(v_loc.dtype), (0, i, 0))
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         s_main = jnp.einsum("bhqd,bhkd->bhqk", q, k_main[:, :, :span]) * scale
-        s_loc = jnp.einsum("bhqd,bhkd->bhqk", q, k_loc) * scale
+        s_loc = jnp.einsum("nqd,nkd->nqk", q.reshape(B * H, 1, hd), k_loc).reshape(B, H, 1, -1) * scale
         main_ok = (jnp.arange(span)[None, :] < main_len[:, None])[:, None, None, :]  # [B,1,1,span]
-        loc_ok = (jnp.arange(k_loc.shape[2]) <= i)[None, None, None, :]
+        loc_ok = (jnp.arange(k_loc.shape[1]) <= i)[None, None, None, :]
         s_main = jnp.where(main_ok, s_main, -jnp.inf)
         s_loc = jnp.where(loc_ok, s_loc, -jnp.inf)
         w = jax.nn.softmax(jnp.concatenate([s_main, s_loc], axis=-1), axis=-1)
+        w_loc = w[..., span:].reshape(B * H, 1, -1)
         out = (jnp.einsum("bhqk,bhkd->bhqd", w[..., :span], v_main[:, :, :span])
-               + jnp.einsum("bhqk,bhkd->bhqd", w[..., span:], v_loc))
-        B, H, S, hd = out.shape
-        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd)), k_loc, v_loc
+               + jnp.einsum("nqk,nkd->nqd", w_loc, v_loc).reshape(B, H, 1, hd))
+        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, 1, H * hd)), k_loc, v_loc
 
 
 class Block(nn.Module):
@@ -290,8 +295,9 @@ def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int |
 
 
 def empty_local(cfg: ModelConfig, batch: int, chunk: int, dtype=jnp.float32) -> KVCache:
-    """The per-chunk buffer of :func:`chunk_step` (``length`` unused)."""
-    return empty_cache(cfg, batch, chunk, dtype)
+    """The per-chunk buffer of :func:`chunk_step`: ``[B * heads, chunk, hd]`` per layer."""
+    zeros = tuple(jnp.zeros((batch * cfg.heads, chunk, cfg.head_dim), dtype) for _ in range(cfg.L))
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
 def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, span: int):
@@ -307,11 +313,24 @@ def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, toke
     return CharLM(cfg).apply({"params": params}, token, cache, local, i, span, method=CharLM.chunked)
 
 
+def grow_cache(cache: KVCache, capacity: int) -> KVCache:
+    """The same cache with room for ``capacity`` positions (unchanged if it already has that)."""
+    if capacity < cache.capacity:
+        raise ValueError(f"grow_cache: capacity {capacity} is below the current {cache.capacity}")
+    if capacity == cache.capacity:
+        return cache
+    pad = [(0, 0), (0, 0), (0, capacity - cache.capacity), (0, 0)]
+    return KVCache(tuple(jnp.pad(k, pad) for k in cache.k), tuple(jnp.pad(v, pad) for v in cache.v),
+                   cache.length)
+
+
 def merge_chunk(cache: KVCache, local: KVCache, steps) -> KVCache:
     """Append the first ``steps`` entries of a chunk buffer to every row of the cache."""
     write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
-    ks = tuple(write(c, n, cache.length) for c, n in zip(cache.k, local.k))
-    vs = tuple(write(c, n, cache.length) for c, n in zip(cache.v, local.v))
+    B, H = cache.k[0].shape[:2]
+    unfold = lambda n: n.reshape(B, H, *n.shape[1:])
+    ks = tuple(write(c, unfold(n), cache.length) for c, n in zip(cache.k, local.k))
+    vs = tuple(write(c, unfold(n), cache.length) for c, n in zip(cache.v, local.v))
     return KVCache(ks, vs, cache.length + steps)
 
 

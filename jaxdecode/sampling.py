@@ -6,8 +6,9 @@ bucketed so that new prompts do not recompile:
 
 - the batch is padded to a power of two (dummy rows, discarded);
 - the prompt width to a multiple of 16 (prefill only);
-- the attended cache span to a multiple of 128 (it grows with the text, chunk by chunk), so a
-  decode step reads only the filled part of the cache instead of all ``T`` positions.
+- the KV cache to a multiple of 128 positions that covers the text up to the end of the current
+  chunk (it grows with the text, chunk by chunk), so a decode step reads only about the filled
+  part of the cache instead of all ``T`` positions.
 
 Rule settings are traced (see :mod:`jaxdecode.rules`), so one compiled program serves every value.
 
@@ -132,14 +133,19 @@ def _advance(st: SamplingState, out, stops, stop_lens, T):
     return recent, tail, done
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "span", "chunk", "greedy"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "greedy"), donate_argnames=("cache",))
 def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_ids, stops,
-                 stop_lens, step_end, *, cfg: M.ModelConfig, span: int, chunk: int, greedy: bool):
-    """``chunk`` steps over the cache (read-only inside the scan, see ``model.chunk_step``),
-    attending over its first ``span`` positions; steps >= step_end are no-ops."""
+                 stop_lens, step_end, *, cfg: M.ModelConfig, chunk: int, greedy: bool):
+    """``chunk`` steps attending over the whole cache, which is read-only inside the scan (see
+    ``model.chunk_step``); steps >= step_end are no-ops. The chunk's keys are then appended.
+
+    The driver keeps the cache exactly as large as the span a chunk attends to (a multiple of
+    ``SPAN_BUCKET`` with room for the chunk): slicing the attended prefix out of a larger cache
+    would copy it every chunk.
+    """
     B = state.logits.shape[0]
     step_start = state.step
+    span = cache.capacity
 
     def body(carry, i):
         st, local = carry
@@ -180,6 +186,9 @@ def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
 def _prefill(params, tokens, lengths, *, cfg, capacity):
     return M.prefill(params, cfg, tokens, lengths, capacity=capacity)
+
+
+_grow = jax.jit(M.grow_cache, static_argnames=("capacity",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -285,11 +294,13 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     if rule_b is not None:
         rule_state = _rule_init(rule_b, jnp.asarray(prompt), jnp.asarray(length), V=cfg.V, max_new=n_bucket)
 
-    capacity = T + chunk  # slack so that no-op steps of a last partial chunk never clamp a write
+    def capacity(taken):  # the cache a chunk starting after `taken` steps attends to
+        return round_up(Pmax + taken + chunk, SPAN_BUCKET)
+
     cache = None
     if Pmax <= T:
         logits, cache = _prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(length),
-                                 cfg=cfg, capacity=capacity)
+                                 cfg=cfg, capacity=capacity(0))
         n_cache = min(n, T - Pmax)
     else:
         logits = _window_start(params, jnp.asarray(recent), jnp.asarray(length), cfg=cfg)
@@ -305,9 +316,10 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
         step_end = jnp.int32(taken + valid)
         if taken < n_cache:
-            span = min(capacity, round_up(Pmax + taken, SPAN_BUCKET))  # the filled part at chunk start
+            if cache.capacity < capacity(taken):
+                cache = _grow(cache, capacity=capacity(taken))
             state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, cfg=cfg,
-                                             span=span, chunk=chunk, greedy=greedy, **common)
+                                             chunk=chunk, greedy=greedy, **common)
         else:
             cache = None
             state, out = _window_chunk(params, state, step_end=step_end, cfg=cfg, chunk=chunk,
