@@ -28,6 +28,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import kernels
+
 LN_EPS = 1e-5
 
 
@@ -114,15 +116,18 @@ class Attention(nn.Module):
         write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
         k_cache = write(k_cache, k.astype(k_cache.dtype), length)
         v_cache = write(v_cache, v.astype(v_cache.dtype), length)
-        S = x.shape[1]
-        kk = k_cache[:, :, :span]
-        vv = v_cache[:, :, :span]
-        query_pos = length[:, None] + jnp.arange(S)[None, :]  # [B, S]
-        mask = jnp.arange(span)[None, None, :] <= query_pos[:, :, None]  # [B, S, span]
-        return self._attend(q, kk, vv, mask[:, None]), k_cache, v_cache
+        B, H, S, hd = q.shape
+        lim = length[:, None] + 1 + jnp.arange(S)[None, :]  # query s sees up to its own position
+        none = jnp.zeros((B * H, 0, hd), k_cache.dtype)
+        out = kernels.attention(q, k_cache, v_cache, lim, none, none, jnp.zeros((B, S), jnp.int32),
+                                1.0 / math.sqrt(hd), span=span)
+        return self._merge_heads(out), k_cache, v_cache
 
+    def _merge_heads(self, out):  # [B, H, S, hd] -> proj([B, S, d])
+        B, H, S, hd = out.shape
+        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
 
-    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i, span):
+    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
         """One decode step that leaves the main cache untouched (see :func:`chunk_step`).
 
         The local buffers are ``[B * H, chunk, hd]``: with a separate batch axis, XLA splits the
@@ -132,18 +137,9 @@ class Attention(nn.Module):
         B, H, _, hd = q.shape
         k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, hd).astype(k_loc.dtype), (0, i, 0))
         v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, hd).astype(v_loc.dtype), (0, i, 0))
-        scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        s_main = jnp.einsum("bhqd,bhkd->bhqk", q, k_main[:, :, :span]) * scale
-        s_loc = jnp.einsum("nqd,nkd->nqk", q.reshape(B * H, 1, hd), k_loc).reshape(B, H, 1, -1) * scale
-        main_ok = (jnp.arange(span)[None, :] < main_len[:, None])[:, None, None, :]  # [B,1,1,span]
-        loc_ok = (jnp.arange(k_loc.shape[1]) <= i)[None, None, None, :]
-        s_main = jnp.where(main_ok, s_main, -jnp.inf)
-        s_loc = jnp.where(loc_ok, s_loc, -jnp.inf)
-        w = jax.nn.softmax(jnp.concatenate([s_main, s_loc], axis=-1), axis=-1)
-        w_loc = w[..., span:].reshape(B * H, 1, -1)
-        out = (jnp.einsum("bhqk,bhkd->bhqd", w[..., :span], v_main[:, :, :span])
-               + jnp.einsum("nqk,nkd->nqd", w_loc, v_loc).reshape(B, H, 1, hd))
-        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, 1, H * hd)), k_loc, v_loc
+        out = kernels.attention(q, k_main, v_main, main_len[:, None], k_loc, v_loc,
+                                jnp.full((B, 1), i + 1, jnp.int32), 1.0 / math.sqrt(hd))
+        return self._merge_heads(out), k_loc, v_loc
 
 
 class Block(nn.Module):
@@ -171,8 +167,8 @@ class Block(nn.Module):
         return x + self._ff(x), k_cache, v_cache
 
 
-    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i, span):
-        a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i, span)
+    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
+        a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i)
         x = x + a
         return x + self._ff(x), k_loc, v_loc
 
@@ -218,12 +214,12 @@ class CharLM(nn.Module):
         return logits, KVCache(tuple(ks), tuple(vs), cache.length + S)
 
 
-    def chunked(self, token, cache: KVCache, local: KVCache, i, span: int):
+    def chunked(self, token, cache: KVCache, local: KVCache, i):
         positions = jnp.minimum(cache.length + i, self.cfg.T - 1)[:, None]
         h = self.tok(token[:, None]) + self.pos(positions)
         ks, vs = [], []
         for block, kc, vc, kl, vl in zip(self.blocks, cache.k, cache.v, local.k, local.v):
-            h, kl, vl = block.chunked(h, kc, vc, cache.length, kl, vl, i, span)
+            h, kl, vl = block.chunked(h, kc, vc, cache.length, kl, vl, i)
             ks.append(kl)
             vs.append(vl)
         logits = self.tok.attend(self.ln(h))[:, 0]
@@ -300,17 +296,17 @@ def empty_local(cfg: ModelConfig, batch: int, chunk: int, dtype=jnp.float32) -> 
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
-def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, span: int):
+def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token):
     """Decode step ``i`` of a chunk: the main ``cache`` is read, never written.
 
     A decode loop that writes each new key into a large loop-carried cache and reads it back in
     the same iteration makes XLA copy the cache every step. Here the keys of the current chunk go
-    into a small ``local`` buffer ``[B, H, chunk, hd]`` at index ``i`` (the same for every row);
-    attention covers the main cache's first ``span`` positions (valid below ``cache.length``)
-    and the local buffer up to ``i``. :func:`merge_chunk` appends the buffer to the cache after
+    into a small ``local`` buffer ``[B * H, chunk, hd]`` at index ``i`` (the same for every row);
+    attention covers the whole main cache (valid below ``cache.length``) and the local buffer up
+    to ``i``, so the caller sizes the cache to what it wants attended (see ``grow_cache``). :func:`merge_chunk` appends the buffer to the cache after
     the chunk. Returns logits ``[B, V]`` and the updated buffer.
     """
-    return CharLM(cfg).apply({"params": params}, token, cache, local, i, span, method=CharLM.chunked)
+    return CharLM(cfg).apply({"params": params}, token, cache, local, i, method=CharLM.chunked)
 
 
 def grow_cache(cache: KVCache, capacity: int) -> KVCache:

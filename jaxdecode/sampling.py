@@ -6,9 +6,10 @@ bucketed so that new prompts do not recompile:
 
 - the batch is padded to a power of two (dummy rows, discarded);
 - the prompt width to a multiple of 16 (prefill only);
-- the KV cache to a multiple of 128 positions that covers the text up to the end of the current
-  chunk (it grows with the text, chunk by chunk), so a decode step reads only about the filled
-  part of the cache instead of all ``T`` positions.
+- the KV cache to a multiple of 128 positions. On the CPU backend the native attention kernel
+  (:mod:`jaxdecode.kernels`) reads each row only up to its length, so the cache is allocated once
+  for the request; elsewhere attention reads the whole cache, so the cache covers the text only up
+  to the end of the current chunk and grows, chunk by chunk, as the text does.
 
 Rule settings are traced (see :mod:`jaxdecode.rules`), so one compiled program serves every value.
 
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from . import model as M
 
 SPAN_BUCKET = 128
@@ -145,14 +147,13 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
     """
     B = state.logits.shape[0]
     step_start = state.step
-    span = cache.capacity
 
     def body(carry, i):
         st, local = carry
         active = st.step < step_end
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
-        logits, local = M.chunk_step(params, cfg, cache, local, i, token, span)
+        logits, local = M.chunk_step(params, cfg, cache, local, i, token)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
         # an inactive step leaves the state as it was (its buffer entry is never merged)
         new = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, st)
@@ -294,8 +295,13 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     if rule_b is not None:
         rule_state = _rule_init(rule_b, jnp.asarray(prompt), jnp.asarray(length), V=cfg.V, max_new=n_bucket)
 
-    def capacity(taken):  # the cache a chunk starting after `taken` steps attends to
-        return round_up(Pmax + taken + chunk, SPAN_BUCKET)
+    # The cache a chunk starting after `taken` steps needs. The native CPU attention kernel reads
+    # each row only up to its length, so there the cache is allocated once for the whole request;
+    # the jax.numpy attention reads the whole cache, so there it grows with the text.
+    whole = kernels.reads_only_filled()
+
+    def capacity(taken):
+        return round_up((min(T, Pmax + n) if whole else Pmax + taken) + chunk, SPAN_BUCKET)
 
     cache = None
     if Pmax <= T:

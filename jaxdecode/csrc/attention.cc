@@ -1,0 +1,261 @@
+// Decode attention for the XLA CPU backend: few queries per row against a long KV cache.
+//
+// XLA CPU lowers the attention contractions of a decode step (one query per row and head) to a
+// batched matrix product over B * H tiny matrices, and it must first copy the attended prefix of
+// the cache out of the larger cache buffer. This kernel instead walks each row's keys and values
+// in place, up to that row's own length, and spreads the (row, head) pairs over XLA's intra-op
+// thread pool.
+//
+// Inputs (float32 unless noted):
+//   q    [B, H, S, D]  queries
+//   k, v [B, H, C, D]  the main cache
+//   lim  [B, S] int32  query (b, s) sees main positions t < lim[b, s]
+//   k2, v2 [B * H, L, D] a second, small buffer (the current decode chunk; L may be 0)
+//   n2   [B, S] int32  query (b, s) sees buffer positions t < n2[b, s]
+// Output: out [B, H, S, D] = softmax(scale * q . keys) @ values over the visible positions of both
+// buffers (zeros for a query that sees nothing).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Problem {
+  const float *q, *k, *v, *k2, *v2;
+  const int32_t *lim, *n2;
+  float* out;
+  int64_t B, H, S, D, C, L;
+  float scale;
+};
+
+// Generic version: any head size.
+void RowHeadScalar(const Problem& p, int64_t bh, std::vector<float>& scores) {
+  const int64_t b = bh / p.H, D = p.D;
+  const float* kb = p.k + bh * p.C * D;
+  const float* vb = p.v + bh * p.C * D;
+  const float* k2b = p.k2 + bh * p.L * D;
+  const float* v2b = p.v2 + bh * p.L * D;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t n1 = std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.C);
+    const int64_t m2 = std::clamp<int64_t>(p.n2[b * p.S + s], 0, p.L);
+    const float* qs = p.q + (bh * p.S + s) * D;
+    float* os = p.out + (bh * p.S + s) * D;
+    std::fill(os, os + D, 0.f);
+    if (n1 + m2 == 0) continue;
+    scores.resize(n1 + m2);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n1 + m2; ++t) {
+      const float* kt = t < n1 ? kb + t * D : k2b + (t - n1) * D;
+      float acc = 0.f;
+      for (int64_t i = 0; i < D; ++i) acc += qs[i] * kt[i];
+      scores[t] = p.scale * acc;
+      mx = std::max(mx, scores[t]);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < n1 + m2; ++t) total += (scores[t] = std::exp(scores[t] - mx));
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < n1 + m2; ++t) {
+      const float* vt = t < n1 ? vb + t * D : v2b + (t - n1) * D;
+      const float w = scores[t] * inv;
+      for (int64_t i = 0; i < D; ++i) os[i] += w * vt[i];
+    }
+  }
+}
+
+// Head sizes that are a multiple of 8: eight-float vectors (AVX with -march=native, two SSE
+// registers otherwise), four keys at a time so that the multiply-adds do not wait on each other.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 Load(const float* p) {
+  v8 r;
+  __builtin_memcpy(&r, p, sizeof r);
+  return r;
+}
+
+inline float Sum(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+typedef int v8i __attribute__((vector_size(32)));
+
+// exp for x <= 0 (scores minus their maximum), Cephes' single-precision method: 2^n times a
+// degree-6 polynomial on [-ln2/2, ln2/2]; within 2 ulp of std::exp down to about 1e-38.
+inline v8 Exp(v8 x) {
+  x = x < -87.0f ? v8{} - 87.0f : x;
+  const v8 z = x * 1.44269504088896341f + 0.5f;
+  v8i n = __builtin_convertvector(z, v8i);           // truncates toward zero
+  n += (v8i)(__builtin_convertvector(n, v8) > z);    // ... so floor: minus one where it rounded up
+  const v8 fn = __builtin_convertvector(n, v8);
+  x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  const v8 x2 = x * x;
+  v8 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x2 + x + 1.0f;
+  return y * (v8)((n + 127) << 23);
+}
+
+// scores[t] = exp(scores[t] - mx) for t < n; returns their sum.
+inline float ExpShift(float* scores, int64_t n, float mx) {
+  v8 total = {};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const v8 e = Exp(Load(scores + t) - mx);
+    __builtin_memcpy(scores + t, &e, sizeof e);
+    total += e;
+  }
+  float rest = 0.f;
+  for (; t < n; ++t) rest += (scores[t] = std::exp(scores[t] - mx));
+  return Sum(total) + rest;
+}
+
+template <int NV>
+void Scores(const v8* qv, const float* kb, int64_t n, float* out, float& mx) {
+  constexpr int64_t D = 8 * NV;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* k0 = kb + t * D;
+    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int j = 0; j < NV; ++j) {
+      a0 += qv[j] * Load(k0 + 8 * j);
+      a1 += qv[j] * Load(k0 + D + 8 * j);
+      a2 += qv[j] * Load(k0 + 2 * D + 8 * j);
+      a3 += qv[j] * Load(k0 + 3 * D + 8 * j);
+    }
+    out[t] = Sum(a0), out[t + 1] = Sum(a1), out[t + 2] = Sum(a2), out[t + 3] = Sum(a3);
+    mx = std::max(mx, std::max(std::max(out[t], out[t + 1]), std::max(out[t + 2], out[t + 3])));
+  }
+  for (; t < n; ++t) {
+    v8 a = {};
+    for (int j = 0; j < NV; ++j) a += qv[j] * Load(kb + t * D + 8 * j);
+    out[t] = Sum(a);
+    mx = std::max(mx, out[t]);
+  }
+}
+
+template <int NV>
+void Weighted(const float* w, const float* vb, int64_t n, v8* acc) {
+  constexpr int64_t D = 8 * NV;
+  for (int64_t t = 0; t < n; ++t) {
+    const v8 wt = v8{} + w[t];
+    for (int j = 0; j < NV; ++j) acc[j] += wt * Load(vb + t * D + 8 * j);
+  }
+}
+
+template <int NV>
+void RowHeadVec(const Problem& p, int64_t bh, std::vector<float>& scores) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t b = bh / p.H;
+  const float* kb = p.k + bh * p.C * D;
+  const float* vb = p.v + bh * p.C * D;
+  const float* k2b = p.k2 + bh * p.L * D;
+  const float* v2b = p.v2 + bh * p.L * D;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t n1 = std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.C);
+    const int64_t m2 = std::clamp<int64_t>(p.n2[b * p.S + s], 0, p.L);
+    const float* qs = p.q + (bh * p.S + s) * D;
+    float* os = p.out + (bh * p.S + s) * D;
+    if (n1 + m2 == 0) {
+      std::fill(os, os + D, 0.f);
+      continue;
+    }
+    v8 qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = Load(qs + 8 * j) * p.scale;
+    scores.resize(n1 + m2);
+    float mx = -INFINITY;
+    Scores<NV>(qv, kb, n1, scores.data(), mx);
+    Scores<NV>(qv, k2b, m2, scores.data() + n1, mx);
+    const float total = ExpShift(scores.data(), n1 + m2, mx);
+    v8 acc[NV] = {};
+    Weighted<NV>(scores.data(), vb, n1, acc);
+    Weighted<NV>(scores.data() + n1, v2b, m2, acc);
+    const float inv = 1.f / total;
+    for (int j = 0; j < NV; ++j) {
+      const v8 o = acc[j] * inv;
+      __builtin_memcpy(os + 8 * j, &o, sizeof o);
+    }
+  }
+}
+
+void RowHead(const Problem& p, int64_t bh, std::vector<float>& scores) {
+  switch (p.D) {
+    case 16: return RowHeadVec<2>(p, bh, scores);
+    case 32: return RowHeadVec<4>(p, bh, scores);
+    case 64: return RowHeadVec<8>(p, bh, scores);
+    case 128: return RowHeadVec<16>(p, bh, scores);
+    default: return RowHeadScalar(p, bh, scores);
+  }
+}
+
+// Work shared between the calling thread and pool tasks that may start late (or after the call
+// returned): it lives in a shared_ptr, and a task that finds no item left touches nothing else.
+struct Shared {
+  Problem p;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+  int64_t items = 0;
+
+  void Work() {
+    thread_local std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      RowHead(p, i, scores);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lim,
+                               ffi::Buffer<ffi::F32> k2, ffi::Buffer<ffi::F32> v2,
+                               ffi::Buffer<ffi::S32> n2, ffi::ResultBuffer<ffi::F32> out,
+                               float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), k2d = k2.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || k2d.size() != 3)
+    return ffi::Error::InvalidArgument("decode_attention: q and k must have rank 4, k2 rank 3");
+  auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
+  if (kd[0] != qd[0] || kd[1] != qd[1] || kd[3] != qd[3]) return bad("decode_attention: k does not match q");
+  if (k2d[0] != qd[0] * qd[1] || k2d[2] != qd[3]) return bad("decode_attention: k2 does not match q");
+  if (v.element_count() != k.element_count() || v2.element_count() != k2.element_count())
+    return bad("decode_attention: values do not match keys");
+  if (lim.element_count() != qd[0] * qd[2] || n2.element_count() != qd[0] * qd[2])
+    return bad("decode_attention: lim and n2 must be [B, S]");
+
+  auto sh = std::make_shared<Shared>();
+  sh->p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), k2.typed_data(), v2.typed_data(),
+                  lim.typed_data(), n2.typed_data(), out->typed_data(),
+                  qd[0], qd[1], qd[2], qd[3], kd[2], k2d[1], scale};
+  sh->items = qd[0] * qd[1];
+  // Threads only pay off for large problems (a task hand-off costs microseconds).
+  const int64_t work = sh->items * qd[2] * (kd[2] + k2d[1]) * qd[3];
+  int64_t helpers = work >= (int64_t{1} << 20) ? std::min<int64_t>(pool.num_threads(), sh->items) - 1 : 0;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->Work(); });
+  sh->Work();
+  while (sh->finished.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lim
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k2
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v2
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // n2
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale"));

@@ -1,0 +1,162 @@
+"""A native decode-attention kernel for the XLA CPU backend, with a pure-JAX fallback.
+
+XLA CPU turns the attention of a decode step (one or a few queries per row against a long KV
+cache) into a batched product over ``B * heads`` tiny matrices, after copying the attended part of
+the cache out of the cache buffer. :func:`attention` instead calls a small C++ kernel
+(``csrc/attention.cc``, an XLA FFI custom call) that reads every row's keys and values in place,
+only up to that row's own length, on XLA's intra-op threads. Other backends (GPU, TPU) and
+machines without a C++ compiler use the same computation written in ``jax.numpy``.
+
+The kernel is compiled on first use with the system's ``c++`` (``-O3 -march=native``) against the
+XLA FFI headers that ship with jaxlib, and cached under ``$JAXDECODE_CACHE`` (default
+``~/.cache/jaxdecode``) by a hash of its source, jaxlib's version and the CPU. The environment
+variable ``JAXDECODE_KERNELS`` selects: ``auto`` (default: use it if it builds), ``0`` (never) or
+``1`` (required: an error if it cannot be built).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).parent / "csrc" / "attention.cc"
+_TARGET = "jaxdecode_decode_attention"
+
+
+class KernelError(RuntimeError):
+    """The native kernel was required (``JAXDECODE_KERNELS=1``) but could not be built."""
+
+
+def _mode() -> str:
+    mode = os.environ.get("JAXDECODE_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise KernelError(f"JAXDECODE_KERNELS must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXDECODE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode")
+    return Path(root) / "kernels"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel (if not already cached) and return the shared library's path."""
+    import jaxlib
+
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + jaxlib.__version__.encode() + _cpu_name().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"attention-{key}.so"
+    if out.exists():
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise KernelError("no C++ compiler found (set CXX or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+           f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelError(f"compiling {_SOURCE.name} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent or interrupted build never leaves half a library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if verbose:
+        print(f"built {out}")
+    return out
+
+
+@functools.cache
+def _load() -> bool:
+    """Build and register the kernel once per process; False if it is off or unavailable."""
+    mode = _mode()
+    if mode == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodeDecodeAttention), platform="cpu")
+        return True
+    except Exception as e:  # no compiler, failed build, unloadable library
+        if mode == "1":
+            raise e if isinstance(e, KernelError) else KernelError(str(e)) from e
+        return False
+
+
+def available() -> bool:
+    """Whether :func:`attention` will use the native kernel on the CPU backend."""
+    return _load()
+
+
+def reads_only_filled() -> bool:
+    """Whether :func:`attention` on the default backend reads each row only up to its limit (the
+    native kernel), so that a large, mostly empty cache costs nothing extra to attend over."""
+    return jax.default_backend() == "cpu" and available()
+
+
+def reference_attention(q, k, v, lim, k2, v2, n2, scale):
+    """The kernel's computation in ``jax.numpy`` (see :func:`attention`)."""
+    B, H, _, D = q.shape
+    k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
+    s1 = jnp.einsum("bhsd,bhtd->bhst", q, k) * scale
+    s2 = jnp.einsum("bhsd,bhtd->bhst", q, k2) * scale
+    ok1 = (jnp.arange(k.shape[2])[None, None, :] < lim[:, :, None])[:, None]  # [B, 1, S, C]
+    ok2 = (jnp.arange(k2.shape[2])[None, None, :] < n2[:, :, None])[:, None]
+    s = jnp.concatenate([jnp.where(ok1, s1, -jnp.inf), jnp.where(ok2, s2, -jnp.inf)], axis=-1)
+    w = jax.nn.softmax(s, axis=-1)
+    C = k.shape[2]
+    return (jnp.einsum("bhst,bhtd->bhsd", w[..., :C], v)
+            + jnp.einsum("bhst,bhtd->bhsd", w[..., C:], v2))
+
+
+def attention(q, k, v, lim, k2, v2, n2, scale: float, span: int | None = None):
+    """Softmax attention of queries ``q`` ``[B, H, S, D]`` over two key/value buffers.
+
+    Query ``(b, s)`` sees positions ``t < lim[b, s]`` of ``k, v`` ``[B, H, C, D]`` and
+    ``t < n2[b, s]`` of ``k2, v2`` ``[B * H, L, D]`` (``lim``, ``n2``: ``[B, S]`` int32). Every
+    query must see at least one position. On the CPU backend this is the native kernel when it is
+    available, elsewhere :func:`reference_attention`. ``span`` (static, optional) promises
+    ``lim <= span``: the fallback then reads only the first ``span`` positions of ``k, v`` (the
+    kernel reads each row up to its limit anyway).
+    """
+    lim = jnp.asarray(lim, jnp.int32)
+    n2 = jnp.asarray(n2, jnp.int32)
+
+    def ref(q, k, v, lim, k2, v2, n2):
+        if span is not None:
+            k, v = k[:, :, :span], v[:, :, :span]
+        return reference_attention(q, k, v, lim, k2, v2, n2, scale)
+
+    if not _load() or q.dtype != jnp.float32 or k.dtype != jnp.float32:
+        return ref(q, k, v, lim, k2, v2, n2)
+
+    def native(q, k, v, lim, k2, v2, n2):
+        call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        return call(q, k, v, lim, k2, v2, n2, scale=np.float32(scale))
+
+    return jax.lax.platform_dependent(q, k, v, lim, k2, v2, n2, cpu=native, default=ref)
