@@ -1,6 +1,6 @@
 """Greedy and ancestral sampling as ``lax.scan`` loops over a KV cache, for ragged batches.
 
-The loop runs in chunks of ``chunk`` steps, each one jitted ``lax.scan``; between chunks the host
+The loop runs in chunks of up to ``chunk`` steps, each one jitted loop; between chunks the host
 receives the new tokens (for streaming) and checks whether every row has stopped. Shapes are
 bucketed so that new prompts do not recompile:
 
@@ -38,6 +38,7 @@ from . import model as M
 SPAN_BUCKET = 128
 PROMPT_BUCKET = 16
 DEFAULT_CHUNK = 32
+SMALL_BATCH_CHUNK = 64  # up to 4 rows a step is cheap, and each host round trip counts more
 
 
 def batch_bucket(b: int) -> int:
@@ -135,53 +136,59 @@ def _advance(st: SamplingState, out, stops, stop_lens, T):
     return recent, tail, done
 
 
+def _empty_outputs(chunk: int, B: int) -> StepOutput:
+    z = lambda dtype: jnp.zeros((chunk, B), dtype)
+    return StepOutput(z(jnp.int32), z(jnp.float32), z(jnp.float32), z(bool))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "greedy"), donate_argnames=("cache",))
 def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_ids, stops,
                  stop_lens, step_end, *, cfg: M.ModelConfig, chunk: int, greedy: bool):
-    """``chunk`` steps attending over the whole cache, which is read-only inside the scan (see
-    ``model.chunk_step``); steps >= step_end are no-ops. The chunk's keys are then appended.
+    """Steps up to ``step_end`` (at most ``chunk``) attending over the cache, which is read-only
+    inside the loop (see ``model.chunk_step``); the chunk's keys are then appended to it.
 
-    The driver keeps the cache exactly as large as the span a chunk attends to (a multiple of
-    ``SPAN_BUCKET`` with room for the chunk): slicing the attended prefix out of a larger cache
-    would copy it every chunk.
+    The loop runs exactly the steps asked for (a dynamic trip count), so a last, partial chunk
+    costs no idle steps and needs no program of its own. Outputs past the steps run are zeros
+    (``emitted`` False).
     """
     B = state.logits.shape[0]
-    step_start = state.step
+    steps = jnp.clip(step_end - state.step, 0, chunk)
 
-    def body(carry, i):
-        st, local = carry
-        active = st.step < step_end
+    def body(i, carry):
+        st, local, outs = carry
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
         logits, local = M.chunk_step(params, cfg, cache, local, i, token)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
-        # an inactive step leaves the state as it was (its buffer entry is never merged)
-        new = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, st)
-        emitted = active & ~st.done
-        return (new, local), StepOutput(token, mlp, slp, emitted)
+        out = StepOutput(token, mlp, slp, ~st.done)
+        outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs, out)
+        return new, local, outs
 
     local = M.empty_local(cfg, B, chunk, cache.k[0].dtype)
-    (state, local), outs = jax.lax.scan(body, (state, local), jnp.arange(chunk))
-    cache = M.merge_chunk(cache, local, jnp.clip(step_end - step_start, 0, chunk))
+    state, local, outs = jax.lax.fori_loop(0, steps, body, (state, local, _empty_outputs(chunk, B)))
+    cache = M.merge_chunk(cache, local, steps)
     return state, cache, outs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "greedy"))
 def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_lens, step_end, *,
                   cfg: M.ModelConfig, chunk: int, greedy: bool):
-    """``chunk`` steps of the exact window mode: a forward over each row's last T tokens."""
+    """Steps up to ``step_end`` (at most ``chunk``) of the exact window mode: a forward over each
+    row's last T tokens."""
+    B = state.logits.shape[0]
 
-    def body(st, _):
-        active = st.step < step_end
+    def body(i, carry):
+        st, outs = carry
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
         logits = M.window_logits(params, cfg, recent, st.length + 1)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
-        new = jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, st)
-        emitted = active & ~st.done
-        return new, StepOutput(token, mlp, slp, emitted)
+        outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs,
+                                      StepOutput(token, mlp, slp, ~st.done))
+        return new, outs
 
-    return jax.lax.scan(body, state, None, length=chunk)
+    steps = jnp.clip(step_end - state.step, 0, chunk)
+    return jax.lax.fori_loop(0, steps, body, (state, _empty_outputs(chunk, B)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
@@ -247,14 +254,15 @@ def encode_stops(stops: Sequence[np.ndarray]):
 
 def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: int, key: jax.Array,
                   rule=None, greedy: bool = False, row_ids: Sequence[int] | None = None,
-                  stops: Sequence[np.ndarray] = (), chunk: int = DEFAULT_CHUNK,
+                  stops: Sequence[np.ndarray] = (), chunk: int | None = None,
                   on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1).
 
     ``rule``: a :mod:`jaxdecode.rules` rule (or chain) applied before choosing; ``greedy`` takes
     the argmax of the processed logits instead of sampling. ``row_ids`` (default ``0..B-1``) name
     the rows for the PRNG. ``stops``: token sequences that end a row once generated.
-    ``on_chunk(tokens [B, c], emitted [B, c])`` is called after every chunk (for streaming).
+    ``on_chunk(tokens [B, c], emitted [B, c])`` is called after every chunk (for streaming);
+    ``chunk`` is the number of steps between host round trips (default 64 up to 4 rows, else 32).
     """
     B = len(prompts)
     if B == 0:
@@ -272,7 +280,9 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
                            np.zeros(B, bool))
     T = cfg.T
-    chunk = min(chunk, batch_bucket(n))  # short requests do not run a whole chunk of idle steps
+    if chunk is None:
+        chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
+    chunk = min(chunk, batch_bucket(n))  # short requests get a smaller buffer
     Bb = batch_bucket(B)
     Pmax = int(lens.max())
     Pb = round_up(Pmax, PROMPT_BUCKET)
@@ -364,7 +374,7 @@ def encode_prompts(lm, prompts: str | Sequence[str], num_samples: int):
 
 def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, key: jax.Array | None = None,
              rule=None, greedy: bool = False, num_samples: int = 1, stop: str | Sequence[str] | None = None,
-             chunk: int = DEFAULT_CHUNK, on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
+             chunk: int | None = None, on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
     """Generate ``n`` characters after each prompt with a loaded model ``lm``.
 
     Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major. Sample ``j``

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from . import model as M
 from .rules import processed_logprobs
 from .sampling import PROMPT_BUCKET, SPAN_BUCKET, Generation, batch_bucket, encode_prompts, pad_rule, round_up
@@ -736,13 +737,15 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
         accepted=jnp.zeros((Bb,), jnp.int32), iteration=jnp.int32(0))
     n_j = jnp.int32(n)
     ids_j = jnp.asarray(row_ids_b)
+    whole = kernels.reads_only_filled()
     while True:
         count_h, context_h = jax.device_get((state.count, state.context))
         active = count_h < n
         if not active.any():
             break
-        # unfinished rows stay within T (checked above); finished ones may attend to garbage
-        span = min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
+        # unfinished rows stay within T (checked above); finished ones may attend to garbage.
+        # The native CPU attention reads each row only up to its length: one segment for all.
+        span = cfg.T if whole else min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
         state = _segment(params, draft, state, rule_b, key, ids_j, n_j, cfg=cfg, gamma=gamma,
                          span=span, greedy=greedy)
 
