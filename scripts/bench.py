@@ -8,7 +8,8 @@ Rows (characters per second, 300 new characters after a 32-character prompt, ins
   (jitted, the text padded to a multiple of 64 so that it compiles a handful of times), batch 1;
 - ``python loop``: a Python loop over a jitted cached step (full-capacity cache, one dispatch per
   character), the usual hand-written decode loop;
-- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9;
+- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9, and greedy with the
+  native CPU attention kernel switched off (the ``jax.numpy`` attention of other backends);
 - one row past the window (600 characters: the exact window mode after T).
 
 Each row is compared with its physical bound on this machine, the larger of FLOPs / measured
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import checkpoint, rules
+from jaxdecode import checkpoint, kernels, rules
 from jaxdecode import model as M
 from jaxdecode import sampling as S
 
@@ -60,7 +61,7 @@ def memory_bandwidth(nbytes: int) -> float:
     x = jnp.ones((size // 4,), jnp.float32)
     f = jax.jit(jnp.sum)
     f(x).block_until_ready()
-    reps = max(3, min(50, (1 << 30) // size))
+    reps = max(10, min(50, (1 << 30) // size))
     return size / best_of(lambda: f(x), reps)
 
 
@@ -164,7 +165,8 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
-            "jax": jax.__version__, "python": platform.python_version()}
+            "jax": jax.__version__, "python": platform.python_version(),
+            "native_attention_kernel": kernels.reads_only_filled()}
 
 
 def main():
@@ -177,11 +179,13 @@ def main():
 
     lm = checkpoint.load(args.ckpt)
     cfg = lm.cfg
+    _native = kernels._load
     ids = lm.vocab.encode(PROMPT)
     n = args.n
     peak = matmul_peak()
     info = machine()
-    print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']})")
+    print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']}), "
+          f"native attention kernel: {info['native_attention_kernel']}")
     bws = {f"{mb} MB": memory_bandwidth(mb << 20) for mb in (16, 64, 256, 1024)}
     print(f"# matmul peak {peak / 1e9:.0f} GFLOP/s; read bandwidth by working set: "
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bws.items()))
@@ -205,6 +209,14 @@ def main():
         add("jaxdecode greedy", B, rate, comp)
         rate, comp = jaxdecode_rate(lm, ids, n, B, rule=rules.top_p(0.9))
         add("jaxdecode top-p 0.9", B, rate, comp)
+    if kernels.reads_only_filled():  # the same loops with the jax.numpy attention
+        kernels._load = lambda: False
+        jax.clear_caches()
+        for B in [int(b) for b in args.batches.split(",")]:
+            rate, comp = jaxdecode_rate(lm, ids, n, B, greedy=True)
+            add("jaxdecode greedy, jnp attention", B, rate, comp)
+        kernels._load = _native
+        jax.clear_caches()
     long_n = cfg.T + 100 - len(ids)
     rate, comp = jaxdecode_rate(lm, ids, long_n, 1, rule=rules.top_p(0.9))
     add(f"jaxdecode top-p, {long_n} chars (past T)", 1, rate, comp,
