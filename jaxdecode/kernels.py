@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -32,6 +33,8 @@ import numpy as np
 
 _SOURCE = Path(__file__).parent / "csrc" / "attention.cc"
 _TARGET = "jaxdecode_decode_attention"
+_DENSE = "jaxdecode_dense"
+DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
 
 
 class KernelError(RuntimeError):
@@ -101,6 +104,7 @@ def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodeDecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
         return True
     except Exception as e:  # no compiler, failed build, unloadable library
         if mode == "1":
@@ -160,3 +164,28 @@ def attention(q, k, v, lim, k2, v2, n2, scale: float, span: int | None = None):
         return call(q, k, v, lim, k2, v2, n2, scale=np.float32(scale))
 
     return jax.lax.platform_dependent(q, k, v, lim, k2, v2, n2, cpu=native, default=ref)
+
+
+def dense(x, w, b):
+    """``x @ w + b`` for ``x`` ``[..., K]``, ``w`` ``[K, N]``, ``b`` ``[N]``.
+
+    With at most :data:`DENSE_MAX_ROWS` rows (a decode step at batch 1 or 2) on the CPU backend,
+    the native kernel streams the weights in order, split over XLA's threads: a one-row product is
+    bound by reading the weights, which XLA CPU does on one thread. Otherwise (and on other
+    backends) an ordinary ``jnp.dot``.
+    """
+    lead, (K, N) = x.shape[:-1], w.shape
+    M = math.prod(lead)
+
+    def ref(x, w, b):
+        return jnp.dot(x, w) + b.reshape((1,) * len(lead) + (N,))
+
+    if (M > DENSE_MAX_ROWS or N % 8 or not _load() or
+            not all(a.dtype == jnp.float32 for a in (x, w, b))):
+        return ref(x, w, b)
+
+    def native(x, w, b):
+        call = jax.ffi.ffi_call(_DENSE, jax.ShapeDtypeStruct((M, N), jnp.float32))
+        return call(x.reshape(M, K), w, b).reshape(*lead, N)
+
+    return jax.lax.platform_dependent(x, w, b, cpu=native, default=ref)

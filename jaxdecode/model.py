@@ -82,6 +82,12 @@ def _init(std):
     return nn.initializers.normal(stddev=std)
 
 
+def _dense(layer: nn.Dense, x):
+    """``layer(x)`` through :func:`jaxdecode.kernels.dense` (the decode paths: few rows)."""
+    p = layer.variables["params"]
+    return kernels.dense(x, p["kernel"], p["bias"])
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -90,9 +96,10 @@ class Attention(nn.Module):
         self.qkv = nn.Dense(3 * d, kernel_init=_init(0.02), name="qkv")
         self.proj = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="proj")
 
-    def _heads(self, x):  # [B, S, d] -> q, k, v each [B, H, S, hd]
+    def _heads(self, x, decode=False):  # [B, S, d] -> q, k, v each [B, H, S, hd]
         B, S, _ = x.shape
-        qkv = self.qkv(x).reshape(B, S, 3, self.cfg.heads, self.cfg.head_dim)
+        qkv = _dense(self.qkv, x) if decode else self.qkv(x)
+        qkv = qkv.reshape(B, S, 3, self.cfg.heads, self.cfg.head_dim)
         q, k, v = (jnp.transpose(qkv[:, :, i], (0, 2, 1, 3)) for i in range(3))
         return q, k, v
 
@@ -112,7 +119,7 @@ class Attention(nn.Module):
 
     def cached(self, x, k_cache, v_cache, length, span):
         """Append ``x`` ([B, S, d]) at each row's ``length`` and attend over the first ``span``."""
-        q, k, v = self._heads(x)
+        q, k, v = self._heads(x, decode=True)
         write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
         k_cache = write(k_cache, k.astype(k_cache.dtype), length)
         v_cache = write(v_cache, v.astype(v_cache.dtype), length)
@@ -123,9 +130,9 @@ class Attention(nn.Module):
                                 1.0 / math.sqrt(hd), span=span)
         return self._merge_heads(out), k_cache, v_cache
 
-    def _merge_heads(self, out):  # [B, H, S, hd] -> proj([B, S, d])
+    def _merge_heads(self, out):  # [B, H, S, hd] -> proj([B, S, d]), on the decode paths
         B, H, S, hd = out.shape
-        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
+        return _dense(self.proj, jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
 
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
         """One decode step that leaves the main cache untouched (see :func:`chunk_step`).
@@ -133,7 +140,7 @@ class Attention(nn.Module):
         The local buffers are ``[B * H, chunk, hd]``: with a separate batch axis, XLA splits the
         write at ``B = 1`` into two fused copies and then copies the buffer several times per step.
         """
-        q, k, v = self._heads(x)  # [B, H, 1, hd]
+        q, k, v = self._heads(x, decode=True)  # [B, H, 1, hd]
         B, H, _, hd = q.shape
         k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, hd).astype(k_loc.dtype), (0, i, 0))
         v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, hd).astype(v_loc.dtype), (0, i, 0))
@@ -153,7 +160,9 @@ class Block(nn.Module):
         self.ff1 = nn.Dense(4 * d, kernel_init=_init(0.02), name="ff1")
         self.ff2 = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="ff2")
 
-    def _ff(self, x):
+    def _ff(self, x, decode=False):
+        if decode:  # few rows: see kernels.dense
+            return _dense(self.ff2, jax.nn.gelu(_dense(self.ff1, self.ln2(x)), approximate=False))
         return self.ff2(jax.nn.gelu(self.ff1(self.ln2(x)), approximate=False))
 
     def __call__(self, x):
@@ -164,13 +173,13 @@ class Block(nn.Module):
     def cached(self, x, k_cache, v_cache, length, span):
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
-        return x + self._ff(x), k_cache, v_cache
+        return x + self._ff(x, decode=True), k_cache, v_cache
 
 
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
         a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i)
         x = x + a
-        return x + self._ff(x), k_loc, v_loc
+        return x + self._ff(x, decode=True), k_loc, v_loc
 
 
 class CharLM(nn.Module):

@@ -86,6 +86,19 @@ def test_cached_decoding_with_kernel_matches_forward():
         np.testing.assert_allclose(got[b], full[0, lengths[b]:], rtol=1e-4, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 256, 768), (2, 256, 1024), (1, 1024, 256), (2, 12, 8), (1, 256, 72)])
+def test_dense_matches_matmul(M, K, N):
+    rng = np.random.default_rng(M * K + N)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(K, N)) * 0.05, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+    got = jax.jit(kernels.dense)(x[:, None], w, b)  # leading dims are flattened and restored
+    assert got.shape == (M, 1, N)
+    np.testing.assert_allclose(got[:, 0], np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b),
+                               rtol=1e-5, atol=2e-5)
+
+
 def test_kernels_mode_is_checked(monkeypatch):
     monkeypatch.setenv("JAXDECODE_KERNELS", "sometimes")
     with pytest.raises(kernels.KernelError, match="JAXDECODE_KERNELS must be"):
