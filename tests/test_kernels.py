@@ -87,13 +87,14 @@ def test_cached_decoding_with_kernel_matches_forward():
 
 
 @needs_kernel
-@pytest.mark.parametrize("M,K,N", [(1, 256, 768), (2, 256, 1024), (1, 1024, 256), (2, 12, 8), (1, 256, 72)])
-def test_dense_matches_matmul(M, K, N):
+@pytest.mark.parametrize("M,K,N", [(1, 256, 768), (2, 256, 1024), (1, 1024, 256), (2, 12, 16), (1, 256, 80), (3, 256, 768), (5, 300, 1024), (8, 1024, 256)])
+def test_dense_matches_matmul(M, K, N, monkeypatch):
+    monkeypatch.setattr(kernels, "DENSE_MAX_ROWS", 16)  # exercise the kernel beyond its default use
     rng = np.random.default_rng(M * K + N)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(K, N)) * 0.05, jnp.float32)
     b = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
-    got = jax.jit(kernels.dense)(x[:, None], w, b)  # leading dims are flattened and restored
+    got = jax.jit(lambda *a: kernels.dense(*a))(x[:, None], w, b)  # leading dims flattened, restored
     assert got.shape == (M, 1, N)
     np.testing.assert_allclose(got[:, 0], np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b),
                                rtol=1e-5, atol=2e-5)
