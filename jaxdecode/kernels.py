@@ -34,7 +34,9 @@ import numpy as np
 _SOURCE = Path(__file__).parent / "csrc" / "attention.cc"
 _TARGET = "jaxdecode_decode_attention"
 _DENSE = "jaxdecode_dense"
+_PACKED = "jaxdecode_packed_dense"
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
+PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
 
 
 class KernelError(RuntimeError):
@@ -105,6 +107,7 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodeDecodeAttention), platform="cpu")
         jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
+        jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         return True
     except Exception as e:  # no compiler, failed build, unloadable library
         if mode == "1":
@@ -189,3 +192,30 @@ def dense(x, w, b):
         return call(x.reshape(M, K), w, b).reshape(*lead, N)
 
     return jax.lax.platform_dependent(x, w, b, cpu=native, default=ref)
+
+
+def pack(w):
+    """``w`` ``[K, N]`` in panels of 16 columns, ``[N / 16, K, 16]``, for :func:`packed_dense`."""
+    K, N = w.shape
+    return w.reshape(K, N // 16, 16).transpose(1, 0, 2)
+
+
+def packed_dense(x, wp, b):
+    """``x @ w + b`` with ``wp = pack(w)``: the native kernel on CPU (for a few rows), else XLA."""
+    P, K, _ = wp.shape
+    N = 16 * P
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+
+    def ref(x, wp, b):
+        w = wp.transpose(1, 0, 2).reshape(K, N)
+        return jnp.dot(x, w) + b.reshape((1,) * len(lead) + (N,))
+
+    if not _load() or not all(a.dtype == jnp.float32 for a in (x, wp, b)):
+        return ref(x, wp, b)
+
+    def native(x, wp, b):
+        call = jax.ffi.ffi_call(_PACKED, jax.ShapeDtypeStruct((M, N), jnp.float32))
+        return call(x.reshape(M, K), wp, b).reshape(*lead, N)
+
+    return jax.lax.platform_dependent(x, wp, b, cpu=native, default=ref)

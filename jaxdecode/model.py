@@ -83,8 +83,14 @@ def _init(std):
 
 
 def _dense(layer: nn.Dense, x):
-    """``layer(x)`` through :func:`jaxdecode.kernels.dense` (the decode paths: few rows)."""
-    p = layer.variables["params"]
+    """``layer(x)`` on the decode paths: through :func:`jaxdecode.kernels.dense` (one or two rows),
+    or :func:`jaxdecode.kernels.packed_dense` when the caller passed packed weights (see
+    :func:`pack_params`) and there are a few more rows."""
+    v = layer.variables
+    p = v["params"]
+    rows = math.prod(x.shape[:-1])
+    if "packed" in v and kernels.DENSE_MAX_ROWS < rows <= kernels.PACKED_MAX_ROWS:
+        return kernels.packed_dense(x, v["packed"]["kernel"], p["bias"])
     return kernels.dense(x, p["kernel"], p["bias"])
 
 
@@ -281,16 +287,38 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     return last, KVCache(ks, vs, lengths)
 
 
-def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None):
+def pack_params(params):
+    """The dense kernels of ``params`` in the panel layout of :func:`jaxdecode.kernels.pack`, as a
+    ``packed`` variable collection for :func:`extend` (a verify pass of a few rows)."""
+    def walk(tree):
+        out = {}
+        for name, sub in tree.items():
+            if isinstance(sub, dict) and "kernel" in sub and getattr(sub["kernel"], "ndim", 0) == 2:
+                if name != "tok" and sub["kernel"].shape[1] % 16 == 0:
+                    out[name] = {"kernel": kernels.pack(sub["kernel"])}
+            elif isinstance(sub, dict):
+                inner = walk(sub)
+                if inner:
+                    out[name] = inner
+        return out
+
+    return walk(dict(params))
+
+
+def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None,
+           packed=None):
     """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions.
 
     ``span`` (static) bounds the attended cache prefix: it must be at least
     ``max(cache.length) + S`` and at most the capacity. Attending only over the filled span is
     what keeps a decode step cheap when the cache is mostly empty. The caller guarantees every
-    row stays within ``T`` positions (beyond that, use :func:`window_logits`).
+    row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``packed``
+    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of 3-4 rows use
+    the native packed-weight product on CPU.
     """
     span = cache.capacity if span is None else span
-    return CharLM(cfg).apply({"params": params}, tokens, cache, span, method=CharLM.cached)
+    variables = {"params": params} if packed is None else {"params": params, "packed": packed}
+    return CharLM(cfg).apply(variables, tokens, cache, span, method=CharLM.cached)
 
 
 def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None):

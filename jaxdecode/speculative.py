@@ -543,13 +543,20 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
         need = jnp.max(jnp.where(active, st.context + gamma, 0))
         return jnp.any(active) & (need <= span)
 
+    # A verify pass of a few rows multiplies every weight matrix by B * (gamma + 1) rows: with the
+    # weights packed once here (outside the loop, which XLA must not sink them into), the native
+    # CPU kernel does that at about the cost of a one-row step.
+    packed = None
+    if kernels.DENSE_MAX_ROWS < B * (gamma + 1) <= kernels.PACKED_MAX_ROWS and kernels.available():
+        packed = jax.lax.optimization_barrier(M.pack_params(params))
+
     def body(st):
         active = st.count < n
         noise = None if greedy else iteration_noise(keys, st.iteration, gamma, V)
         drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
                                                  process, span)
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
-        logits, cache = M.extend(params, cfg, st.cache, fed, span)  # [B, gamma+1, V]
+        logits, cache = M.extend(params, cfg, st.cache, fed, span, packed)  # [B, gamma+1, V]
         processed = process_all(logits)
         sample_lp = _logprobs(processed)
         if greedy:

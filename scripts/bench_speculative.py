@@ -4,8 +4,9 @@ For each batch size (default 1 and 32), plain ancestral sampling
 (:func:`jaxdecode.sampling.sample_tokens`) and speculative sampling with each draft (trigram
 table, small draft model, prompt lookup) and each gamma (default 1, 2, 4, 8), all with the same
 target and no rule. Every configuration runs once to compile (its wall time is reported as the
-warm-up; compile time is warm-up minus the timed run) and then ``--repeats`` timed runs (the
-fastest counts). Rows of a batch continue the same prompt with different row ids.
+warm-up; compile time is warm-up minus the fastest timed run), then ``--repeats`` rounds time
+every configuration once each (the fastest round counts), so that a slow phase of the machine
+hits every row alike. Rows of a batch continue the same prompt with different row ids.
 
     python scripts/bench_speculative.py --out bench_speculative.json
     python scripts/bench_speculative.py --ckpt path/to/checkpoint --drafts ngram,lookup --batches 1
@@ -31,18 +32,6 @@ from jaxdecode import speculative as SP
 PROMPT = "KATHARINA:\nMoved! in good time: "
 
 
-def _timed(fn, repeats: int):
-    t0 = time.perf_counter()
-    out = fn()
-    warm = time.perf_counter() - t0
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, warm, best
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", default=None, help="target checkpoint folder (default: the shipped model)")
@@ -53,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--gammas", default="1,2,4,8")
     ap.add_argument("--drafts", default="ngram,draft,lookup")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="timing rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -82,30 +71,40 @@ def main(argv=None) -> int:
     rows = []
     for B in batches:
         prompts = [prompt] * B
-        res, warm, best = _timed(lambda: sampling.sample_tokens(lm.params, lm.cfg, prompts, args.n, key),
-                                 args.repeats)
-        plain_cps = B * args.n / best
-        rows.append({"method": "plain", "draft": None, "gamma": None, "batch": B, "seconds": best,
-                     "warmup_seconds": warm, "compile_seconds": max(warm - best, 0.0),
-                     "chars_per_second": plain_cps, "speedup": 1.0,
-                     "mean_logprob": float(np.mean(res.model_logprobs))})
-        print(f"plain B={B}: {plain_cps:,.0f} chars/s", file=sys.stderr)
+        configs = {("plain", None, None): lambda: sampling.sample_tokens(lm.params, lm.cfg, prompts, args.n, key)}
         for kind, draft in drafts.items():
             for gamma in gammas:
-                res, warm, best = _timed(
-                    lambda: SP.speculative_tokens(lm.params, lm.cfg, prompts, args.n, key, draft=draft,
-                                                  gamma=gamma), args.repeats)
+                configs[("speculative", kind, gamma)] = (
+                    lambda draft=draft, gamma=gamma: SP.speculative_tokens(
+                        lm.params, lm.cfg, prompts, args.n, key, draft=draft, gamma=gamma))
+        # Compile everything first, then time in rounds (every configuration once per round, the
+        # fastest round counts): a slow phase of a shared machine then hits all rows alike.
+        warm, best, results = {}, {}, {}
+        for name, fn in configs.items():
+            t0 = time.perf_counter()
+            results[name] = fn()
+            warm[name] = time.perf_counter() - t0
+        for _ in range(args.repeats):
+            for name, fn in configs.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        plain_cps = B * args.n / best[("plain", None, None)]
+        for (method, kind, gamma), res in results.items():
+            t = best[(method, kind, gamma)]
+            cps = B * args.n / t
+            row = {"method": method, "draft": kind, "gamma": gamma, "batch": B, "seconds": t,
+                   "warmup_seconds": warm[(method, kind, gamma)],
+                   "compile_seconds": max(warm[(method, kind, gamma)] - t, 0.0),
+                   "chars_per_second": cps, "speedup": cps / plain_cps,
+                   "mean_logprob": float(np.mean(res.model_logprobs))}
+            if method == "speculative":
                 total = SP.SpeculativeStats.total(res.stats)
-                cps = B * args.n / best
-                rows.append({"method": "speculative", "draft": kind, "gamma": gamma, "batch": B,
-                             "seconds": best, "warmup_seconds": warm,
-                             "compile_seconds": max(warm - best, 0.0), "chars_per_second": cps,
-                             "speedup": cps / plain_cps, "acceptance_rate": total.acceptance_rate,
-                             "chars_per_pass": total.chars_per_pass,
-                             "predicted_chars_per_pass": total.predicted_chars_per_pass,
-                             "mean_logprob": float(np.mean(res.model_logprobs))})
-                print(f"{kind} gamma={gamma} B={B}: {cps:,.0f} chars/s ({cps / plain_cps:.2f}x)",
-                      file=sys.stderr)
+                row.update(acceptance_rate=total.acceptance_rate, chars_per_pass=total.chars_per_pass,
+                           predicted_chars_per_pass=total.predicted_chars_per_pass)
+            rows.append(row)
+            print(f"{method} {kind or ''} gamma={gamma} B={B}: {cps:,.0f} chars/s ({cps / plain_cps:.2f}x)",
+                  file=sys.stderr)
 
     lines = ["| method | draft | gamma | batch | chars/s | vs plain | compile s | alpha | chars/pass |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -100,6 +100,34 @@ def test_dense_matches_matmul(M, K, N, monkeypatch):
                                rtol=1e-5, atol=2e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
+def test_packed_dense_matches_matmul(M):
+    rng = np.random.default_rng(M)
+    K, N = 48, 96
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(K, N)) * 0.1, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+    got = jax.jit(kernels.packed_dense)(x, kernels.pack(w), b)
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b),
+                               rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("S", [3, 4])
+def test_extend_with_packed_weights(S):
+    """A verify-sized pass with packed weights gives the logits of the ordinary pass."""
+    cfg = M.ModelConfig(V=11, T=24, d=32, L=2, heads=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(5))
+    packed = M.pack_params(params)
+    assert set(packed["block_0"]) == {"attn", "ff1", "ff2"} and "tok" not in packed
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.V, size=(1, 12)), jnp.int32)
+    _, cache = M.prefill(params, cfg, tokens[:, :8], jnp.array([8], jnp.int32))
+    want, _ = M.extend(params, cfg, cache, tokens[:, 8:8 + S])
+    got, _ = jax.jit(lambda p, c, t, pk: M.extend(p, cfg, c, t, packed=pk))(params, cache, tokens[:, 8:8 + S], packed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_mode_is_checked(monkeypatch):
     monkeypatch.setenv("JAXDECODE_KERNELS", "sometimes")
     with pytest.raises(kernels.KernelError, match="JAXDECODE_KERNELS must be"):

@@ -319,7 +319,83 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// y = x @ w + b for 3-8 rows, with w packed in panels of 16 columns: wp [N / 16, K, 16] (see
+// kernels.pack). A panel is read in order, once, while the R x 16 tile of y stays in registers;
+// the arithmetic, not the weights, is then the limit.
+
+template <int R>
+void PanelTile(const float* x, int64_t K, const float* panel, const float* b, float* y, int64_t N,
+               int64_t n) {
+  v8 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = Load(b + n), a1[r] = Load(b + n + 8);
+  for (int64_t k = 0; k < K; ++k) {
+    const v8 w0 = Load(panel + 16 * k), w1 = Load(panel + 16 * k + 8);
+    for (int r = 0; r < R; ++r) {
+      const v8 xr = v8{} + x[r * K + k];
+      a0[r] += xr * w0, a1[r] += xr * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __builtin_memcpy(y + r * N + n, &a0[r], sizeof(v8));
+    __builtin_memcpy(y + r * N + n + 8, &a1[r], sizeof(v8));
+  }
+}
+
+struct PackedShared {
+  const float *x, *wp, *b;
+  float* y;
+  int64_t M, K, N;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+  int64_t items = 0, per = 0;  // panels per item
+
+  void Panel(int64_t p) {
+    const float* panel = wp + p * K * 16;
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) PanelTile<4>(x + r * K, K, panel, b, y + r * N, N, 16 * p);
+    switch (M - r) {
+      case 3: PanelTile<3>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
+      case 2: PanelTile<2>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
+      case 1: PanelTile<1>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
+    }
+  }
+
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      for (int64_t p = i * per; p < std::min(N / 16, (i + 1) * per); ++p) Panel(p);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                           ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != wd[1] || b.element_count() != 16 * wd[0])
+    return ffi::Error::InvalidArgument("packed_dense: expected x [M, K], wp [N/16, K, 16], b [N]");
+  auto sh = std::make_shared<PackedShared>();
+  sh->x = x.typed_data(), sh->wp = wp.typed_data(), sh->b = b.typed_data(), sh->y = y->typed_data();
+  sh->M = xd[0], sh->K = xd[1], sh->N = 16 * wd[0];
+  const int64_t panels = wd[0];
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
+  sh->per = (panels + threads - 1) / threads;
+  sh->items = (panels + sh->per - 1) / sh->per;
+  for (int64_t i = 1; i < sh->items; ++i) pool.Schedule([sh] { sh->Work(); });
+  sh->Work();
+  while (sh->finished.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodePackedDense, PackedDenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // wp
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDense, DenseImpl,
                               ffi::Ffi::Bind()
