@@ -313,8 +313,8 @@ def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: in
     ``max(cache.length) + S`` and at most the capacity. Attending only over the filled span is
     what keeps a decode step cheap when the cache is mostly empty. The caller guarantees every
     row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``packed``
-    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of 3-4 rows use
-    the native packed-weight product on CPU.
+    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of 3-4 rows
+    (``B * S``) use the native packed-weight product on CPU.
     """
     span = cache.capacity if span is None else span
     variables = {"params": params} if packed is None else {"params": params, "packed": packed}
@@ -333,7 +333,7 @@ def empty_local(cfg: ModelConfig, batch: int, chunk: int, dtype=jnp.float32) -> 
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
-def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token):
+def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, packed=None):
     """Decode step ``i`` of a chunk: the main ``cache`` is read, never written.
 
     A decode loop that writes each new key into a large loop-carried cache and reads it back in
@@ -341,9 +341,10 @@ def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, toke
     into a small ``local`` buffer ``[B * H, chunk, hd]`` at index ``i`` (the same for every row);
     attention covers the whole main cache (valid below ``cache.length``) and the local buffer up
     to ``i``, so the caller sizes the cache to what it wants attended (see ``grow_cache``). :func:`merge_chunk` appends the buffer to the cache after
-    the chunk. Returns logits ``[B, V]`` and the updated buffer.
+    the chunk. Returns logits ``[B, V]`` and the updated buffer. ``packed``: as for :func:`extend`.
     """
-    return CharLM(cfg).apply({"params": params}, token, cache, local, i, method=CharLM.chunked)
+    variables = {"params": params} if packed is None else {"params": params, "packed": packed}
+    return CharLM(cfg).apply(variables, token, cache, local, i, method=CharLM.chunked)
 
 
 def grow_cache(cache: KVCache, capacity: int) -> KVCache:

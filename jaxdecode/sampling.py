@@ -143,13 +143,14 @@ def _empty_outputs(chunk: int, B: int) -> StepOutput:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "greedy"), donate_argnames=("cache",))
 def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_ids, stops,
-                 stop_lens, step_end, *, cfg: M.ModelConfig, chunk: int, greedy: bool):
+                 stop_lens, step_end, packed=None, *, cfg: M.ModelConfig, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) attending over the cache, which is read-only
     inside the loop (see ``model.chunk_step``); the chunk's keys are then appended to it.
 
     The loop runs exactly the steps asked for (a dynamic trip count), so a last, partial chunk
     costs no idle steps and needs no program of its own. Outputs past the steps run are zeros
-    (``emitted`` False).
+    (``emitted`` False). ``packed``: the weights packed for a step of 3-4 rows (see
+    ``model.pack_params``), or None.
     """
     B = state.logits.shape[0]
     steps = jnp.clip(step_end - state.step, 0, chunk)
@@ -158,7 +159,7 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
         st, local, outs = carry
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
-        logits, local = M.chunk_step(params, cfg, cache, local, i, token)
+        logits, local = M.chunk_step(params, cfg, cache, local, i, token, packed)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
         out = StepOutput(token, mlp, slp, ~st.done)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs, out)
@@ -197,6 +198,7 @@ def _prefill(params, tokens, lengths, *, cfg, capacity):
 
 
 _grow = jax.jit(M.grow_cache, static_argnames=("capacity",))
+_pack = jax.jit(M.pack_params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -326,6 +328,11 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0))
     common = dict(rule=rule_b, key=key, row_ids=jnp.asarray(row_ids_b), stops=stop_arr,
                   stop_lens=stop_lens)
+    # 3-4 rows: XLA CPU's products with a few rows cost up to twice a one-row product; the native
+    # kernel reads weights packed once per request instead
+    packed = None
+    if kernels.DENSE_MAX_ROWS < Bb <= kernels.PACKED_MAX_ROWS and kernels.reads_only_filled():
+        packed = _pack(params)
 
     outs, taken = [], 0
     while taken < n:
@@ -334,8 +341,8 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         if taken < n_cache:
             if cache.capacity < capacity(taken):
                 cache = _grow(cache, capacity=capacity(taken))
-            state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, cfg=cfg,
-                                             chunk=chunk, greedy=greedy, **common)
+            state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, packed=packed,
+                                             cfg=cfg, chunk=chunk, greedy=greedy, **common)
         else:
             cache = None
             state, out = _window_chunk(params, state, step_end=step_end, cfg=cfg, chunk=chunk,
