@@ -51,14 +51,18 @@ def _mode() -> str:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and feature flags (the library is built with -march=native)."""
+    found = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+                if line.startswith(("model name", "flags")) and line not in found:
+                    found.append(line)
+                if len(found) == 2:
+                    break
     except OSError:
         pass
-    return platform.processor()
+    return "".join(found) or platform.processor()
 
 
 def _cache_dir() -> Path:
@@ -163,7 +167,7 @@ def attention(q, k, v, lim, k2, v2, n2, scale: float, span: int | None = None):
         return ref(q, k, v, lim, k2, v2, n2)
 
     def native(q, k, v, lim, k2, v2, n2):
-        call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
         return call(q, k, v, lim, k2, v2, n2, scale=np.float32(scale))
 
     return jax.lax.platform_dependent(q, k, v, lim, k2, v2, n2, cpu=native, default=ref)
@@ -188,7 +192,7 @@ def dense(x, w, b):
         return ref(x, w, b)
 
     def native(x, w, b):
-        call = jax.ffi.ffi_call(_DENSE, jax.ShapeDtypeStruct((M, N), jnp.float32))
+        call = jax.ffi.ffi_call(_DENSE, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
         return call(x.reshape(M, K), w, b).reshape(*lead, N)
 
     return jax.lax.platform_dependent(x, w, b, cpu=native, default=ref)
@@ -215,7 +219,7 @@ def packed_dense(x, wp, b):
         return ref(x, wp, b)
 
     def native(x, wp, b):
-        call = jax.ffi.ffi_call(_PACKED, jax.ShapeDtypeStruct((M, N), jnp.float32))
+        call = jax.ffi.ffi_call(_PACKED, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
         return call(x.reshape(M, K), wp, b).reshape(*lead, N)
 
     return jax.lax.platform_dependent(x, wp, b, cpu=native, default=ref)
