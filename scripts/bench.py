@@ -14,7 +14,9 @@ Rows (characters per second, 300 new characters after a 32-character prompt, ins
 
 Each row is compared with its physical bound on this machine, the larger of FLOPs / measured
 matmul peak and bytes read per step (weights + the filled KV cache) / measured memory bandwidth.
-Compile time is measured separately (the first call in a fresh bucket minus a warm call).
+Compile time is measured separately (the first call in a fresh bucket minus a warm call). Every
+row is compiled first, then all rows are timed in turn, ``--rounds`` times (the fastest counts),
+so that slow phases of a shared machine hit all rows alike.
 """
 
 from __future__ import annotations
@@ -102,10 +104,11 @@ def book_bound(cfg: M.ModelConfig, P: int, n: int, peak: float) -> float:
 
 
 def book_loop(lm, prompt_ids, n):
+    """The chapter's loop (compiled for every width it meets); returns a function that runs it."""
     cfg, params = lm.cfg, lm.params
     f = jax.jit(lambda p, x, i: jnp.argmax(M.forward(p, cfg, x)[0, i]))
 
-    def run(n):
+    def run():
         ids = list(prompt_ids)
         for _ in range(n):
             W = min(cfg.T, -(-len(ids) // 64) * 64)
@@ -115,10 +118,8 @@ def book_loop(lm, prompt_ids, n):
             ids.append(int(f(params, jnp.asarray(x), len(ctx) - 1)))
         return ids
 
-    run(n)  # compile every width once
-    t = time.perf_counter()
-    run(n)
-    return n / (time.perf_counter() - t)
+    run()  # compile every width once
+    return run
 
 
 def python_loop(lm, prompt_ids, n, B):
@@ -140,19 +141,33 @@ def python_loop(lm, prompt_ids, n, B):
         return tok
 
     run()
-    t = time.perf_counter()
-    jax.block_until_ready(run())
-    return B * n / (time.perf_counter() - t)
+    return run
 
 
-def jaxdecode_rate(lm, prompt_ids, n, B, rule=None, greedy=False):
+def jaxdecode_loop(lm, prompt_ids, n, B, rule=None, greedy=False):
+    """``sample_tokens``; returns a function that runs it and the compile time of its bucket."""
     prompts = [prompt_ids] * B
     key = jax.random.PRNGKey(0)
+
+    def run():
+        return S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy).tokens
+
     t0 = time.perf_counter()
-    S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy)
+    run()
     first = time.perf_counter() - t0
-    warm = best_of(lambda: S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy).tokens, 2)
-    return B * n / warm, max(0.0, first - warm)
+    return run, max(0.0, first - best_of(run, 1))
+
+
+def timed_rounds(runs: dict, rounds: int) -> dict:
+    """The fastest of ``rounds`` timings of every run, taken in turn (one of each per round), so
+    that a slow phase of a shared machine affects all rows alike."""
+    best = {}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(run())
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+    return best
 
 
 def machine() -> dict:
@@ -175,6 +190,7 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds (the fastest counts)")
     args = ap.parse_args()
 
     lm = checkpoint.load(args.ckpt)
@@ -186,7 +202,7 @@ def main():
     info = machine()
     print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']}), "
           f"native attention kernel: {info['native_attention_kernel']}")
-    bws = {f"{mb} MB": memory_bandwidth(mb << 20) for mb in (16, 64, 256, 1024)}
+    bws = {f"{mb} MB": memory_bandwidth(mb << 20) for mb in (16, 32, 64, 128, 256, 512, 1024)}
     print(f"# matmul peak {peak / 1e9:.0f} GFLOP/s; read bandwidth by working set: "
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bws.items()))
     ctx = len(ids) + n / 2
@@ -201,26 +217,33 @@ def main():
 
     print("| row | batch | chars/s | bound | of bound | compile s |")
     print("|---|---:|---:|---:|---:|---:|")
-    book = book_loop(lm, ids, n)
-    add("book loop (full forward)", 1, book, bound_rate=book_bound(cfg, len(ids), n, peak))
-    for B in [int(b) for b in args.batches.split(",")]:
-        add("python loop, cached step", B, python_loop(lm, ids, n, B))
-        rate, comp = jaxdecode_rate(lm, ids, n, B, greedy=True)
-        add("jaxdecode greedy", B, rate, comp)
-        rate, comp = jaxdecode_rate(lm, ids, n, B, rule=rules.top_p(0.9))
-        add("jaxdecode top-p 0.9", B, rate, comp)
-    if kernels.reads_only_filled():  # the same loops with the jax.numpy attention
+    batches = [int(b) for b in args.batches.split(",")]
+    long_n = cfg.T + 100 - len(ids)
+    window = f"jaxdecode top-p, {long_n} chars (past T)"
+    # (row, batch) -> (run, characters per run, compile seconds, bound)
+    entries = {("book loop (full forward)", 1): (book_loop(lm, ids, n), n, None,
+                                                 book_bound(cfg, len(ids), n, peak))}
+    for B in batches:
+        entries[("python loop, cached step", B)] = (python_loop(lm, ids, n, B), B * n, None, None)
+        run, comp = jaxdecode_loop(lm, ids, n, B, greedy=True)
+        entries[("jaxdecode greedy", B)] = (run, B * n, comp, None)
+        run, comp = jaxdecode_loop(lm, ids, n, B, rule=rules.top_p(0.9))
+        entries[("jaxdecode top-p 0.9", B)] = (run, B * n, comp, None)
+    run, comp = jaxdecode_loop(lm, ids, long_n, 1, rule=rules.top_p(0.9))
+    entries[(window, 1)] = (run, long_n, comp, window_bound(cfg, len(ids), long_n, peak))
+    best = timed_rounds({k: e[0] for k, e in entries.items()}, args.rounds)
+    for (name, B), (_, chars, comp, b) in entries.items():
+        add(name, B, chars / best[(name, B)], comp, b)
+    if kernels.reads_only_filled():  # the same loops with the jax.numpy attention, timed apart
         kernels._load = lambda: False
         jax.clear_caches()
-        for B in [int(b) for b in args.batches.split(",")]:
-            rate, comp = jaxdecode_rate(lm, ids, n, B, greedy=True)
-            add("jaxdecode greedy, jnp attention", B, rate, comp)
+        plain = {B: jaxdecode_loop(lm, ids, n, B, greedy=True) for B in batches}
+        best = timed_rounds({B: run for B, (run, _) in plain.items()}, args.rounds)
+        for B, (_, comp) in plain.items():
+            add("jaxdecode greedy, jnp attention", B, B * n / best[B], comp)
         kernels._load = _native
         jax.clear_caches()
-    long_n = cfg.T + 100 - len(ids)
-    rate, comp = jaxdecode_rate(lm, ids, long_n, 1, rule=rules.top_p(0.9))
-    add(f"jaxdecode top-p, {long_n} chars (past T)", 1, rate, comp,
-        bound_rate=window_bound(cfg, len(ids), long_n, peak))
+    book = next(r["chars_per_s"] for r in rows if r["row"].startswith("book loop"))
     speedup = next(r["chars_per_s"] for r in rows if r["row"] == "jaxdecode greedy" and r["batch"] == 1) / book
     print(f"# batch-1 greedy: {speedup:.0f}x the book loop")
     if args.out:
