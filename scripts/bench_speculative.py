@@ -71,11 +71,12 @@ def main(argv=None) -> int:
     rows = []
     for B in batches:
         prompts = [prompt] * B
-        configs = {("plain", None, None): lambda: sampling.sample_tokens(lm.params, lm.cfg, prompts, args.n, key)}
+        configs = {("plain", None, None): lambda prompts=prompts: sampling.sample_tokens(
+            lm.params, lm.cfg, prompts, args.n, key)}
         for kind, draft in drafts.items():
             for gamma in gammas:
                 configs[("speculative", kind, gamma)] = (
-                    lambda draft=draft, gamma=gamma: SP.speculative_tokens(
+                    lambda draft=draft, gamma=gamma, prompts=prompts: SP.speculative_tokens(
                         lm.params, lm.cfg, prompts, args.n, key, draft=draft, gamma=gamma))
         # Compile everything first, then time in rounds (every configuration once per round, the
         # fastest round counts): a slow phase of a shared machine then hits all rows alike.
