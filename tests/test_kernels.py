@@ -8,7 +8,7 @@ import pytest
 from jaxdecode import kernels
 from jaxdecode import model as M
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="native kernel unavailable (no C++ compiler?)")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="native kernels off (JAXDECODE_KERNELS=0) or not buildable (no C++ compiler?)")
 
 
 def problem(rng, B, H, S, D, C, L, full=False):
