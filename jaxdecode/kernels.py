@@ -130,6 +130,12 @@ def reads_only_filled() -> bool:
     return jax.default_backend() == "cpu" and available()
 
 
+def packs_rows(rows: int) -> bool:
+    """Whether a product of ``rows`` rows on the default backend should use weights packed for
+    :func:`packed_dense` (more rows than :func:`dense` serves, few enough for the packed kernel)."""
+    return DENSE_MAX_ROWS < rows <= PACKED_MAX_ROWS and reads_only_filled()
+
+
 def reference_attention(q, k, v, lim, k2, v2, n2, scale):
     """The kernel's computation in ``jax.numpy`` (see :func:`attention`)."""
     B, H, _, D = q.shape
@@ -163,14 +169,32 @@ def attention(q, k, v, lim, k2, v2, n2, scale: float, span: int | None = None):
             k, v = k[:, :, :span], v[:, :, :span]
         return reference_attention(q, k, v, lim, k2, v2, n2, scale)
 
-    if not _load() or q.dtype != jnp.float32 or k.dtype != jnp.float32:
-        return ref(q, k, v, lim, k2, v2, n2)
+    return _native_or(ref, _ffi(_TARGET, q.shape, scale=np.float32(scale)), q, k, v, lim, k2, v2, n2)
 
-    def native(q, k, v, lim, k2, v2, n2):
-        call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-        return call(q, k, v, lim, k2, v2, n2, scale=np.float32(scale))
 
-    return jax.lax.platform_dependent(q, k, v, lim, k2, v2, n2, cpu=native, default=ref)
+def _native_or(ref, native, *args):
+    """``native(*args)`` on the CPU backend when the kernels are available and every float
+    argument is float32, else (other backends, other dtypes, kernels off) ``ref(*args)``."""
+    if not _load() or any(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float32 for a in args):
+        return ref(*args)
+    return jax.lax.platform_dependent(*args, cpu=native, default=ref)
+
+
+def _ffi(target: str, shape, **attrs):
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")
+    return lambda *args: call(*args, **attrs)
+
+
+def _affine(x, w, b):
+    return jnp.dot(x, w) + b.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+def _rows_kernel(target: str, x, N: int):
+    """The native product ``target`` on ``x`` ``[..., K]`` flattened to rows, output ``[..., N]``."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    M = math.prod(lead)
+    call = _ffi(target, (M, N))
+    return lambda x, w, b: call(x.reshape(M, K), w, b).reshape(*lead, N)
 
 
 def dense(x, w, b):
@@ -181,21 +205,10 @@ def dense(x, w, b):
     bound by reading the weights, which XLA CPU does on one thread. Otherwise (and on other
     backends) an ordinary ``jnp.dot``.
     """
-    lead, (K, N) = x.shape[:-1], w.shape
-    M = math.prod(lead)
-
-    def ref(x, w, b):
-        return jnp.dot(x, w) + b.reshape((1,) * len(lead) + (N,))
-
-    if (M > DENSE_MAX_ROWS or N % 8 or not _load() or
-            not all(a.dtype == jnp.float32 for a in (x, w, b))):
-        return ref(x, w, b)
-
-    def native(x, w, b):
-        call = jax.ffi.ffi_call(_DENSE, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
-        return call(x.reshape(M, K), w, b).reshape(*lead, N)
-
-    return jax.lax.platform_dependent(x, w, b, cpu=native, default=ref)
+    N = w.shape[1]
+    if math.prod(x.shape[:-1]) > DENSE_MAX_ROWS or N % 8:
+        return _affine(x, w, b)
+    return _native_or(_affine, _rows_kernel(_DENSE, x, N), x, w, b)
 
 
 def pack(w):
@@ -204,22 +217,13 @@ def pack(w):
     return w.reshape(K, N // 16, 16).transpose(1, 0, 2)
 
 
+def unpack(wp):
+    """The inverse of :func:`pack`."""
+    P, K, _ = wp.shape
+    return wp.transpose(1, 0, 2).reshape(K, 16 * P)
+
+
 def packed_dense(x, wp, b):
     """``x @ w + b`` with ``wp = pack(w)``: the native kernel on CPU (for a few rows), else XLA."""
-    P, K, _ = wp.shape
-    N = 16 * P
-    lead = x.shape[:-1]
-    M = math.prod(lead)
-
-    def ref(x, wp, b):
-        w = wp.transpose(1, 0, 2).reshape(K, N)
-        return jnp.dot(x, w) + b.reshape((1,) * len(lead) + (N,))
-
-    if not _load() or not all(a.dtype == jnp.float32 for a in (x, wp, b)):
-        return ref(x, wp, b)
-
-    def native(x, wp, b):
-        call = jax.ffi.ffi_call(_PACKED, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
-        return call(x.reshape(M, K), wp, b).reshape(*lead, N)
-
-    return jax.lax.platform_dependent(x, wp, b, cpu=native, default=ref)
+    ref = lambda x, wp, b: _affine(x, unpack(wp), b)
+    return _native_or(ref, _rows_kernel(_PACKED, x, 16 * wp.shape[0]), x, wp, b)

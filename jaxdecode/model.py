@@ -89,7 +89,7 @@ def _dense(layer: nn.Dense, x):
     v = layer.variables
     p = v["params"]
     rows = math.prod(x.shape[:-1])
-    if "packed" in v and kernels.DENSE_MAX_ROWS < rows <= kernels.PACKED_MAX_ROWS:
+    if "packed" in v and kernels.packs_rows(rows):
         return kernels.packed_dense(x, v["packed"]["kernel"], p["bias"])
     return kernels.dense(x, p["kernel"], p["bias"])
 

@@ -331,7 +331,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     # 3-4 rows: XLA CPU's products with a few rows cost up to twice a one-row product; the native
     # kernel reads weights packed once per request instead
     packed = None
-    if kernels.DENSE_MAX_ROWS < Bb <= kernels.PACKED_MAX_ROWS and kernels.reads_only_filled():
+    if kernels.packs_rows(Bb):
         packed = _pack(params)
 
     outs, taken = [], 0

@@ -547,7 +547,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
     # weights packed once here (outside the loop, which XLA must not sink them into), the native
     # CPU kernel does that at about the cost of a one-row step.
     packed = None
-    if kernels.DENSE_MAX_ROWS < B * (gamma + 1) <= kernels.PACKED_MAX_ROWS and kernels.available():
+    if kernels.packs_rows(B * (gamma + 1)):
         packed = jax.lax.optimization_barrier(M.pack_params(params))
 
     def body(st):

@@ -198,22 +198,25 @@ void RowHead(const Problem& p, int64_t bh, std::vector<float>& scores) {
   }
 }
 
-// Work shared between the calling thread and pool tasks that may start late (or after the call
-// returned): it lives in a shared_ptr, and a task that finds no item left touches nothing else.
-struct Shared {
-  Problem p;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  int64_t items = 0;
-
-  void Work() {
-    thread_local std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      RowHead(p, i, scores);
-      finished.fetch_add(1, std::memory_order_release);
+// Runs fn(i) for every i in [0, items) on the calling thread and up to `threads - 1` tasks of
+// XLA's intra-op pool. The counters live in a shared_ptr: a task that starts late (even after the
+// call returned) finds no item left and touches nothing else, so fn must capture by value.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t threads, F fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, finished{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto work = [c, items, fn] {
+    for (int64_t i; (i = c->next.fetch_add(1)) < items;) {
+      fn(i);
+      c->finished.fetch_add(1, std::memory_order_release);
     }
-  }
-};
+  };
+  for (int64_t t = 1; t < std::min(threads, items); ++t) pool.Schedule([work] { work(); });
+  work();
+  while (c->finished.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lim,
@@ -231,17 +234,16 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (lim.element_count() != qd[0] * qd[2] || n2.element_count() != qd[0] * qd[2])
     return bad("decode_attention: lim and n2 must be [B, S]");
 
-  auto sh = std::make_shared<Shared>();
-  sh->p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), k2.typed_data(), v2.typed_data(),
+  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), k2.typed_data(), v2.typed_data(),
                   lim.typed_data(), n2.typed_data(), out->typed_data(),
                   qd[0], qd[1], qd[2], qd[3], kd[2], k2d[1], scale};
-  sh->items = qd[0] * qd[1];
+  const int64_t items = qd[0] * qd[1];  // (row, head) pairs
   // Threads only pay off for large problems (a task hand-off costs microseconds).
-  const int64_t work = sh->items * qd[2] * (kd[2] + k2d[1]) * qd[3];
-  int64_t helpers = work >= (int64_t{1} << 20) ? std::min<int64_t>(pool.num_threads(), sh->items) - 1 : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->Work(); });
-  sh->Work();
-  while (sh->finished.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  const int64_t work = items * qd[2] * (kd[2] + k2d[1]) * qd[3];
+  ParallelFor(pool, items, work >= (int64_t{1} << 20) ? pool.num_threads() : 1, [p](int64_t i) {
+    thread_local std::vector<float> scores;
+    RowHead(p, i, scores);
+  });
   return ffi::Error::Success();
 }
 
@@ -253,15 +255,12 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 // prefetchers follow), eight rows of w at a time, into the rows of y kept hot in L1. Every row of
 // x re-reads the block of w from L1, so from three rows on XLA's own product is as fast.
 
-struct DenseShared {
+struct DenseProblem {
   const float *x, *w, *b;
   float* y;
   int64_t M, K, N;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  int64_t items = 0, cols = 0;  // column ranges of `cols` floats
 
-  void Range(int64_t n0, int64_t n1) {
+  void Range(int64_t n0, int64_t n1) const {
     for (int64_t r = 0; r < M; ++r) std::copy(b + n0, b + n1, y + r * N + n0);
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
@@ -294,12 +293,6 @@ struct DenseShared {
     }
   }
 
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      Range(i * cols, std::min(N, (i + 1) * cols));
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -307,15 +300,11 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || b.element_count() != wd[1] || wd[1] % 8)
     return ffi::Error::InvalidArgument("dense: expected x [M, K], w [K, N], b [N] with N % 8 == 0");
-  auto sh = std::make_shared<DenseShared>();
-  sh->x = x.typed_data(), sh->w = w.typed_data(), sh->b = b.typed_data(), sh->y = y->typed_data();
-  sh->M = xd[0], sh->K = xd[1], sh->N = wd[1];
-  const int64_t threads = sh->K * sh->N >= (int64_t{1} << 16) ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  sh->cols = ((sh->N / threads + 7) / 8) * 8;
-  sh->items = (sh->N + sh->cols - 1) / sh->cols;
-  for (int64_t i = 1; i < sh->items; ++i) pool.Schedule([sh] { sh->Work(); });
-  sh->Work();
-  while (sh->finished.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  const DenseProblem p{x.typed_data(), w.typed_data(), b.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]};
+  const int64_t threads = p.K * p.N >= (int64_t{1} << 16) ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  const int64_t cols = ((p.N / threads + 7) / 8) * 8;  // one range of columns per thread
+  const int64_t items = (p.N + cols - 1) / cols;
+  ParallelFor(pool, items, items, [p, cols](int64_t i) { p.Range(i * cols, std::min(p.N, (i + 1) * cols)); });
   return ffi::Error::Success();
 }
 
@@ -342,15 +331,12 @@ void PanelTile(const float* x, int64_t K, const float* panel, const float* b, fl
   }
 }
 
-struct PackedShared {
+struct PackedProblem {
   const float *x, *wp, *b;
   float* y;
   int64_t M, K, N;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  int64_t items = 0, per = 0;  // panels per item
 
-  void Panel(int64_t p) {
+  void Panel(int64_t p) const {
     const float* panel = wp + p * K * 16;
     int64_t r = 0;
     for (; r + 4 <= M; r += 4) PanelTile<4>(x + r * K, K, panel, b, y + r * N, N, 16 * p);
@@ -361,12 +347,6 @@ struct PackedShared {
     }
   }
 
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      for (int64_t p = i * per; p < std::min(N / 16, (i + 1) * per); ++p) Panel(p);
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
@@ -374,16 +354,15 @@ ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   auto xd = x.dimensions(), wd = wp.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != wd[1] || b.element_count() != 16 * wd[0])
     return ffi::Error::InvalidArgument("packed_dense: expected x [M, K], wp [N/16, K, 16], b [N]");
-  auto sh = std::make_shared<PackedShared>();
-  sh->x = x.typed_data(), sh->wp = wp.typed_data(), sh->b = b.typed_data(), sh->y = y->typed_data();
-  sh->M = xd[0], sh->K = xd[1], sh->N = 16 * wd[0];
+  const PackedProblem p{x.typed_data(), wp.typed_data(), b.typed_data(), y->typed_data(), xd[0], xd[1],
+                        16 * wd[0]};
   const int64_t panels = wd[0];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
-  sh->per = (panels + threads - 1) / threads;
-  sh->items = (panels + sh->per - 1) / sh->per;
-  for (int64_t i = 1; i < sh->items; ++i) pool.Schedule([sh] { sh->Work(); });
-  sh->Work();
-  while (sh->finished.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  const int64_t per = (panels + threads - 1) / threads;  // panels per thread
+  const int64_t items = (panels + per - 1) / per;
+  ParallelFor(pool, items, items, [p, per, panels](int64_t i) {
+    for (int64_t q = i * per; q < std::min(panels, (i + 1) * per); ++q) p.Panel(q);
+  });
   return ffi::Error::Success();
 }
 
