@@ -35,11 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from . import model as M
 from .sampling import (
     DEFAULT_CHUNK,
     PROMPT_BUCKET,
     SPAN_BUCKET,
+    _pack,
     batch_bucket,
     encode_stops,
     pad_rule,
@@ -236,15 +238,16 @@ def _keep_if_active(active, new, old):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "span", "chunk"), donate_argnames=("cache",))
 def _beam_cache_chunk(params, state: BeamState, cache: M.KVCache, rule, stops, stop_lens, alpha,
-                      max_len, step_end, *, cfg: M.ModelConfig, span: int, chunk: int):
-    """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
+                      max_len, step_end, packed=None, *, cfg: M.ModelConfig, span: int, chunk: int):
+    """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops.
+    ``packed``: the weights packed for a step of a few rows (``model.pack_params``), or None."""
 
     def body(carry, _):
         st, cache = carry
         active = st.step < step_end
         new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
         cache = _gather_cache(cache, parent, span)
-        logits, cache = M.step(params, cfg, cache, token, span=span)
+        logits, cache = M.step(params, cfg, cache, token, span=span, packed=packed)
         # an inactive step leaves the state as it was (its cache write lands past the valid length)
         new = _keep_if_active(active, new._replace(logits=logits), st)
         return (new, cache), None
@@ -426,14 +429,17 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
     common = dict(rule=rule_b, stops=stop_arr, stop_lens=stop_lens, alpha=jnp.asarray(alpha),
                   max_len=jnp.int32(n))
 
+    # a few rows (beams x prompts): one native call per layer on weights packed once per request
+    packed = _pack(params) if n_cache and kernels.packs_rows(Bb * k) else None
+
     taken = 0
     while taken < n:
         valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
         step_end = jnp.int32(taken + valid)
         if taken < n_cache:
             span = min(capacity, round_up(Pmax + taken + chunk, SPAN_BUCKET))
-            state, cache = _beam_cache_chunk(params, state, cache, step_end=step_end, cfg=cfg,
-                                             span=span, chunk=chunk, **common)
+            state, cache = _beam_cache_chunk(params, state, cache, step_end=step_end, packed=packed,
+                                             cfg=cfg, span=span, chunk=chunk, **common)
         else:
             cache = None
             state = _beam_window_chunk(params, state, step_end=step_end, cfg=cfg, chunk=chunk,

@@ -35,8 +35,10 @@ _SOURCE = Path(__file__).parent / "csrc" / "attention.cc"
 _TARGET = "jaxdecode_decode_attention"
 _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
+_LAYER = "jaxdecode_decode_layer"
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
 PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
+LAYER_MAX_ROWS = 64  # decode_layer: up to here one native call per layer beats XLA (measured)
 
 
 class KernelError(RuntimeError):
@@ -112,6 +114,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodeDecodeAttention), platform="cpu")
         jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
+        jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
         return True
     except Exception as e:  # no compiler, failed build, unloadable library
         if mode == "1":
@@ -131,24 +134,38 @@ def reads_only_filled() -> bool:
 
 
 def packs_rows(rows: int) -> bool:
-    """Whether a product of ``rows`` rows on the default backend should use weights packed for
-    :func:`packed_dense` (more rows than :func:`dense` serves, few enough for the packed kernel)."""
-    return DENSE_MAX_ROWS < rows <= PACKED_MAX_ROWS and reads_only_filled()
+    """Whether a decode pass of ``rows`` rows on the default backend should be given weights packed
+    for :func:`decode_layer` and :func:`packed_dense` (see ``model.pack_params``)."""
+    return 0 < rows <= max(LAYER_MAX_ROWS, PACKED_MAX_ROWS) and reads_only_filled()
+
+
+def fuses_rows(rows: int) -> bool:
+    """Whether a decode pass of ``rows`` rows runs each layer as one :func:`decode_layer` call."""
+    return 0 < rows <= LAYER_MAX_ROWS and reads_only_filled()
+
+
+def _attend_segments(q, segments, scale):
+    """Softmax attention of ``q`` ``[B, H, S, D]`` over several ``(k, v, visible)`` segments,
+    ``k, v`` ``[B, H, T, D]`` and ``visible`` ``[B, 1 or H, S, T]`` bool."""
+    scores = [jnp.where(ok, jnp.einsum("bhsd,bhtd->bhst", q, k) * scale, -jnp.inf) for k, _, ok in segments]
+    w = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, at = 0.0, 0
+    for k, v, _ in segments:
+        out = out + jnp.einsum("bhst,bhtd->bhsd", w[..., at:at + k.shape[2]], v)
+        at += k.shape[2]
+    return out
+
+
+def _visible(n, limit):  # [B, 1, S, n]: position t < limit[b, s]
+    return (jnp.arange(n)[None, None, :] < limit[:, :, None])[:, None]
 
 
 def reference_attention(q, k, v, lim, k2, v2, n2, scale):
     """The kernel's computation in ``jax.numpy`` (see :func:`attention`)."""
     B, H, _, D = q.shape
     k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
-    s1 = jnp.einsum("bhsd,bhtd->bhst", q, k) * scale
-    s2 = jnp.einsum("bhsd,bhtd->bhst", q, k2) * scale
-    ok1 = (jnp.arange(k.shape[2])[None, None, :] < lim[:, :, None])[:, None]  # [B, 1, S, C]
-    ok2 = (jnp.arange(k2.shape[2])[None, None, :] < n2[:, :, None])[:, None]
-    s = jnp.concatenate([jnp.where(ok1, s1, -jnp.inf), jnp.where(ok2, s2, -jnp.inf)], axis=-1)
-    w = jax.nn.softmax(s, axis=-1)
-    C = k.shape[2]
-    return (jnp.einsum("bhst,bhtd->bhsd", w[..., :C], v)
-            + jnp.einsum("bhst,bhtd->bhsd", w[..., C:], v2))
+    return _attend_segments(q, [(k, v, _visible(k.shape[2], lim)), (k2, v2, _visible(k2.shape[2], n2))],
+                            scale)
 
 
 def attention(q, k, v, lim, k2, v2, n2, scale: float, span: int | None = None):
@@ -227,3 +244,62 @@ def packed_dense(x, wp, b):
     """``x @ w + b`` with ``wp = pack(w)``: the native kernel on CPU (for a few rows), else XLA."""
     ref = lambda x, wp, b: _affine(x, unpack(wp), b)
     return _native_or(ref, _rows_kernel(_PACKED, x, 16 * wp.shape[0]), x, wp, b)
+
+
+def _row(a, x):  # a [N] shaped to broadcast against x [..., N]
+    return a.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+def _layer_norm(x, g, b, eps):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * _row(g, x) + _row(b, x)
+
+
+def reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps):
+    """:func:`decode_layer`'s computation in ``jax.numpy``."""
+    g1, be1, wqkv, bqkv, wo, bo, g2, be2, w1, b1, w2, b2 = weights
+    B, S, d = x.shape
+    H, D = k.shape[1], k.shape[3]
+    qkv = _affine(_layer_norm(x, g1, be1, eps), unpack(wqkv), bqkv)
+    q, kn, vn = (jnp.transpose(qkv.reshape(B, S, 3, H, D)[:, :, i], (0, 2, 1, 3)) for i in range(3))
+    causal = jnp.tril(jnp.ones((S, S), bool))[None, None]
+    k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
+    att = _attend_segments(q, [(k, v, _visible(k.shape[2], lim)), (k2, v2, _visible(k2.shape[2], n2)),
+                               (kn, vn, causal)], 1.0 / math.sqrt(D))
+    x1 = x + _affine(jnp.transpose(att, (0, 2, 1, 3)).reshape(B, S, d), unpack(wo), bo)
+    f = jax.nn.gelu(_affine(_layer_norm(x1, g2, be2, eps), unpack(w1), b1), approximate=False)
+    return x1 + _affine(f, unpack(w2), b2), kn, vn
+
+
+def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float):
+    """One pre-norm decoder layer for a few new positions per row, as a single native call.
+
+    ``x`` ``[B, S, d]`` are the inputs at ``S`` new positions of each row; ``weights`` is the
+    tuple ``(ln1 scale, ln1 bias, qkv kernel, qkv bias, proj kernel, proj bias, ln2 scale, ln2 bias,
+    ff1 kernel, ff1 bias, ff2 kernel, ff2 bias)`` with the four kernels packed by :func:`pack`.
+    New position ``s`` of row ``b`` attends to positions ``t < lim[b, s]`` of the cache ``k, v``
+    ``[B, H, C, hd]``, ``t < n2[b, s]`` of the buffer ``k2, v2`` ``[B * H, L, hd]``, and the new
+    positions ``0..s`` of its row. Returns the layer's output ``[B, S, d]`` and the new positions'
+    keys and values ``[B, H, S, hd]``, for the caller to write into its cache.
+
+    On the CPU backend with the kernels available this is one call (see ``csrc/attention.cc``)
+    that reads every weight once and runs the small steps in between without XLA's per-operation
+    overhead; elsewhere :func:`reference_decode_layer`.
+    """
+    B, S, d = x.shape
+    H, D = k.shape[1], k.shape[3]
+    lim = jnp.asarray(lim, jnp.int32)
+    n2 = jnp.asarray(n2, jnp.int32)
+    kv = jax.ShapeDtypeStruct((B, H, S, D), jnp.float32)
+    call = jax.ffi.ffi_call(_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), kv, kv),
+                            vmap_method="sequential")
+
+    def native(x, k, v, lim, k2, v2, n2, *weights):
+        y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps))
+        return y.reshape(B, S, d), kn, vn
+
+    def ref(x, k, v, lim, k2, v2, n2, *weights):
+        return reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps)
+
+    return _native_or(ref, native, x, k, v, lim, k2, v2, n2, *weights)

@@ -89,7 +89,7 @@ def _dense(layer: nn.Dense, x):
     v = layer.variables
     p = v["params"]
     rows = math.prod(x.shape[:-1])
-    if "packed" in v and kernels.packs_rows(rows):
+    if "packed" in v and kernels.DENSE_MAX_ROWS < rows <= kernels.PACKED_MAX_ROWS and kernels.packs_rows(rows):
         return kernels.packed_dense(x, v["packed"]["kernel"], p["bias"])
     return kernels.dense(x, p["kernel"], p["bias"])
 
@@ -176,13 +176,40 @@ class Block(nn.Module):
         x = x + a
         return x + self._ff(x), kv
 
+    def _fused(self, x):
+        """The layer's weights for :func:`jaxdecode.kernels.decode_layer`, or None when this pass
+        does not run as one native call (no packed weights, too many rows, kernels off)."""
+        v = self.variables
+        if "packed" not in v or self.cfg.d % 16 or not kernels.fuses_rows(math.prod(x.shape[:-1])):
+            return None
+        p, pk = v["params"], v["packed"]
+        return (p["ln1"]["scale"], p["ln1"]["bias"], pk["attn"]["qkv"]["kernel"], p["attn"]["qkv"]["bias"],
+                pk["attn"]["proj"]["kernel"], p["attn"]["proj"]["bias"], p["ln2"]["scale"], p["ln2"]["bias"],
+                pk["ff1"]["kernel"], p["ff1"]["bias"], pk["ff2"]["kernel"], p["ff2"]["bias"])
+
     def cached(self, x, k_cache, v_cache, length, span):
+        weights = self._fused(x)
+        if weights is not None:
+            B, S, _ = x.shape
+            lim = jnp.broadcast_to(length[:, None], (B, S))
+            none = jnp.zeros((B * self.cfg.heads, 0, self.cfg.head_dim), k_cache.dtype)
+            x, k, v = kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none,
+                                           jnp.zeros((B, S), jnp.int32), eps=LN_EPS)
+            write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
+            return x, write(k_cache, k.astype(k_cache.dtype), length), write(v_cache, v.astype(v_cache.dtype), length)
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
         return x + self._ff(x, decode=True), k_cache, v_cache
 
-
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
+        weights = self._fused(x)
+        if weights is not None:
+            B = x.shape[0]
+            x, k, v = kernels.decode_layer(x, weights, k_main, v_main, main_len[:, None], k_loc, v_loc,
+                                           jnp.full((B, 1), i, jnp.int32), eps=LN_EPS)
+            BH, _, hd = k_loc.shape
+            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.reshape(BH, 1, hd).astype(buf.dtype), (0, i, 0))
+            return x, put(k_loc, k), put(v_loc, v)
         a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i)
         x = x + a
         return x + self._ff(x, decode=True), k_loc, v_loc
@@ -289,7 +316,8 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
 
 def pack_params(params):
     """The dense kernels of ``params`` in the panel layout of :func:`jaxdecode.kernels.pack`, as a
-    ``packed`` variable collection for :func:`extend` (a verify pass of a few rows)."""
+    ``packed`` variable collection for :func:`extend` and :func:`chunk_step` (passes of a few
+    rows, which then run each layer as one native call on CPU)."""
     def walk(tree):
         out = {}
         for name, sub in tree.items():
@@ -313,17 +341,20 @@ def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: in
     ``max(cache.length) + S`` and at most the capacity. Attending only over the filled span is
     what keeps a decode step cheap when the cache is mostly empty. The caller guarantees every
     row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``packed``
-    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of 3-4 rows
-    (``B * S``) use the native packed-weight product on CPU.
+    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of a few
+    rows (``B * S``, see :func:`jaxdecode.kernels.fuses_rows`) run each layer as one native call
+    on CPU (:func:`jaxdecode.kernels.decode_layer`).
     """
     span = cache.capacity if span is None else span
     variables = {"params": params} if packed is None else {"params": params, "packed": packed}
     return CharLM(cfg).apply(variables, tokens, cache, span, method=CharLM.cached)
 
 
-def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None):
-    """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache."""
-    logits, cache = extend(params, cfg, cache, token[:, None], span)
+def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None,
+         packed=None):
+    """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache.
+    ``packed``: as for :func:`extend`."""
+    logits, cache = extend(params, cfg, cache, token[:, None], span, packed)
     return logits[:, 0], cache
 
 

@@ -149,7 +149,7 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
 
     The loop runs exactly the steps asked for (a dynamic trip count), so a last, partial chunk
     costs no idle steps and needs no program of its own. Outputs past the steps run are zeros
-    (``emitted`` False). ``packed``: the weights packed for a step of 3-4 rows (see
+    (``emitted`` False). ``packed``: the weights packed for a step of a few rows (see
     ``model.pack_params``), or None.
     """
     B = state.logits.shape[0]
@@ -328,8 +328,8 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0))
     common = dict(rule=rule_b, key=key, row_ids=jnp.asarray(row_ids_b), stops=stop_arr,
                   stop_lens=stop_lens)
-    # 3-4 rows: XLA CPU's products with a few rows cost up to twice a one-row product; the native
-    # kernel reads weights packed once per request instead
+    # a few rows: each layer of a step is one native call (kernels.decode_layer) on weights packed
+    # once per request, instead of a dozen small XLA operations
     packed = None
     if kernels.packs_rows(Bb):
         packed = _pack(params)

@@ -143,6 +143,97 @@ def test_kernels_under_vmap():
     np.testing.assert_allclose(jax.vmap(lambda x: kernels.dense(x, w, b))(x), x @ w, rtol=1e-5, atol=1e-5)
 
 
+def layer_problem(rng, B, S, H, D, C, L):
+    d = H * D
+    f = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+    weights = (1 + f(d, scale=0.1), f(d, scale=0.1), kernels.pack(f(d, 3 * d, scale=0.1)), f(3 * d, scale=0.1),
+               kernels.pack(f(d, d, scale=0.1)), f(d, scale=0.1), 1 + f(d, scale=0.1), f(d, scale=0.1),
+               kernels.pack(f(d, 4 * d, scale=0.1)), f(4 * d, scale=0.1), kernels.pack(f(4 * d, d, scale=0.05)),
+               f(d, scale=0.1))
+    lim = jnp.asarray(rng.integers(0, C + 1, size=(B, S)), jnp.int32)
+    n2 = jnp.asarray(rng.integers(0, L + 1, size=(B, S)), jnp.int32)
+    return f(B, S, d), weights, f(B, H, C, D), f(B, H, C, D), lim, f(B * H, L, D), f(B * H, L, D), n2
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,S,H,D,C,L", [
+    (1, 1, 4, 64, 40, 8),    # a decode step at batch 1 (the shipped model's shape)
+    (1, 3, 2, 32, 20, 0),    # a verify pass: several new positions, no chunk buffer
+    (2, 2, 4, 16, 17, 5),
+    (3, 1, 4, 12, 9, 3),     # head size 12: the scalar attention path
+    (13, 1, 4, 32, 33, 6),   # 13 rows: tiles of 8, 4 and 1 rows
+    (2, 1, 2, 64, 30, 4),    # d = 128: split across threads
+    (4, 2, 4, 32, 30, 4),
+])
+def test_decode_layer_matches_reference(B, S, H, D, C, L):
+    rng = np.random.default_rng(B * 100 + S * 10 + D)
+    x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
+    got = jax.jit(lambda *a: kernels.decode_layer(a[0], a[1:13], *a[13:], eps=1e-5))(x, *weights, k, v, lim, k2, v2, n2)
+    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_decode_layer_ignores_positions_past_the_limits():
+    rng = np.random.default_rng(4)
+    B, S, H, D, C, L = 3, 2, 2, 32, 24, 6
+    x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
+    seen = jnp.max(lim, axis=1)[:, None, None, None]  # per row: the most any of its queries sees
+    pos = jnp.arange(C)[None, None, :, None]
+    poison = lambda a: jnp.where(pos >= seen, jnp.nan, a)
+    seen2 = jnp.repeat(jnp.max(n2, axis=1), H)[:, None, None]
+    pos2 = jnp.arange(L)[None, :, None]
+    poison2 = lambda a: jnp.where(pos2 >= seen2, jnp.nan, a)
+    got = kernels.decode_layer(x, weights, poison(k), poison(v), lim, poison2(k2), poison2(v2), n2, eps=1e-5)
+    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d,heads", [(32, 2), (128, 4)])
+def test_fused_decode_matches_module_path(d, heads):
+    """extend() and chunk_step() with packed weights (one native call per layer) against the
+    ordinary Flax path, on ragged rows; and the fused call is really in the compiled program."""
+    cfg = M.ModelConfig(V=11, T=40, d=d, L=2, heads=heads)
+    params = M.init_params(cfg, jax.random.PRNGKey(d))
+    packed = M.pack_params(params)
+    rng = np.random.default_rng(d)
+    tokens = jnp.asarray(rng.integers(0, cfg.V, size=(3, 30)), jnp.int32)
+    _, cache = M.prefill(params, cfg, tokens[:, :9], jnp.array([5, 9, 7], jnp.int32), capacity=40)
+    ext = jax.jit(lambda c, t, pk: M.extend(params, cfg, c, t, packed=pk))
+    assert "jaxdecode_decode_layer" in ext.lower(cache, tokens[:, 20:22], packed).as_text()
+    want, want_cache = M.extend(params, cfg, cache, tokens[:, 20:22])
+    got, got_cache = ext(cache, tokens[:, 20:22], packed)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    local = want_local = M.empty_local(cfg, 3, 4)
+    step = jax.jit(lambda loc, i, t: M.chunk_step(params, cfg, cache, loc, i, t, packed))
+    for i in range(3):
+        want, want_local = M.chunk_step(params, cfg, cache, want_local, i, tokens[:, 25 + i])
+        got, local = step(local, i, tokens[:, 25 + i])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(local.k + local.v, want_local.k + want_local.v):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_layer_under_vmap():
+    rng = np.random.default_rng(9)
+    probs = [layer_problem(np.random.default_rng(i), 2, 1, 2, 16, 8, 2) for i in range(2)]
+    x, weights, k, v, lim, k2, v2, n2 = probs[0]
+    xs = jnp.stack([x, probs[1][0]])
+    ks = jnp.stack([k, probs[1][2]])
+    got = jax.vmap(lambda x, k: kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5)[0])(xs, ks)
+    for i in range(2):
+        want = kernels.reference_decode_layer(xs[i], weights, ks[i], v, lim, k2, v2, n2, 1e-5)[0]
+        np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)
+    del rng
+
+
 def test_kernels_mode_is_checked(monkeypatch):
     monkeypatch.setenv("JAXDECODE_KERNELS", "sometimes")
     with pytest.raises(kernels.KernelError, match="JAXDECODE_KERNELS must be"):

@@ -81,6 +81,9 @@ inline v8 Load(const float* p) {
   return r;
 }
 
+// All eight lanes equal to a (one broadcast; `v8{} + a` would first add a to zero).
+inline v8 Splat(float a) { return v8{a, a, a, a, a, a, a, a}; }
+
 inline float Sum(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
@@ -148,7 +151,7 @@ template <int NV>
 void Weighted(const float* w, const float* vb, int64_t n, v8* acc) {
   constexpr int64_t D = 8 * NV;
   for (int64_t t = 0; t < n; ++t) {
-    const v8 wt = v8{} + w[t];
+    const v8 wt = Splat(w[t]);
     for (int j = 0; j < NV; ++j) acc[j] += wt * Load(vb + t * D + 8 * j);
   }
 }
@@ -268,7 +271,7 @@ struct DenseProblem {
       for (int64_t r = 0; r < M; ++r) {
         const float* xr = x + r * K + k;
         v8 xs[8];
-        for (int j = 0; j < 8; ++j) xs[j] = v8{} + xr[j];
+        for (int j = 0; j < 8; ++j) xs[j] = Splat(xr[j]);
         float* yr = y + r * N;
         for (int64_t n = n0; n < n1; n += 8) {
           const v8 a = (xs[0] * Load(wk + n) + xs[1] * Load(wk + N + n)) +
@@ -283,7 +286,7 @@ struct DenseProblem {
     for (; k < K; ++k) {
       const float* wk = w + k * N;
       for (int64_t r = 0; r < M; ++r) {
-        const v8 xk = v8{} + x[r * K + k];
+        const v8 xk = Splat(x[r * K + k]);
         float* yr = y + r * N;
         for (int64_t n = n0; n < n1; n += 8) {
           const v8 o = Load(yr + n) + xk * Load(wk + n);
@@ -321,7 +324,7 @@ void PanelTile(const float* x, int64_t K, const float* panel, const float* b, fl
   for (int64_t k = 0; k < K; ++k) {
     const v8 w0 = Load(panel + 16 * k), w1 = Load(panel + 16 * k + 8);
     for (int r = 0; r < R; ++r) {
-      const v8 xr = v8{} + x[r * K + k];
+      const v8 xr = Splat(x[r * K + k]);
       a0[r] += xr * w0, a1[r] += xr * w1;
     }
   }
@@ -366,6 +369,343 @@ ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// A whole decoder layer for a few rows (a decode step at small batch, a speculative verify pass):
+//
+//   h = LN1(x); q, k, v = split(h @ Wqkv + bqkv); x1 = x + attend(q, ...) @ Wo + bo
+//   y = x1 + gelu(LN2(x1) @ W1 + b1) @ W2 + b2
+//
+// With a few rows a layer is bound by reading its weights (12 d^2 floats), yet XLA runs it as a
+// dozen small operations of a few microseconds each. Here the layer is one call: its phases run on
+// the calling thread and one pool task, which claim work items phase by phase (so a task that
+// starts late, or never, only means the caller does more of the work) and wait for each other
+// only between phases, spinning for the microsecond that takes.
+//
+// Inputs: x [R, d] (R = B * S, row b's S queries in order); the LayerNorm scales and biases [d];
+// the dense kernels packed in panels of 16 columns (see kernels.pack) and their biases; the main
+// cache k, v [B, H, C, hd] with lim [B, S]; the chunk buffer k2, v2 [B * H, L, hd] with n2 [B, S].
+// Query (b, s) sees main positions t < lim[b, s], buffer positions t < n2[b, s] and the new
+// positions 0..s of its own row. Outputs: y [R, d] and the new keys and values [B, H, S, hd].
+
+// Keeps a loaded vector in a register: otherwise the compiler folds the load into every
+// multiply-add that uses it, and the product becomes bound by loads instead of arithmetic.
+inline void InRegister(v8& x) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(x));
+#else
+  (void)x;
+#endif
+}
+
+// With AVX-512 there are 32 vector registers: room for 16 accumulators.
+#if defined(__AVX512VL__)
+constexpr bool kManyRegisters = true;
+#else
+constexpr bool kManyRegisters = false;
+#endif
+
+// acc[r] (16 columns as two vectors) += x[r, :K] . panel; U interleaved accumulators hide the
+// multiply-add latency when there are few rows.
+template <int R, int U>
+void PanelRows(const float* x, int64_t ldx, int64_t K, const float* panel, v8 (&acc)[R][2]) {
+  v8 a[U][R][2] = {};
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    for (int u = 0; u < U; ++u) {
+      v8 w0 = Load(panel + 16 * (k + u)), w1 = Load(panel + 16 * (k + u) + 8);
+      InRegister(w0), InRegister(w1);
+      for (int r = 0; r < R; ++r) {
+        const v8 xr = Splat(x[r * ldx + k + u]);
+        a[u][r][0] += xr * w0, a[u][r][1] += xr * w1;
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const v8 w0 = Load(panel + 16 * k), w1 = Load(panel + 16 * k + 8);
+    for (int r = 0; r < R; ++r) {
+      const v8 xr = Splat(x[r * ldx + k]);
+      a[0][r][0] += xr * w0, a[0][r][1] += xr * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][0] += a[u][r][0], acc[r][1] += a[u][r][1];
+}
+
+// erf for float32 (Eigen's rational approximation on [-4, 4]; within 5e-7 of erf).
+inline v8 Erf(v8 x) {
+  x = x > 4.f ? v8{} + 4.f : x;
+  x = x < -4.f ? v8{} - 4.f : x;
+  const v8 x2 = x * x;
+  v8 p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
+  p = p * x2 + -2.10102402082508e-06f;
+  p = p * x2 + -5.69250639462346e-05f;
+  p = p * x2 + -7.34990630326855e-04f;
+  p = p * x2 + -2.95459980854025e-03f;
+  p = p * x2 + -1.60960333262415e-02f;
+  v8 q = x2 * -1.45660718464996e-05f + -2.13374055278905e-04f;
+  q = q * x2 + -1.68282697438203e-03f;
+  q = q * x2 + -7.37332916720468e-03f;
+  q = q * x2 + -1.42647390514189e-02f;
+  return x * p / q;
+}
+
+enum Epilogue { kPlain, kResidual, kGelu };
+
+// y[:, cols of panels p0..p1) = x @ w + b, then plus res (kResidual) or through exact GELU (kGelu).
+template <int R, int U>
+void PanelsR(const float* x, int64_t K, const float* wp, const float* b, float* y, int64_t N,
+             const float* res, Epilogue ep, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n = 16 * p;
+    v8 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = Load(b + n), acc[r][1] = Load(b + n + 8);
+    PanelRows<R, U>(x, K, K, wp + p * K * 16, acc);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        v8 o = acc[r][h];
+        if (ep == kResidual) o += Load(res + r * N + n + 8 * h);
+        if (ep == kGelu) o = 0.5f * o * (1.f + Erf(o * 0.70710678118654752f));
+        __builtin_memcpy(y + r * N + n + 8 * h, &o, sizeof o);
+      }
+  }
+}
+
+void Panels(const float* x, int64_t M, int64_t K, const float* wp, const float* b, float* y,
+            int64_t N, const float* res, Epilogue ep, int64_t p0, int64_t p1) {
+  int64_t r = 0;
+  if (kManyRegisters) {
+    for (; r + 8 <= M; r += 8) PanelsR<8, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
+    for (; r + 4 <= M; r += 4) PanelsR<4, 2>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
+  } else {
+    for (; r + 4 <= M; r += 4) PanelsR<4, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
+  }
+  switch (M - r) {
+    case 3: PanelsR<3, 2>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); break;
+    case 2: PanelsR<2, 2>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); break;
+    case 1: PanelsR<1, 4>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); break;
+  }
+}
+
+void LayerNorm(const float* x, const float* g, const float* b, float eps, int64_t d, float* out) {
+  // d is a multiple of 16 (checked by the caller); two passes, eight lanes each
+  v8 sum = {};
+  for (int64_t i = 0; i < d; i += 8) sum += Load(x + i);
+  const float mean = Sum(sum) / d;
+  v8 ss = {};
+  for (int64_t i = 0; i < d; i += 8) {
+    const v8 c = Load(x + i) - mean;
+    ss += c * c;
+  }
+  const float inv = 1.f / std::sqrt(Sum(ss) / d + eps);
+  for (int64_t i = 0; i < d; i += 8) {
+    const v8 o = (Load(x + i) - mean) * inv * Load(g + i) + Load(b + i);
+    __builtin_memcpy(out + i, &o, sizeof o);
+  }
+}
+
+// Softmax attention of one query over up to three (keys, values, count) segments, head size D.
+struct Segment {
+  const float *k, *v;
+  int64_t n;
+};
+
+template <int NV>
+void AttendVec(const float* q, float scale, const Segment* segs, int nseg, float* out,
+               std::vector<float>& scores) {
+  constexpr int64_t D = 8 * NV;
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  scores.resize(total_n);
+  v8 qv[NV];
+  for (int j = 0; j < NV; ++j) qv[j] = Load(q + 8 * j) * scale;
+  float mx = -INFINITY;
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Scores<NV>(qv, segs[i].k, segs[i].n, scores.data() + at, mx);
+  const float total = ExpShift(scores.data(), total_n, mx);
+  v8 acc[NV] = {};
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Weighted<NV>(scores.data() + at, segs[i].v, segs[i].n, acc);
+  const float inv = 1.f / total;
+  for (int j = 0; j < NV; ++j) {
+    const v8 o = acc[j] * inv;
+    __builtin_memcpy(out + 8 * j, &o, sizeof o);
+  }
+}
+
+void AttendScalar(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
+                  std::vector<float>& scores) {
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  scores.resize(total_n);
+  float mx = -INFINITY;
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; ++t) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < D; ++j) acc += q[j] * segs[i].k[t * D + j];
+      mx = std::max(mx, scores[at + t] = scale * acc);
+    }
+  float total = 0.f;
+  for (int64_t t = 0; t < total_n; ++t) total += (scores[t] = std::exp(scores[t] - mx));
+  std::fill(out, out + D, 0.f);
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; ++t) {
+      const float w = scores[at + t] / total;
+      for (int64_t j = 0; j < D; ++j) out[j] += w * segs[i].v[t * D + j];
+    }
+}
+
+void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
+            std::vector<float>& scores) {
+  switch (D) {
+    case 16: return AttendVec<2>(q, scale, segs, nseg, out, scores);
+    case 32: return AttendVec<4>(q, scale, segs, nseg, out, scores);
+    case 64: return AttendVec<8>(q, scale, segs, nseg, out, scores);
+    case 128: return AttendVec<16>(q, scale, segs, nseg, out, scores);
+    default: return AttendScalar(q, D, scale, segs, nseg, out, scores);
+  }
+}
+
+struct LayerProblem {
+  const float *x, *g1, *be1, *wqkv, *bqkv, *wo, *bo, *g2, *be2, *w1, *b1, *w2, *b2;
+  const float *k, *v, *k2, *v2;
+  const int32_t *lim, *n2;
+  float *y, *knew, *vnew;
+  float *h, *qkv, *att, *x1, *f;  // scratch: [R, d], [R, 3d], [R, d], [R, d], [R, 4d]
+  int64_t B, S, H, D, d, C, L;
+  float scale, eps;
+  int64_t R() const { return B * S; }
+};
+
+// Phase i of the layer, work item j of `items(i)`; `split` items for each dense product.
+struct LayerPhases {
+  LayerProblem p;
+  int64_t split;
+  static constexpr int kPhases = 7;
+
+  int64_t Items(int phase) const {
+    switch (phase) {
+      case 0: case 4: return p.R();       // LayerNorms, one row each
+      case 2: return p.B * p.H;           // attention, one (row, head) each
+      default: return split;              // dense products, a range of panels each
+    }
+  }
+
+  // panels [p0, p1) of `panels` for item j
+  void Range(int64_t panels, int64_t j, int64_t& p0, int64_t& p1) const {
+    p0 = panels * j / split, p1 = panels * (j + 1) / split;
+  }
+
+  void Run(int phase, int64_t j) const {
+    const int64_t R = p.R(), d = p.d;
+    int64_t p0, p1;
+    switch (phase) {
+      case 0: return LayerNorm(p.x + j * d, p.g1, p.be1, p.eps, d, p.h + j * d);
+      case 1: Range(3 * d / 16, j, p0, p1);
+        return Panels(p.h, R, d, p.wqkv, p.bqkv, p.qkv, 3 * d, nullptr, kPlain, p0, p1);
+      case 2: return Attention(j);
+      case 3: Range(d / 16, j, p0, p1);
+        return Panels(p.att, R, d, p.wo, p.bo, p.x1, d, p.x, kResidual, p0, p1);
+      case 4: return LayerNorm(p.x1 + j * d, p.g2, p.be2, p.eps, d, p.h + j * d);
+      case 5: Range(4 * d / 16, j, p0, p1);
+        return Panels(p.h, R, d, p.w1, p.b1, p.f, 4 * d, nullptr, kGelu, p0, p1);
+      case 6: Range(d / 16, j, p0, p1);
+        return Panels(p.f, R, 4 * d, p.w2, p.b2, p.y, d, p.x1, kResidual, p0, p1);
+    }
+  }
+
+  void Attention(int64_t bh) const {
+    thread_local std::vector<float> scores;
+    const int64_t b = bh / p.H, hh = bh % p.H, D = p.D, S = p.S, d = p.d;
+    float* kn = p.knew + bh * S * D;
+    float* vn = p.vnew + bh * S * D;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* row = p.qkv + (b * S + s) * 3 * d + hh * D;
+      std::copy(row + d, row + d + D, kn + s * D);
+      std::copy(row + 2 * d, row + 2 * d + D, vn + s * D);
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const Segment segs[3] = {
+          {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b * S + s], 0, p.C)},
+          {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b * S + s], 0, p.L)},
+          {kn, vn, s + 1}};
+      Attend(p.qkv + (b * S + s) * 3 * d + hh * D, D, p.scale, segs, 3, p.att + (b * S + s) * d + hh * D,
+             scores);
+    }
+  }
+};
+
+inline void Relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Runs the phases of `work` in order on the calling thread and up to `threads - 1` pool tasks.
+// Counters live in a shared_ptr: a task that starts late finds every item taken and every phase
+// done, and touches nothing else (work must capture by value).
+template <typename W>
+void RunPhases(ffi::ThreadPool& pool, int64_t threads, const W& work) {
+  constexpr int P = W::kPhases;
+  struct Counters {
+    std::atomic<int64_t> next[P], done[P];
+    int64_t items[P];
+  };
+  auto c = std::make_shared<Counters>();
+  for (int i = 0; i < P; ++i) c->next[i] = 0, c->done[i] = 0, c->items[i] = work.Items(i);
+  auto run = [c, work] {
+    for (int i = 0; i < P; ++i) {
+      for (int64_t j; (j = c->next[i].fetch_add(1)) < c->items[i];) {
+        work.Run(i, j);
+        c->done[i].fetch_add(1, std::memory_order_release);
+      }
+      for (int spins = 0; c->done[i].load(std::memory_order_acquire) < c->items[i]; ++spins)
+        if (spins < 4096) Relax(); else std::this_thread::yield();
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([run] { run(); });
+  run();
+}
+
+ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g1,
+                           ffi::Buffer<ffi::F32> be1, ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv,
+                           ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> bo, ffi::Buffer<ffi::F32> g2,
+                           ffi::Buffer<ffi::F32> be2, ffi::Buffer<ffi::F32> w1, ffi::Buffer<ffi::F32> b1,
+                           ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lim, ffi::Buffer<ffi::F32> k2,
+                           ffi::Buffer<ffi::F32> v2, ffi::Buffer<ffi::S32> n2, ffi::ResultBuffer<ffi::F32> y,
+                           ffi::ResultBuffer<ffi::F32> knew, ffi::ResultBuffer<ffi::F32> vnew, float eps) {
+  auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
+  auto xd = x.dimensions(), kd = k.dimensions(), k2d = k2.dimensions(), ld = lim.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || k2d.size() != 3 || ld.size() != 2)
+    return bad("decode_layer: expected x [R, d], k [B, H, C, hd], k2 [B*H, L, hd], lim [B, S]");
+  const int64_t d = xd[1], B = kd[0], H = kd[1], C = kd[2], D = kd[3], S = ld[1];
+  if (ld[0] != B || xd[0] != B * S || H * D != d || d % 16) return bad("decode_layer: shapes do not agree");
+  if (k2d[0] != B * H || k2d[2] != D || v.element_count() != k.element_count() ||
+      v2.element_count() != k2.element_count() || n2.element_count() != B * S)
+    return bad("decode_layer: cache shapes do not agree");
+  auto n = [](const ffi::Buffer<ffi::F32>& buf) { return static_cast<int64_t>(buf.element_count()); };
+  const int64_t sizes[][2] = {{n(g1), d}, {n(be1), d}, {n(g2), d}, {n(be2), d}, {n(wqkv), 3 * d * d},
+                              {n(bqkv), 3 * d}, {n(wo), d * d}, {n(bo), d}, {n(w1), 4 * d * d},
+                              {n(b1), 4 * d}, {n(w2), 4 * d * d}, {n(b2), d}};
+  for (auto& s : sizes)
+    if (s[0] != s[1]) return bad("decode_layer: a weight does not match the width d");
+  const int64_t R = B * S;
+  thread_local std::vector<float> scratch;
+  scratch.resize(R * 10 * d);
+  float* s = scratch.data();
+  LayerProblem p{x.typed_data(), g1.typed_data(), be1.typed_data(), wqkv.typed_data(), bqkv.typed_data(),
+                 wo.typed_data(), bo.typed_data(), g2.typed_data(), be2.typed_data(), w1.typed_data(),
+                 b1.typed_data(), w2.typed_data(), b2.typed_data(), k.typed_data(), v.typed_data(),
+                 k2.typed_data(), v2.typed_data(), lim.typed_data(), n2.typed_data(), y->typed_data(),
+                 knew->typed_data(), vnew->typed_data(), s, s + R * d, s + 4 * R * d, s + 5 * R * d,
+                 s + 6 * R * d, B, S, H, D, d, C, k2d[1], 1.f / std::sqrt(static_cast<float>(D)), eps};
+  // a second thread pays off once a layer's weights are a few hundred kilobytes
+  const int64_t threads = 12 * d * d >= (int64_t{1} << 17) ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  RunPhases(pool, std::min<int64_t>(threads, 2), LayerPhases{p, 2 * threads});
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodePackedDense, PackedDenseImpl,
@@ -396,3 +736,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // n2
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, DecodeLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lim
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k2
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v2
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // n2
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new keys
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new values
+                                  .Attr<float>("eps"));
