@@ -24,6 +24,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .model import ModelConfig
@@ -229,6 +231,8 @@ def load(path: str | os.PathLike | None = None) -> LanguageModel:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{wfile}: corrupt or truncated safetensors file ({e})") from None
     params = state_dict_to_params(state, cfg, where=str(wfile))
+    # device arrays: immutable, so work derived from them (packed weights) can be reused
+    params = jax.tree_util.tree_map(jnp.asarray, params)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import numpy as np
@@ -236,9 +237,16 @@ def _generate_speculative(args, prompt, rule, settings):
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
     if args.stop:
         raise UsageError("--stop is not supported with --speculative")
+    order, backoff = args.ngram_order, args.ngram_backoff
+    if (order is not None or backoff is not None) and args.speculative != "ngram":
+        raise UsageError("--ngram-order and --ngram-backoff need --speculative ngram")
+    if order is not None and not 1 <= order <= 6:
+        raise UsageError(f"--ngram-order must be between 1 and 6, got {order}")
+    if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
+        raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
     lm = _load(args)
     lm.vocab.encode(prompt)
-    draft = make_draft(args.speculative, lm, data_path=args.data)
+    draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
                                 greedy=args.greedy, num_samples=args.num_samples)
     total = SpeculativeStats.total([o.stats for o in outs])
@@ -250,6 +258,7 @@ def _generate_speculative(args, prompt, rule, settings):
                             "tokens": o.tokens.tolist(), "stats": o.stats.as_dict()} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
                             "greedy": bool(args.greedy), "speculative": args.speculative, "gamma": gamma,
+                            "ngram_order": order, "ngram_backoff": backoff,
                             "checkpoint": str(lm.path), **settings},
                "stats": total.as_dict()}
         print(json.dumps(doc, ensure_ascii=False))
@@ -345,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", choices=["ngram", "draft", "lookup"], default=None,
                    help="speculative sampling with this draft (exact: same distribution as plain sampling)")
     s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default 4)")
+    s.add_argument("--ngram-order", type=int, default=None, metavar="N",
+                   help="speculative ngram: context of N-1 characters (default 3, the chapter's trigram)")
+    s.add_argument("--ngram-backoff", type=float, default=None, metavar="BETA",
+                   help="speculative ngram: interpolate with shorter contexts, weight BETA (default: "
+                        "add-0.01 smoothing); --ngram-order 5 --ngram-backoff 6 is the fastest draft")
     s.add_argument("--data", default=None, help="corpus for the n-gram draft (default: $JAXDECODE_DATA)")
     s.set_defaults(func=cmd_generate)
 

@@ -293,11 +293,13 @@ def empty_cache(cfg: ModelConfig, batch: int, capacity: int | None = None, dtype
 
 
 def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-            capacity: int | None = None):
+            capacity: int | None = None, packed=None):
     """Run right-padded prompts ``tokens`` ``[B, P]`` (row b real up to ``lengths[b]``).
 
     Returns the next-token logits after each prompt ``[B, V]`` and a cache holding the prompts.
     Requires ``P <= T``; padding past a row's length is causal-masked away and later overwritten.
+    ``packed`` (:func:`pack_params`): when the ``B * P`` positions are few enough, the prompts go
+    through :func:`extend` on an empty cache, one native call per layer on CPU.
     """
     lengths = jnp.array(lengths, jnp.int32)  # a copy: the cache must not alias the caller's array
     chex.assert_rank(tokens, 2)
@@ -306,6 +308,10 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     if P > cfg.T:
         raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
     capacity = cfg.T if capacity is None else capacity
+    if packed is not None and kernels.fuses_rows(B * P) and capacity >= P:
+        logits, cache = extend(params, cfg, empty_cache(cfg, B, capacity), tokens, capacity, packed)
+        last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+        return last, cache._replace(length=lengths)
     logits, kvs = CharLM(cfg).apply({"params": params}, tokens, return_kv=True)
     pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
     ks = tuple(jnp.pad(k, pad) for k, _ in kvs)

@@ -193,12 +193,28 @@ def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _prefill(params, tokens, lengths, *, cfg, capacity):
-    return M.prefill(params, cfg, tokens, lengths, capacity=capacity)
+def _prefill(params, tokens, lengths, packed=None, *, cfg, capacity):
+    return M.prefill(params, cfg, tokens, lengths, capacity=capacity, packed=packed)
 
 
 _grow = jax.jit(M.grow_cache, static_argnames=("capacity",))
-_pack = jax.jit(M.pack_params)
+_pack_jit = jax.jit(M.pack_params)
+_PACKED: list = []  # (the parameter leaves, their packed weights), most recent first
+
+
+def _pack(params):
+    """``model.pack_params(params)``, computed once per parameter set: the last two sets are
+    kept, recognised by the identity of their (immutable) arrays."""
+    leaves = tuple(jax.tree_util.tree_leaves(params))
+    if not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves):
+        return _pack_jit(params)  # numpy arrays can change in place: no caching
+    for known, packed in _PACKED:
+        if len(known) == len(leaves) and all(a is b for a, b in zip(known, leaves)):
+            return packed
+    packed = _pack_jit(params)
+    _PACKED.insert(0, (leaves, packed))
+    del _PACKED[2:]
+    return packed
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -315,10 +331,13 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     def capacity(taken):
         return round_up((min(T, Pmax + n) if whole else Pmax + taken) + chunk, SPAN_BUCKET)
 
+    # a few rows: each layer of a step (and of the prefill of short prompts) is one native call
+    # (kernels.decode_layer) on packed weights, instead of a dozen small XLA operations
+    packed = _pack(params) if kernels.packs_rows(Bb) else None
     cache = None
     if Pmax <= T:
         logits, cache = _prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(length),
-                                 cfg=cfg, capacity=capacity(0))
+                                 packed, cfg=cfg, capacity=capacity(0))
         n_cache = min(n, T - Pmax)
     else:
         logits = _window_start(params, jnp.asarray(recent), jnp.asarray(length), cfg=cfg)
@@ -328,11 +347,6 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
         done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0))
     common = dict(rule=rule_b, key=key, row_ids=jnp.asarray(row_ids_b), stops=stop_arr,
                   stop_lens=stop_lens)
-    # a few rows: each layer of a step is one native call (kernels.decode_layer) on weights packed
-    # once per request, instead of a dozen small XLA operations
-    packed = None
-    if kernels.packs_rows(Bb):
-        packed = _pack(params)
 
     outs, taken = [], 0
     while taken < n:

@@ -46,7 +46,16 @@ import numpy as np
 from . import kernels
 from . import model as M
 from .rules import processed_logprobs
-from .sampling import PROMPT_BUCKET, SPAN_BUCKET, Generation, batch_bucket, encode_prompts, pad_rule, round_up
+from .sampling import (
+    PROMPT_BUCKET,
+    SPAN_BUCKET,
+    Generation,
+    _pack,
+    batch_bucket,
+    encode_prompts,
+    pad_rule,
+    round_up,
+)
 
 NEG_INF = -jnp.inf
 
@@ -218,14 +227,22 @@ class NGramState(NamedTuple):
 
 @_draft
 class NGramDraft(Draft):
-    """A character n-gram model with add-``alpha`` smoothing (the chapter's trigram for ``n = 3``).
+    """A character n-gram model (the chapter's add-0.01 trigram for ``n = 3``).
 
-    ``keys`` ``[K]`` int32: the contexts seen in training (base ``V + 1`` numbers, sorted);
-    ``logits`` ``[K + 1, V]`` float32: the log-probabilities of the next token after each, and a
-    last row for every unseen (or incomplete) context: uniform, as smoothing of zero counts gives.
-    ``index`` ``[(V + 1)^(n - 1)]`` int32 maps a context number to its row directly when that
-    table is small (up to 4M entries: a gather instead of a binary search per draft step);
-    otherwise it is ``None`` and ``keys`` is searched.
+    Two estimates: add-``alpha`` smoothing of the order-``n`` counts (the chapter's; an unseen
+    context gets the uniform distribution), or, with ``backoff=beta``, interpolation with the
+    shorter contexts: ``q_k(c | h) = (count(h, c) + beta * q_{k-1}(c | h')) / (count(h) + beta)``
+    for every order ``k`` up to ``n - 1`` context tokens (``h'`` is ``h`` without its oldest token,
+    ``q_{-1}`` uniform), and a context is looked up at the longest order seen in training.
+
+    ``keys`` ``[K]`` int32: the contexts in the table, as base ``V + 1`` numbers of ``n - 1``
+    digits (a shorter context is padded in front with the digit ``V``), sorted; ``logits``
+    ``[K + 1, V]`` float32: the log-probabilities of the next token after each, and a last,
+    uniform row for a context that is not in the table. Lookup goes through ``index``
+    ``[(V + 1)^(n - 1)]`` (a context number's row, when that table is small) or else an
+    open-addressing hash table: ``slots`` holds the keys at their positions, ``slot_rows`` their
+    rows, and a key sits within ``probes`` slots after its hash (the top ``hash_bits`` bits of
+    ``key * HASH`` modulo 2^32).
     """
 
     keys: jax.Array
@@ -233,64 +250,135 @@ class NGramDraft(Draft):
     index: jax.Array | None
     n: int = _static()
     V: int = _static()
+    slots: jax.Array | None = None
+    slot_rows: jax.Array | None = None
+    probes: int = dataclasses.field(default=0, metadata={"static": True})
+    hash_bits: int = dataclasses.field(default=0, metadata={"static": True})
+    backoff: bool = dataclasses.field(default=False, metadata={"static": True})
 
     MAX_INDEX = 1 << 22
+    HASH = 0x9E3779B1  # Fibonacci hashing: the top bits of key * 2^32 / golden ratio
 
     @classmethod
-    def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01) -> NGramDraft:
-        """Count every window of ``n`` tokens of ``tokens`` (a 1-D id array)."""
-        if not isinstance(n, int) or n < 1:
+    def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01,
+                    backoff: float | None = None) -> NGramDraft:
+        """Count every window of ``n`` tokens of ``tokens`` (a 1-D id array); with ``backoff``
+        (a positive ``beta``), every shorter window too (see the class)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"NGramDraft: n must be an integer >= 1, got {n!r}")
         if (V + 1) ** (n - 1) >= 2**31:
             raise ValueError(f"NGramDraft: n={n} is too large for V={V} (contexts must fit int32)")
         if not alpha > 0:
             raise ValueError(f"NGramDraft: the smoothing alpha must be > 0, got {alpha!r}")
+        if backoff is not None and not (backoff > 0 and np.isfinite(backoff)):
+            raise ValueError(f"NGramDraft: backoff (beta) must be a positive number, got {backoff!r}")
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         if len(tokens) < n:
             raise ValueError(f"NGramDraft: the text has {len(tokens)} tokens, fewer than n={n}")
         if tokens.min() < 0 or tokens.max() >= V:
             raise ValueError(f"NGramDraft: token ids must lie in [0, {V})")
-        m = len(tokens) - n + 1
-        ctx = np.zeros(m, np.int64)
-        for j in range(n - 1):
-            ctx = ctx * (V + 1) + tokens[j:j + m]
-        nxt = tokens[n - 1:n - 1 + m]
-        keys, inverse = np.unique(ctx, return_inverse=True)
-        counts = np.full((len(keys), V), alpha, np.float64)
-        np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
-        logp = np.log(counts / counts.sum(axis=1, keepdims=True))
-        logp = np.concatenate([logp, np.full((1, V), -np.log(V))])
-        index = None
+
+        def contexts(k):  # ids of the k-token contexts of positions k .. len-1 (n-1 digits)
+            m = len(tokens) - k
+            ctx = np.zeros(m, np.int64)
+            for _ in range(n - 1 - k):
+                ctx = ctx * (V + 1) + V
+            for j in range(k):
+                ctx = ctx * (V + 1) + tokens[j:j + m]
+            return ctx, tokens[k:]
+
+        if backoff is None:
+            ctx, nxt = contexts(n - 1)
+            keys, inverse = np.unique(ctx, return_inverse=True)
+            counts = np.full((len(keys), V), alpha, np.float64)
+            np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
+            probs = counts / counts.sum(axis=1, keepdims=True)
+        else:
+            all_keys, all_probs = [], []
+            lower = lower_keys = None
+            for k in range(n):
+                ctx, nxt = contexts(k)
+                keys, inverse = np.unique(ctx, return_inverse=True)
+                counts = np.zeros((len(keys), V), np.float64)
+                np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
+                if lower is None:
+                    prior = np.full((len(keys), V), 1.0 / V)
+                else:  # each context's parent: itself without its oldest token, one order down
+                    first = np.unique(inverse.reshape(-1), return_index=True)[1]
+                    parent_ctx = contexts(k - 1)[0][first + 1]
+                    prior = lower[np.searchsorted(lower_keys, parent_ctx)]
+                probs = (counts + backoff * prior) / (counts.sum(axis=1, keepdims=True) + backoff)
+                all_keys.append(keys)
+                all_probs.append(probs)
+                lower, lower_keys = probs, keys
+            keys = np.concatenate(all_keys)
+            order = np.argsort(keys)
+            keys, probs = keys[order], np.concatenate(all_probs)[order]
+        logp = np.concatenate([np.log(probs), np.full((1, V), -np.log(V))])
+        rows = np.arange(len(keys), dtype=np.int32)
+        index = slots = slot_rows = None
+        probes = bits = 0
         if (V + 1) ** (n - 1) <= cls.MAX_INDEX:
             index = np.full(((V + 1) ** (n - 1),), len(keys), np.int32)
-            index[keys] = np.arange(len(keys))
+            index[keys] = rows
             index = jnp.asarray(index)
-        return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), index, n, V)
+        else:  # linear probing, filled in hash order: a key lands at max(hash, previous + 1)
+            bits = max(1, int(2 * len(keys) - 1).bit_length())  # load factor <= 1/2
+            h = cls._hash(keys, bits)
+            by_hash = np.argsort(h, kind="stable")
+            h = h[by_hash]
+            at = np.maximum.accumulate(h - np.arange(len(h))) + np.arange(len(h))
+            probes = int(np.max(at - h)) + 1
+            slots = np.full(int(at[-1]) + probes + 1, -1, np.int64)
+            slots[at] = keys[by_hash]
+            slot_rows = np.full(len(slots), len(keys), np.int32)
+            slot_rows[at] = rows[by_hash]
+            slots, slot_rows = jnp.asarray(slots, jnp.int32), jnp.asarray(slot_rows)
+        return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), index, n, V,
+                   slots, slot_rows, probes, bits, backoff is not None)
+
+    @classmethod
+    def _hash(cls, keys, bits: int):
+        """Slot of each key (numpy int64 or a jax int32 array): the top ``bits`` of key * HASH."""
+        if isinstance(keys, np.ndarray):
+            return (((keys.astype(np.uint64) * cls.HASH) % (1 << 32)) >> (32 - bits)).astype(np.int64)
+        prod = keys.astype(jnp.uint32) * jnp.uint32(cls.HASH)  # wraps modulo 2^32
+        return (prod >> (32 - bits)).astype(jnp.int32)
 
     @classmethod
     def from_corpus(cls, vocab, text: str, n: int = 3, alpha: float = 0.01,
-                    train_fraction: float = 0.9) -> NGramDraft:
+                    train_fraction: float = 0.9, backoff: float | None = None) -> NGramDraft:
         """Estimate from the first ``train_fraction`` of ``text`` (the book's training split)."""
         train = text[:int(train_fraction * len(text))]
-        return cls.from_tokens(vocab.encode(train), len(vocab), n=n, alpha=alpha)
+        return cls.from_tokens(vocab.encode(train), len(vocab), n=n, alpha=alpha, backoff=backoff)
 
     def check(self, cfg, need):
         if cfg.V != self.V:
             raise ValueError(f"NGramDraft: the table has V={self.V}, the target V={cfg.V}")
 
-    def _context_id(self, context):  # [B, n-1] -> [B]
-        cid = jnp.zeros(context.shape[:1], jnp.int32)
-        for j in range(self.n - 1):
-            cid = cid * (self.V + 1) + context[:, j]
-        return cid
+    def _rows(self, cid):  # context numbers [...] -> table rows (K where absent)
+        K = self.keys.shape[0]
+        if self.index is not None:
+            return self.index[cid]
+        base = self._hash(cid, self.hash_bits)
+        window = base[..., None] + jnp.arange(self.probes).reshape((1,) * base.ndim + (-1,))
+        match = self.slots[window] == cid[..., None]
+        at = jnp.take_along_axis(window, jnp.argmax(match, axis=-1)[..., None], axis=-1)[..., 0]
+        return jnp.where(jnp.any(match, axis=-1), self.slot_rows[at], K)
 
     def _next_logits(self, context):  # [B, n-1] -> log-probabilities [B, V]
-        cid = self._context_id(context)
-        if self.index is not None:
-            return self.logits[self.index[cid]]
+        k = self.n - 1
+        orders = range(k, -1, -1) if self.backoff else (k,)
+        cids = []
+        for order in orders:  # the context cut to its last `order` tokens
+            cid = jnp.zeros(context.shape[:1], jnp.int32)
+            for j in range(k):
+                cid = cid * (self.V + 1) + (context[:, j] if j >= k - order else self.V)
+            cids.append(cid)
+        rows = self._rows(jnp.stack(cids, axis=1))  # [B, orders]
         K = self.keys.shape[0]
-        at = jnp.minimum(jnp.searchsorted(self.keys, cid), K - 1)
-        return self.logits[jnp.where(self.keys[at] == cid, at, K)]
+        first = jnp.argmax(rows < K, axis=1)  # the longest context in the table
+        return self.logits[jnp.take_along_axis(rows, first[:, None], axis=1)[:, 0]]
 
     def init(self, prompt, lengths, capacity):
         k = self.n - 1
@@ -299,14 +387,15 @@ class NGramDraft(Draft):
         return NGramState(jnp.where(idx >= 0, tok, self.V).astype(jnp.int32))
 
     def propose(self, state, noise, gamma, process, span):
-        def body(context, gumbel):
+        # unrolled: gamma is small, and a loop costs more per iteration than these few lookups
+        context, tokens, qs = state.context, [], []
+        for j in range(gamma):
             processed = process(self._next_logits(context))
-            tok = _pick(processed, gumbel)
-            return jnp.concatenate([context[:, 1:], tok[:, None]], axis=1), (tok, processed)
-
-        xs = None if noise is None else jnp.transpose(noise, (1, 0, 2))
-        _, (tokens, q) = jax.lax.scan(body, state.context, xs, length=gamma)
-        return tokens.T, jnp.transpose(q, (1, 0, 2)), state
+            tok = _pick(processed, None if noise is None else noise[:, j])
+            context = jnp.concatenate([context[:, 1:], tok[:, None]], axis=1)
+            tokens.append(tok)
+            qs.append(processed)
+        return jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1), state
 
     def commit(self, state, tokens, n_accepted, token, active):
         B, G = tokens.shape
@@ -467,14 +556,20 @@ class PromptLookupDraft(Draft):
         return LookupState(history, jnp.where(active, length + n_accepted + 1, length))
 
 
-def make_draft(kind: str, lm, data_path=None, *, n: int | None = None) -> Draft:
-    """A draft for target ``lm``: ``"ngram"`` (a trigram table from the training split of the
-    corpus, ``n`` default 3), ``"draft"`` (the shipped small model ``shakespeare-char-draft``) or
-    ``"lookup"`` (prompt lookup over the last ``n`` tokens, default 3)."""
+def make_draft(kind: str, lm, data_path=None, *, n: int | None = None,
+               backoff: float | None = None) -> Draft:
+    """A draft for target ``lm``: ``"ngram"`` (an n-gram table from the training split of the
+    corpus: by default the chapter's add-0.01 trigram; ``n`` tokens, and with ``backoff=beta``
+    interpolated with the shorter contexts, see :class:`NGramDraft`), ``"draft"`` (the shipped
+    small model ``shakespeare-char-draft``) or ``"lookup"`` (prompt lookup over the last ``n``
+    tokens, default 3)."""
+    if backoff is not None and kind != "ngram":
+        raise ValueError("backoff applies to the n-gram draft only")
     if kind == "ngram":
         from .data import read_corpus
 
-        return NGramDraft.from_corpus(lm.vocab, read_corpus(data_path), n=3 if n is None else n)
+        return NGramDraft.from_corpus(lm.vocab, read_corpus(data_path), n=3 if n is None else n,
+                                      backoff=backoff)
     if kind == "draft":
         from .checkpoint import DRAFT_NAME, load
 
@@ -528,9 +623,10 @@ def _processor(rule, B: int, V: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gamma", "span", "greedy"),
                    donate_argnames=("state",))
-def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
+def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, packed=None, *,
              cfg: M.ModelConfig, gamma: int, span: int, greedy: bool) -> SpecState:
-    """Iterate while some row is unfinished and every unfinished row fits in ``span``."""
+    """Iterate while some row is unfinished and every unfinished row fits in ``span``.
+    ``packed``: the weights packed for passes of a few rows (``model.pack_params``), or None."""
     B = state.pending.shape[0]
     V = cfg.V
     rows = jnp.arange(B)
@@ -542,13 +638,6 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
         active = st.count < n
         need = jnp.max(jnp.where(active, st.context + gamma, 0))
         return jnp.any(active) & (need <= span)
-
-    # A verify pass of a few rows multiplies every weight matrix by B * (gamma + 1) rows: with the
-    # weights packed once here (outside the loop, which XLA must not sink them into), the native
-    # CPU kernel does that at about the cost of a one-row step.
-    packed = None
-    if kernels.packs_rows(B * (gamma + 1)):
-        packed = jax.lax.optimization_barrier(M.pack_params(params))
 
     def body(st):
         active = st.count < n
@@ -593,8 +682,8 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, *,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _prefill(params, tokens, lengths, *, cfg, capacity):
-    return M.prefill(params, cfg, tokens, lengths, capacity=capacity)[1]
+def _prefill(params, tokens, lengths, packed=None, *, cfg, capacity):
+    return M.prefill(params, cfg, tokens, lengths, capacity=capacity, packed=packed)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -729,8 +818,11 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
     capacity = cfg.T + 2 * gamma + 2
     N = round_up(n + 2 * gamma + 2, 64)
 
+    # A verify pass multiplies every weight matrix by Bb * (gamma + 1) rows: when those are few,
+    # each layer is one native CPU call (kernels.decode_layer) on weights packed once
+    packed = _pack(params) if kernels.packs_rows(Bb * (gamma + 1)) else None
     prompt_j, length_j = jnp.asarray(prompt), jnp.asarray(length)
-    cache = _prefill(params, prompt_j[:, :min(Pb, cfg.T)], length_j - 1, cfg=cfg, capacity=capacity)
+    cache = _prefill(params, prompt_j[:, :min(Pb, cfg.T)], length_j - 1, packed, cfg=cfg, capacity=capacity)
     state = SpecState(
         cache=cache,
         pending=jnp.asarray(prompt[np.arange(Bb), length - 1]),
@@ -753,7 +845,7 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
         # unfinished rows stay within T (checked above); finished ones may attend to garbage.
         # The native CPU attention reads each row only up to its length: one segment for all.
         span = cfg.T if whole else min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
-        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, cfg=cfg, gamma=gamma,
+        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, packed, cfg=cfg, gamma=gamma,
                          span=span, greedy=greedy)
 
     out = jax.device_get(state)

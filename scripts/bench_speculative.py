@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=256, help="characters generated per row")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--gammas", default="1,2,4,8")
-    ap.add_argument("--drafts", default="ngram,draft,lookup")
+    ap.add_argument("--drafts", default="ngram,ngram:5:6,draft,lookup",
+                    help="ngram (the chapter's trigram), ngram:N[:BETA] (order N, interpolated "
+                         "backoff BETA), draft, lookup")
     ap.add_argument("--repeats", type=int, default=5, help="timing rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -62,6 +64,10 @@ def main(argv=None) -> int:
                 if small.vocab.chars != lm.vocab.chars:
                     raise ValueError("the draft model's vocabulary differs from the target's")
                 drafts[kind] = SP.ModelDraft.from_lm(small)
+            elif kind.startswith("ngram:"):  # ngram:N or ngram:N:BETA (interpolated backoff)
+                parts = kind.split(":")
+                drafts[kind] = SP.make_draft("ngram", lm, args.data, n=int(parts[1]),
+                                             backoff=float(parts[2]) if len(parts) > 2 else None)
             else:
                 drafts[kind] = SP.make_draft(kind, lm, args.data)
         except Exception as e:  # noqa: BLE001 - report and bench the others

@@ -113,11 +113,34 @@ def test_generate_speculative_lookup_json(tiny_ckpt, capsys):
     (["generate", "abc", "--gamma", "2"], "needs --speculative"),
     (["generate", "abc", "--speculative", "lookup", "--beam", "2"], "cannot be combined"),
     (["generate", "abc", "--speculative", "lookup", "--repetition-penalty", "1.2"], "speculative"),
+    (["generate", "abc", "--speculative", "lookup", "--ngram-order", "4"], "need --speculative ngram"),
+    (["generate", "abc", "--speculative", "ngram", "--ngram-order", "9"], "--ngram-order must be"),
+    (["generate", "abc", "--speculative", "ngram", "--ngram-backoff", "0"], "--ngram-backoff must be"),
 ])
 def test_speculative_bad_input(tiny_ckpt, capsys, argv, message):
     assert main(argv + ["--ckpt", tiny_ckpt]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxdecode: error:") and message in err
+
+
+def test_generate_speculative_ngram_backoff_json(tiny_ckpt, capsys, monkeypatch):
+    from jaxdecode import speculative
+
+    seen = {}
+
+    def small_table(kind, lm, data_path=None, *, n=None, backoff=None):  # the corpus is Shakespeare's
+        seen.update(kind=kind, n=n, backoff=backoff)
+        text = lm.vocab.encode("abc def. ghi\nabcab ba\n" * 50)
+        return speculative.NGramDraft.from_tokens(text, lm.cfg.V, n=n, backoff=backoff)
+
+    monkeypatch.setattr(speculative, "make_draft", small_table)
+    argv = ["generate", "abcab", "-n", "6", "--ckpt", tiny_ckpt, "--json", "--greedy"]
+    assert main(argv + ["--speculative", "ngram", "--ngram-order", "4", "--ngram-backoff", "2", "--gamma", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert seen == {"kind": "ngram", "n": 4, "backoff": 2.0}
+    assert spec["settings"]["ngram_order"] == 4 and spec["settings"]["ngram_backoff"] == 2.0
+    assert main(argv) == 0
+    assert spec["outputs"][0]["text"] == json.loads(capsys.readouterr().out)["outputs"][0]["text"]
 
 
 def test_study_decoders(tiny_ckpt, tmp_path):

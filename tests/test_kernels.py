@@ -234,6 +234,38 @@ def test_decode_layer_under_vmap():
     del rng
 
 
+@needs_kernel
+def test_prefill_with_packed_weights():
+    """Short prompts go through the fused layers on an empty cache: same logits and cache."""
+    cfg = M.ModelConfig(V=11, T=24, d=32, L=2, heads=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(6))
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.V, size=(2, 16)), jnp.int32)
+    lengths = jnp.array([16, 5], jnp.int32)
+    want, want_cache = M.prefill(params, cfg, tokens, lengths, capacity=24)
+    got, cache = jax.jit(lambda p, pk: M.prefill(p, cfg, tokens, lengths, capacity=24, packed=pk))(
+        params, M.pack_params(params))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert cache.length.tolist() == [16, 5]
+    for b, n in enumerate(lengths.tolist()):  # positions past a row's length are never read
+        for a, w in zip(cache.k + cache.v, want_cache.k + want_cache.v):
+            np.testing.assert_allclose(a[b, :, :n], w[b, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_packed_weights_are_reused_per_parameter_set():
+    from jaxdecode import sampling as S
+
+    cfg = M.ModelConfig(V=11, T=24, d=32, L=1, heads=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    first = S._pack(params)
+    assert S._pack(params) is first  # the same (immutable) arrays: packed once
+    other = jax.tree_util.tree_map(lambda a: a + 1.0, params)
+    assert S._pack(other) is not first
+    np.testing.assert_array_equal(S._pack(other)["block_0"]["ff1"]["kernel"],
+                                  kernels.pack(other["block_0"]["ff1"]["kernel"]))
+    as_numpy = jax.tree_util.tree_map(np.asarray, params)  # numpy arrays may change in place
+    assert S._pack(as_numpy) is not S._pack(as_numpy)
+
+
 def test_kernels_mode_is_checked(monkeypatch):
     monkeypatch.setenv("JAXDECODE_KERNELS", "sometimes")
     with pytest.raises(kernels.KernelError, match="JAXDECODE_KERNELS must be"):

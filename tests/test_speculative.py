@@ -53,6 +53,7 @@ def make_drafts(V: int, T: int, seed: int = 1):
     dcfg = ModelConfig(V=V, T=T, d=4, L=1, heads=1)
     return {
         "ngram": SP.NGramDraft.from_tokens(text, V, n=3),
+        "backoff": SP.NGramDraft.from_tokens(text, V, n=4, backoff=2.0),
         "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), dcfg),
         "lookup": SP.PromptLookupDraft(2),
     }
@@ -134,12 +135,67 @@ def test_ngram_table_matches_counts():
     seen = counts.sum(-1) > V * alpha + 0.5
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5)
     np.testing.assert_allclose(got[~seen], 1.0 / V, rtol=1e-5)  # unseen context: uniform
-    # without the direct index (large tables), a binary search over the seen contexts
-    sparse = SP.NGramDraft(d.keys, d.logits, None, d.n, d.V)
+    # without the direct index (large tables), the hash table
+    sparse = hashed(lambda: SP.NGramDraft.from_tokens(tokens, V, n=3, alpha=alpha))
+    assert sparse.index is None and sparse.probes >= 1
     np.testing.assert_array_equal(np.asarray(sparse._next_logits(ctx)), np.asarray(d._next_logits(ctx)))
     # an incomplete context (prompt shorter than n - 1) is unseen as well
     state = d.init(jnp.asarray([[2, 0]]), jnp.asarray([1]), 8)
     assert state.context.tolist() == [[V, 2]]
+
+
+def hashed(build):
+    """``build()`` with the direct index turned off: lookups go through the hash table."""
+    old = SP.NGramDraft.MAX_INDEX
+    SP.NGramDraft.MAX_INDEX = 0
+    try:
+        return build()
+    finally:
+        SP.NGramDraft.MAX_INDEX = old
+
+
+def backoff_reference(tokens, V, n, beta, context):
+    """The interpolated estimate written plainly: from the empty context up, each order mixes
+    its counts with the order below, q_k = (count + beta * q_(k-1)) / (total + beta)."""
+    real = [t for t in context if t != V]
+    q = np.full(V, 1.0 / V)
+    for k in range(len(real) + 1):
+        h = tuple(real[len(real) - k:])
+        counts = np.zeros(V)
+        for j in range(k, len(tokens)):
+            if tuple(tokens[j - k:j]) == h:
+                counts[tokens[j]] += 1
+        if counts.sum() == 0:  # unseen: the longest seen context decides
+            break
+        q = (counts + beta * q) / (counts.sum() + beta)
+    return q
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ngram_backoff_matches_reference(n):
+    V, beta = 4, 2.0
+    tokens = np.random.default_rng(n).integers(0, V, 300)
+    tokens[:40] = 1  # a skewed stretch: some long contexts are frequent, others unseen
+    # every context of n-1 digits whose padding (V) comes first, as init() builds them
+    contexts = [c for c in np.ndindex(*(V + 1,) * (n - 1))
+                if all(a == V for a in c[:sum(1 for x in c if x == V)])]
+    ctx = jnp.asarray(np.array(contexts, np.int32).reshape(len(contexts), n - 1))
+    want = np.array([backoff_reference(tokens, V, n, beta, c) for c in contexts])
+    for d in (SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta),
+              hashed(lambda: SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta))):
+        got = np.exp(np.asarray(d._next_logits(ctx)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "n must be an integer"),
+    (dict(backoff=0.0), "backoff"),
+    (dict(backoff=float("nan")), "backoff"),
+    (dict(alpha=-1.0), "alpha"),
+])
+def test_ngram_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SP.NGramDraft.from_tokens(np.arange(10) % 3, 3, **kwargs)
 
 
 def test_ngram_from_corpus_uses_the_training_split():
@@ -194,6 +250,18 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
         assert 0 < total.accepted <= total.examined <= total.proposed == gamma * total.passes
 
 
+def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
+    """The interpolated n-gram draft (a table looked up at several orders) is exact too."""
+    params, cfg, want = exact_model
+    prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
+    p = TOP_P[1]
+    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts["backoff"],
+                                gamma=4, rule=rules.top_p(p))
+    codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
+    counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
+    assert chisquare_pvalue(counts, want[p]) > P_MIN
+
+
 # ----------------------------------------------------------------------------- greedy, batches
 
 
@@ -202,7 +270,7 @@ def ragged_prompts(V, sizes, seed=0):
     return [rng.integers(0, V, size=s).astype(np.int32) for s in sizes]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "model", "lookup"])
+@pytest.mark.parametrize("kind", ["ngram", "backoff", "model", "lookup"])
 def test_greedy_speculative_equals_greedy(small_lm, small_drafts, kind):
     cfg, params = small_lm.cfg, small_lm.params
     prompts = ragged_prompts(cfg.V, [1, 6, 3, 2, 5])
