@@ -176,6 +176,26 @@ def test_decode_layer_matches_reference(B, S, H, D, C, L):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B,S,H,D,C,L", [
+    (1, 4, 4, 64, 170, 0),   # a verify pass of 4 positions: two pairs of queries
+    (2, 3, 2, 24, 20, 5),    # a pair and a single query; head size 24
+    (1, 5, 3, 16, 9, 2),
+    (2, 2, 4, 12, 11, 3),    # head size 12: one query at a time
+])
+def test_decode_layer_queries_with_shared_limits(B, S, H, D, C, L):
+    """New positions of a row that see the same cache positions (a verify pass) are attended in
+    pairs that read each key and value once."""
+    rng = np.random.default_rng(S * 10 + D)
+    x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
+    lim = jnp.broadcast_to(lim[:, :1], (B, S))
+    n2 = jnp.broadcast_to(n2[:, :1], (B, S))
+    got = kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5)
+    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_decode_layer_ignores_positions_past_the_limits():
     rng = np.random.default_rng(4)
     B, S, H, D, C, L = 3, 2, 2, 32, 24, 6

@@ -564,6 +564,90 @@ void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nse
   }
 }
 
+// Two queries over the same two segments of keys and values (plus one segment each of their own,
+// the new positions they see): each shared key and value is read once for both.
+template <int NV>
+void AttendPairVec(const float* const* q, float scale, const Segment* shared, const Segment* own,
+                   float* const* out, std::vector<float>& scores) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t n_sh = shared[0].n + shared[1].n;
+  const int64_t stride = n_sh + std::max(own[0].n, own[1].n);
+  scores.resize(2 * stride);
+  float* sc[2] = {scores.data(), scores.data() + stride};
+  v8 qv[2][NV];
+  for (int g = 0; g < 2; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = Load(q[g] + 8 * j) * scale;
+  float mx[2] = {-INFINITY, -INFINITY};
+  for (int i = 0, at = 0; i < 2; at += shared[i].n, ++i) {
+    const float* kb = shared[i].k;
+    int64_t t = 0;
+    for (; t + 2 <= shared[i].n; t += 2) {  // two keys by two queries: four independent sums
+      v8 a00 = {}, a01 = {}, a10 = {}, a11 = {};
+      for (int j = 0; j < NV; ++j) {
+        const v8 k0 = Load(kb + t * D + 8 * j), k1 = Load(kb + (t + 1) * D + 8 * j);
+        a00 += qv[0][j] * k0, a01 += qv[0][j] * k1, a10 += qv[1][j] * k0, a11 += qv[1][j] * k1;
+      }
+      sc[0][at + t] = Sum(a00), sc[0][at + t + 1] = Sum(a01);
+      sc[1][at + t] = Sum(a10), sc[1][at + t + 1] = Sum(a11);
+      mx[0] = std::max(mx[0], std::max(sc[0][at + t], sc[0][at + t + 1]));
+      mx[1] = std::max(mx[1], std::max(sc[1][at + t], sc[1][at + t + 1]));
+    }
+    for (; t < shared[i].n; ++t) {
+      v8 a0 = {}, a1 = {};
+      for (int j = 0; j < NV; ++j) {
+        const v8 k0 = Load(kb + t * D + 8 * j);
+        a0 += qv[0][j] * k0, a1 += qv[1][j] * k0;
+      }
+      mx[0] = std::max(mx[0], sc[0][at + t] = Sum(a0));
+      mx[1] = std::max(mx[1], sc[1][at + t] = Sum(a1));
+    }
+  }
+  float inv[2];
+  for (int g = 0; g < 2; ++g) {
+    Scores<NV>(qv[g], own[g].k, own[g].n, sc[g] + n_sh, mx[g]);
+    inv[g] = 1.f / ExpShift(sc[g], n_sh + own[g].n, mx[g]);
+  }
+  v8 acc[2][NV] = {};
+  for (int i = 0, at = 0; i < 2; at += shared[i].n, ++i) {
+    const float* vb = shared[i].v;
+    for (int64_t t = 0; t < shared[i].n; ++t) {
+      const v8 w0 = Splat(sc[0][at + t]), w1 = Splat(sc[1][at + t]);
+      for (int j = 0; j < NV; ++j) {
+        const v8 vv = Load(vb + t * D + 8 * j);
+        acc[0][j] += w0 * vv, acc[1][j] += w1 * vv;
+      }
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    Weighted<NV>(sc[g] + n_sh, own[g].v, own[g].n, acc[g]);
+    for (int j = 0; j < NV; ++j) {
+      const v8 o = acc[g][j] * inv[g];
+      __builtin_memcpy(out[g] + 8 * j, &o, sizeof o);
+    }
+  }
+}
+
+void AttendPair(const float* const* q, int64_t D, float scale, const Segment* shared, const Segment* own,
+                float* const* out, std::vector<float>& scores) {
+  switch (D / 8) {
+    case 1: return AttendPairVec<1>(q, scale, shared, own, out, scores);
+    case 2: return AttendPairVec<2>(q, scale, shared, own, out, scores);
+    case 3: return AttendPairVec<3>(q, scale, shared, own, out, scores);
+    case 4: return AttendPairVec<4>(q, scale, shared, own, out, scores);
+    case 5: return AttendPairVec<5>(q, scale, shared, own, out, scores);
+    case 6: return AttendPairVec<6>(q, scale, shared, own, out, scores);
+    case 7: return AttendPairVec<7>(q, scale, shared, own, out, scores);
+    case 8: return AttendPairVec<8>(q, scale, shared, own, out, scores);
+    case 12: return AttendPairVec<12>(q, scale, shared, own, out, scores);
+    case 16: return AttendPairVec<16>(q, scale, shared, own, out, scores);
+    default:  // other head sizes: one query at a time
+      for (int g = 0; g < 2; ++g) {
+        const Segment segs[3] = {shared[0], shared[1], own[g]};
+        Attend(q[g], D, scale, segs, 3, out[g], scores);
+      }
+  }
+}
+
 struct LayerProblem {
   const float *x, *g1, *be1, *wqkv, *bqkv, *wo, *bo, *g2, *be2, *w1, *b1, *w2, *b2;
   const float *k, *v, *k2, *v2;
@@ -622,13 +706,30 @@ struct LayerPhases {
       std::copy(row + d, row + d + D, kn + s * D);
       std::copy(row + 2 * d, row + 2 * d + D, vn + s * D);
     }
-    for (int64_t s = 0; s < S; ++s) {
-      const Segment segs[3] = {
-          {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b * S + s], 0, p.C)},
-          {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b * S + s], 0, p.L)},
-          {kn, vn, s + 1}};
-      Attend(p.qkv + (b * S + s) * 3 * d + hh * D, D, p.scale, segs, 3, p.att + (b * S + s) * d + hh * D,
-             scores);
+    auto query = [&](int64_t s) { return p.qkv + (b * S + s) * 3 * d + hh * D; };
+    auto out = [&](int64_t s) { return p.att + (b * S + s) * d + hh * D; };
+    auto shared = [&](int64_t s, Segment* segs) {
+      segs[0] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b * S + s], 0, p.C)};
+      segs[1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b * S + s], 0, p.L)};
+    };
+    int64_t s = 0;
+    if (D % 8 == 0 && D <= 128) {
+      // pairs of queries that see the same cache positions read those keys and values once
+      for (; s + 2 <= S; s += 2) {
+        if (p.lim[b * S + s] != p.lim[b * S + s + 1] || p.n2[b * S + s] != p.n2[b * S + s + 1]) break;
+        Segment segs[2];
+        shared(s, segs);
+        const Segment own[2] = {{kn, vn, s + 1}, {kn, vn, s + 2}};
+        const float* qs[2] = {query(s), query(s + 1)};
+        float* outs[2] = {out(s), out(s + 1)};
+        AttendPair(qs, D, p.scale, segs, own, outs, scores);
+      }
+    }
+    for (; s < S; ++s) {
+      Segment segs[3];
+      shared(s, segs);
+      segs[2] = {kn, vn, s + 1};
+      Attend(query(s), D, p.scale, segs, 3, out(s), scores);
     }
   }
 };
