@@ -426,8 +426,8 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
         state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state,
                                    cfg=cfg, k=k, N=N, S=S, logits_fn=logits_fn)
         n_cache = 0
-    common = dict(rule=rule_b, stops=stop_arr, stop_lens=stop_lens, alpha=jnp.asarray(alpha),
-                  max_len=jnp.int32(n))
+    common = {"rule": rule_b, "stops": stop_arr, "stop_lens": stop_lens, "alpha": jnp.asarray(alpha),
+                  "max_len": jnp.int32(n)}
 
     # a few rows (beams x prompts): one native call per layer on weights packed once per request
     packed = _pack(params) if n_cache and kernels.packs_rows(Bb * k) else None

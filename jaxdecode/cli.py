@@ -232,7 +232,7 @@ def _generate_beam(args, prompt, rule, settings):
 def _generate_speculative(args, prompt, rule, settings):
     from .speculative import SpeculativeStats, make_draft, speculative_generate
 
-    gamma = 4 if args.gamma is None else args.gamma
+    gamma = 2 if args.gamma is None else args.gamma
     if gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
     if args.stop:
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
     s.add_argument("--speculative", choices=["ngram", "draft", "lookup"], default=None,
                    help="speculative sampling with this draft (exact: same distribution as plain sampling)")
-    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default 4)")
+    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default 2, the fastest on CPU)")
     s.add_argument("--ngram-order", type=int, default=None, metavar="N",
                    help="speculative ngram: context of N-1 characters (default 3, the chapter's trigram)")
     s.add_argument("--ngram-backoff", type=float, default=None, metavar="BETA",

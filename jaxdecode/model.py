@@ -411,7 +411,7 @@ def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Arr
     ``history`` ``[B, N]`` holds each row's tokens left-aligned, ``lengths`` ``[B]`` how many are
     real. Row b sees ``history[b, max(0, len-T):len]`` numbered from position 0.
     """
-    B, N = history.shape
+    _B, N = history.shape
     W = min(N, cfg.T)
     start = jnp.clip(lengths - W, 0, N - W)
 

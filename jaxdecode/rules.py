@@ -219,7 +219,7 @@ class TopP(Rule):
     p: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
-        B, V = logits.shape
+        _B, _V = logits.shape
         p = _col(self.p)
         order = jnp.argsort(-_canonical_zero(logits), axis=-1, stable=True)  # [B, V] descending
         probs = jnp.take_along_axis(_softmax(logits), order, axis=-1)
@@ -260,7 +260,7 @@ class Typical(Rule):
     mass: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
-        B, V = logits.shape
+        _B, V = logits.shape
         mass = _col(self.mass)
         logp = processed_logprobs(logits)
         ent = _entropy(logp)[:, None]  # [B, 1]

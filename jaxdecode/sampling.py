@@ -345,8 +345,8 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     state = SamplingState(
         logits=logits, recent=jnp.asarray(recent), length=jnp.asarray(length), rule_state=rule_state,
         done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0))
-    common = dict(rule=rule_b, key=key, row_ids=jnp.asarray(row_ids_b), stops=stop_arr,
-                  stop_lens=stop_lens)
+    common = {"rule": rule_b, "key": key, "row_ids": jnp.asarray(row_ids_b), "stops": stop_arr,
+                  "stop_lens": stop_lens}
 
     outs, taken = [], 0
     while taken < n:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -398,7 +399,7 @@ class NGramDraft(Draft):
         return jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1), state
 
     def commit(self, state, tokens, n_accepted, token, active):
-        B, G = tokens.shape
+        B, _G = tokens.shape
         k = self.n - 1
         seq = jnp.concatenate([state.context, tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
         seq = seq.at[jnp.arange(B), k + n_accepted].set(token)  # [B, k + G + 1]
@@ -521,7 +522,7 @@ class PromptLookupDraft(Draft):
     def _match_end(self, history, length):
         """[B]: the last index j <= length-2 where history[j-n+1 .. j] equals the context's last
         n tokens; length - 2 (repeat the last token) where there is none."""
-        B, C = history.shape
+        _B, C = history.shape
         j = jnp.arange(C)[None, :]
         match = (j >= self.n - 1) & (j <= length[:, None] - 2) & (length[:, None] >= self.n)
         for i in range(self.n):
@@ -547,7 +548,7 @@ class PromptLookupDraft(Draft):
 
     def commit(self, state, tokens, n_accepted, token, active):
         history, length = state
-        B, G = tokens.shape
+        B, _G = tokens.shape
         seq = jnp.concatenate([tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
         seq = seq.at[jnp.arange(B), n_accepted].set(token)  # [B, G + 1]
         write = jax.vmap(lambda h, s, at: jax.lax.dynamic_update_slice(h, s, (at,)))
@@ -733,7 +734,7 @@ class SpeculativeStats:
 
 def predicted_chars_per_pass(alpha: float, gamma: int) -> float:
     """Expected tokens per target pass for i.i.d. acceptances at rate ``alpha`` (Leviathan et al.)."""
-    if alpha != alpha:
+    if math.isnan(alpha):
         return float("nan")
     if alpha >= 1.0:
         return float(gamma + 1)

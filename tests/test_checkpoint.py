@@ -14,6 +14,7 @@ import shutil
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ class _Tensor:
 
 
 class _TorchLikePickler(pickle._Pickler):
-    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)
 
     def _save_global_placeholder(self, obj: _Global):
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))

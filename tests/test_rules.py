@@ -261,7 +261,7 @@ def test_repetition_penalty_matches_reference(h, theta):
 @given(history(), row_settings(f32(-3, 3)),
        row_settings(f32(-3, 3)))
 def test_frequency_and_presence_penalties_match_reference(h, f, p):
-    x, prompt, lengths, generated = h
+    x, _prompt, _lengths, generated = h
     freq = run(R.frequency_penalty(f), *h)
     pres = run(R.presence_penalty(p), *h)
     for b in range(B):

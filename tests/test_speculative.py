@@ -188,10 +188,10 @@ def test_ngram_backoff_matches_reference(n):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "n must be an integer"),
-    (dict(backoff=0.0), "backoff"),
-    (dict(backoff=float("nan")), "backoff"),
-    (dict(alpha=-1.0), "alpha"),
+    ({"n": 0}, "n must be an integer"),
+    ({"backoff": 0.0}, "backoff"),
+    ({"backoff": float("nan")}, "backoff"),
+    ({"alpha": -1.0}, "alpha"),
 ])
 def test_ngram_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -302,7 +302,7 @@ def test_batch_invariance(small_lm, small_drafts):
     cfg, params = small_lm.cfg, small_lm.params
     prompts = ragged_prompts(cfg.V, [2, 5, 1, 4, 3, 5, 2], seed=3)
     key = jax.random.PRNGKey(7)
-    kw = dict(draft=small_drafts["ngram"], gamma=2, rule=rules.top_k(5))
+    kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(5)}
     together = SP.speculative_tokens(params, cfg, prompts, 8, key, **kw)
     for i in [0, 4, 6]:
         alone = SP.speculative_tokens(params, cfg, [prompts[i]], 8, key, row_ids=[i], **kw)

@@ -8,7 +8,7 @@ from jaxdecode import data as data_lib
 from jaxdecode.cli import main
 from jaxdecode.train import TrainConfig, held_out_loss, train
 
-TINY = dict(d=16, L=1, heads=2, T=32, batch=2, steps=6, warmup=1, eval_every=2, eval_windows=3)
+TINY = {"d": 16, "L": 1, "heads": 2, "T": 32, "batch": 2, "steps": 6, "warmup": 1, "eval_every": 2, "eval_windows": 3}
 
 
 def test_same_seed_same_losses(corpus_path, tmp_path):
