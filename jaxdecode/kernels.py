@@ -1,11 +1,14 @@
-"""A native decode-attention kernel for the XLA CPU backend, with a pure-JAX fallback.
+"""Native decode kernels for the XLA CPU backend, each with a pure-JAX fallback.
 
 XLA CPU turns the attention of a decode step (one or a few queries per row against a long KV
 cache) into a batched product over ``B * heads`` tiny matrices, after copying the attended part of
 the cache out of the cache buffer. :func:`attention` instead calls a small C++ kernel
 (``csrc/attention.cc``, an XLA FFI custom call) that reads every row's keys and values in place,
-only up to that row's own length, on XLA's intra-op threads. Other backends (GPU, TPU) and
-machines without a C++ compiler use the same computation written in ``jax.numpy``.
+only up to that row's own length, on XLA's intra-op threads. For passes of a few rows (a decode
+step at small batch, a speculative verify pass), :func:`decode_layer` runs a whole decoder layer
+as one call on weights packed by :func:`pack`, and :func:`dense` / :func:`packed_dense` serve
+single products. Other backends (GPU, TPU) and machines without a C++ compiler use the same
+computations written in ``jax.numpy``.
 
 The kernel is compiled on first use with the system's ``c++`` (``-O3 -march=native``) against the
 XLA FFI headers that ship with jaxlib, and cached under ``$JAXDECODE_CACHE`` (default
