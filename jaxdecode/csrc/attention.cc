@@ -801,9 +801,12 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                  k2.typed_data(), v2.typed_data(), lim.typed_data(), n2.typed_data(), y->typed_data(),
                  knew->typed_data(), vnew->typed_data(), s, s + R * d, s + 4 * R * d, s + 5 * R * d,
                  s + 6 * R * d, B, S, H, D, d, C, k2d[1], 1.f / std::sqrt(static_cast<float>(D)), eps};
-  // a second thread pays off once a layer's weights are a few hundred kilobytes
-  const int64_t threads = 12 * d * d >= (int64_t{1} << 17) ? std::max<int64_t>(1, pool.num_threads()) : 1;
-  RunPhases(pool, std::min<int64_t>(threads, 2), LayerPhases{p, 2 * threads});
+  // More threads pay off once a layer's weights are a few hundred kilobytes. Every phase ends in
+  // a wait for the slowest thread, so a few threads only (measured on two cores; a few rows give
+  // little work per phase).
+  const int64_t threads =
+      12 * d * d >= (int64_t{1} << 17) ? std::clamp<int64_t>(pool.num_threads(), 1, 4) : 1;
+  RunPhases(pool, threads, LayerPhases{p, 2 * threads});
   return ffi::Error::Success();
 }
 
