@@ -37,40 +37,6 @@ struct Problem {
   float scale;
 };
 
-// Generic version: any head size.
-void RowHeadScalar(const Problem& p, int64_t bh, std::vector<float>& scores) {
-  const int64_t b = bh / p.H, D = p.D;
-  const float* kb = p.k + bh * p.C * D;
-  const float* vb = p.v + bh * p.C * D;
-  const float* k2b = p.k2 + bh * p.L * D;
-  const float* v2b = p.v2 + bh * p.L * D;
-  for (int64_t s = 0; s < p.S; ++s) {
-    const int64_t n1 = std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.C);
-    const int64_t m2 = std::clamp<int64_t>(p.n2[b * p.S + s], 0, p.L);
-    const float* qs = p.q + (bh * p.S + s) * D;
-    float* os = p.out + (bh * p.S + s) * D;
-    std::fill(os, os + D, 0.f);
-    if (n1 + m2 == 0) continue;
-    scores.resize(n1 + m2);
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n1 + m2; ++t) {
-      const float* kt = t < n1 ? kb + t * D : k2b + (t - n1) * D;
-      float acc = 0.f;
-      for (int64_t i = 0; i < D; ++i) acc += qs[i] * kt[i];
-      scores[t] = p.scale * acc;
-      mx = std::max(mx, scores[t]);
-    }
-    float total = 0.f;
-    for (int64_t t = 0; t < n1 + m2; ++t) total += (scores[t] = std::exp(scores[t] - mx));
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < n1 + m2; ++t) {
-      const float* vt = t < n1 ? vb + t * D : v2b + (t - n1) * D;
-      const float w = scores[t] * inv;
-      for (int64_t i = 0; i < D; ++i) os[i] += w * vt[i];
-    }
-  }
-}
-
 // Head sizes that are a multiple of 8: eight-float vectors (AVX with -march=native, two SSE
 // registers otherwise), four keys at a time so that the multiply-adds do not wait on each other.
 typedef float v8 __attribute__((vector_size(32)));
@@ -156,69 +122,130 @@ void Weighted(const float* w, const float* vb, int64_t n, v8* acc) {
   }
 }
 
+// Softmax attention of one query over a few (keys, values, count) segments, head size D: the
+// vector path for head sizes 16/32/64/128, a scalar one otherwise.
+struct Segment {
+  const float *k, *v;
+  int64_t n;
+};
+
 template <int NV>
-void RowHeadVec(const Problem& p, int64_t bh, std::vector<float>& scores) {
-  constexpr int64_t D = 8 * NV;
-  const int64_t b = bh / p.H;
-  const float* kb = p.k + bh * p.C * D;
-  const float* vb = p.v + bh * p.C * D;
-  const float* k2b = p.k2 + bh * p.L * D;
-  const float* v2b = p.v2 + bh * p.L * D;
-  for (int64_t s = 0; s < p.S; ++s) {
-    const int64_t n1 = std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.C);
-    const int64_t m2 = std::clamp<int64_t>(p.n2[b * p.S + s], 0, p.L);
-    const float* qs = p.q + (bh * p.S + s) * D;
-    float* os = p.out + (bh * p.S + s) * D;
-    if (n1 + m2 == 0) {
-      std::fill(os, os + D, 0.f);
-      continue;
-    }
-    v8 qv[NV];
-    for (int j = 0; j < NV; ++j) qv[j] = Load(qs + 8 * j) * p.scale;
-    scores.resize(n1 + m2);
-    float mx = -INFINITY;
-    Scores<NV>(qv, kb, n1, scores.data(), mx);
-    Scores<NV>(qv, k2b, m2, scores.data() + n1, mx);
-    const float total = ExpShift(scores.data(), n1 + m2, mx);
-    v8 acc[NV] = {};
-    Weighted<NV>(scores.data(), vb, n1, acc);
-    Weighted<NV>(scores.data() + n1, v2b, m2, acc);
-    const float inv = 1.f / total;
-    for (int j = 0; j < NV; ++j) {
-      const v8 o = acc[j] * inv;
-      __builtin_memcpy(os + 8 * j, &o, sizeof o);
-    }
+void AttendVec(const float* q, float scale, const Segment* segs, int nseg, float* out,
+               std::vector<float>& scores) {
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  scores.resize(total_n);
+  v8 qv[NV];
+  for (int j = 0; j < NV; ++j) qv[j] = Load(q + 8 * j) * scale;
+  float mx = -INFINITY;
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Scores<NV>(qv, segs[i].k, segs[i].n, scores.data() + at, mx);
+  const float total = ExpShift(scores.data(), total_n, mx);
+  v8 acc[NV] = {};
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Weighted<NV>(scores.data() + at, segs[i].v, segs[i].n, acc);
+  const float inv = 1.f / total;
+  for (int j = 0; j < NV; ++j) {
+    const v8 o = acc[j] * inv;
+    __builtin_memcpy(out + 8 * j, &o, sizeof o);
   }
 }
 
+void AttendScalar(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
+                  std::vector<float>& scores) {
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  scores.resize(total_n);
+  float mx = -INFINITY;
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; ++t) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < D; ++j) acc += q[j] * segs[i].k[t * D + j];
+      mx = std::max(mx, scores[at + t] = scale * acc);
+    }
+  float total = 0.f;
+  for (int64_t t = 0; t < total_n; ++t) total += (scores[t] = std::exp(scores[t] - mx));
+  std::fill(out, out + D, 0.f);
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; ++t) {
+      const float w = scores[at + t] / total;
+      for (int64_t j = 0; j < D; ++j) out[j] += w * segs[i].v[t * D + j];
+    }
+}
+
+void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
+            std::vector<float>& scores) {
+  switch (D) {
+    case 16: return AttendVec<2>(q, scale, segs, nseg, out, scores);
+    case 32: return AttendVec<4>(q, scale, segs, nseg, out, scores);
+    case 64: return AttendVec<8>(q, scale, segs, nseg, out, scores);
+    case 128: return AttendVec<16>(q, scale, segs, nseg, out, scores);
+    default: return AttendScalar(q, D, scale, segs, nseg, out, scores);
+  }
+}
+
+// Decode attention of one (row, head) pair: each of its S queries over the main cache up to its
+// limit and the second buffer up to its count (zeros for a query that sees nothing).
 void RowHead(const Problem& p, int64_t bh, std::vector<float>& scores) {
-  switch (p.D) {
-    case 16: return RowHeadVec<2>(p, bh, scores);
-    case 32: return RowHeadVec<4>(p, bh, scores);
-    case 64: return RowHeadVec<8>(p, bh, scores);
-    case 128: return RowHeadVec<16>(p, bh, scores);
-    default: return RowHeadScalar(p, bh, scores);
+  const int64_t b = bh / p.H, D = p.D;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const Segment segs[2] = {
+        {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.C)},
+        {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b * p.S + s], 0, p.L)}};
+    float* os = p.out + (bh * p.S + s) * D;
+    if (segs[0].n + segs[1].n == 0)
+      std::fill(os, os + D, 0.f);
+    else
+      Attend(p.q + (bh * p.S + s) * D, D, p.scale, segs, 2, os, scores);
   }
 }
 
-// Runs fn(i) for every i in [0, items) on the calling thread and up to `threads - 1` tasks of
-// XLA's intra-op pool. The counters live in a shared_ptr: a task that starts late (even after the
-// call returned) finds no item left and touches nothing else, so fn must capture by value.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t threads, F fn) {
+inline void Relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Runs the phases of `work` in order on the calling thread and up to `threads - 1` pool tasks.
+// Counters live in a shared_ptr: a task that starts late finds every item taken and every phase
+// done, and touches nothing else (work must capture by value).
+template <typename W>
+void RunPhases(ffi::ThreadPool& pool, int64_t threads, const W& work) {
+  constexpr int P = W::kPhases;
   struct Counters {
-    std::atomic<int64_t> next{0}, finished{0};
+    std::atomic<int64_t> next[P], done[P];
+    int64_t items[P];
   };
   auto c = std::make_shared<Counters>();
-  auto work = [c, items, fn] {
-    for (int64_t i; (i = c->next.fetch_add(1)) < items;) {
-      fn(i);
-      c->finished.fetch_add(1, std::memory_order_release);
+  for (int i = 0; i < P; ++i) c->next[i] = 0, c->done[i] = 0, c->items[i] = work.Items(i);
+  auto run = [c, work] {
+    for (int i = 0; i < P; ++i) {
+      for (int64_t j; (j = c->next[i].fetch_add(1)) < c->items[i];) {
+        work.Run(i, j);
+        c->done[i].fetch_add(1, std::memory_order_release);
+      }
+      for (int spins = 0; c->done[i].load(std::memory_order_acquire) < c->items[i]; ++spins)
+        if (spins < 4096) Relax(); else std::this_thread::yield();
     }
   };
-  for (int64_t t = 1; t < std::min(threads, items); ++t) pool.Schedule([work] { work(); });
-  work();
-  while (c->finished.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([run] { run(); });
+  run();
+}
+
+// A single phase of `items` work items, for RunPhases.
+template <typename F>
+struct OnePhase {
+  static constexpr int kPhases = 1;
+  F fn;
+  int64_t items;
+  int64_t Items(int) const { return items; }
+  void Run(int, int64_t i) const { fn(i); }
+};
+
+// Runs fn(i) for every i in [0, items) on the calling thread and up to `threads - 1` pool tasks.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t threads, F fn) {
+  RunPhases(pool, std::min(threads, items), OnePhase<F>{fn, items});
 }
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -310,65 +337,6 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   ParallelFor(pool, items, items, [p, cols](int64_t i) { p.Range(i * cols, std::min(p.N, (i + 1) * cols)); });
   return ffi::Error::Success();
 }
-
-// ---------------------------------------------------------------------------------------------
-// y = x @ w + b for 3-8 rows, with w packed in panels of 16 columns: wp [N / 16, K, 16] (see
-// kernels.pack). A panel is read in order, once, while the R x 16 tile of y stays in registers;
-// the arithmetic, not the weights, is then the limit.
-
-template <int R>
-void PanelTile(const float* x, int64_t K, const float* panel, const float* b, float* y, int64_t N,
-               int64_t n) {
-  v8 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = Load(b + n), a1[r] = Load(b + n + 8);
-  for (int64_t k = 0; k < K; ++k) {
-    const v8 w0 = Load(panel + 16 * k), w1 = Load(panel + 16 * k + 8);
-    for (int r = 0; r < R; ++r) {
-      const v8 xr = Splat(x[r * K + k]);
-      a0[r] += xr * w0, a1[r] += xr * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __builtin_memcpy(y + r * N + n, &a0[r], sizeof(v8));
-    __builtin_memcpy(y + r * N + n + 8, &a1[r], sizeof(v8));
-  }
-}
-
-struct PackedProblem {
-  const float *x, *wp, *b;
-  float* y;
-  int64_t M, K, N;
-
-  void Panel(int64_t p) const {
-    const float* panel = wp + p * K * 16;
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) PanelTile<4>(x + r * K, K, panel, b, y + r * N, N, 16 * p);
-    switch (M - r) {
-      case 3: PanelTile<3>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
-      case 2: PanelTile<2>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
-      case 1: PanelTile<1>(x + r * K, K, panel, b, y + r * N, N, 16 * p); break;
-    }
-  }
-
-};
-
-ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                           ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = wp.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != wd[1] || b.element_count() != 16 * wd[0])
-    return ffi::Error::InvalidArgument("packed_dense: expected x [M, K], wp [N/16, K, 16], b [N]");
-  const PackedProblem p{x.typed_data(), wp.typed_data(), b.typed_data(), y->typed_data(), xd[0], xd[1],
-                        16 * wd[0]};
-  const int64_t panels = wd[0];
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
-  const int64_t per = (panels + threads - 1) / threads;  // panels per thread
-  const int64_t items = (panels + per - 1) / per;
-  ParallelFor(pool, items, items, [p, per, panels](int64_t i) {
-    for (int64_t q = i * per; q < std::min(panels, (i + 1) * per); ++q) p.Panel(q);
-  });
-  return ffi::Error::Success();
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // A whole decoder layer for a few rows (a decode step at small batch, a speculative verify pass):
@@ -487,6 +455,27 @@ void Panels(const float* x, int64_t M, int64_t K, const float* wp, const float* 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// y = x @ w + b for a few rows, with w packed in panels of 16 columns: wp [N / 16, K, 16] (see
+// kernels.pack). A panel is read in order, once, while a tile of y stays in registers (Panels).
+
+ffi::Error PackedDenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                           ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != wd[1] || b.element_count() != 16 * wd[0])
+    return ffi::Error::InvalidArgument("packed_dense: expected x [M, K], wp [N/16, K, 16], b [N]");
+  const float *xs = x.typed_data(), *w = wp.typed_data(), *bias = b.typed_data();
+  float* ys = y->typed_data();
+  const int64_t M = xd[0], K = xd[1], panels = wd[0];
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
+  const int64_t per = (panels + threads - 1) / threads;  // panels per thread
+  const int64_t items = (panels + per - 1) / per;
+  ParallelFor(pool, items, items, [=](int64_t i) {
+    Panels(xs, M, K, w, bias, ys, 16 * panels, nullptr, kPlain, i * per, std::min(panels, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
 void LayerNorm(const float* x, const float* g, const float* b, float eps, int64_t d, float* out) {
   // d is a multiple of 16 (checked by the caller); two passes, eight lanes each
   v8 sum = {};
@@ -501,66 +490,6 @@ void LayerNorm(const float* x, const float* g, const float* b, float eps, int64_
   for (int64_t i = 0; i < d; i += 8) {
     const v8 o = (Load(x + i) - mean) * inv * Load(g + i) + Load(b + i);
     __builtin_memcpy(out + i, &o, sizeof o);
-  }
-}
-
-// Softmax attention of one query over up to three (keys, values, count) segments, head size D.
-struct Segment {
-  const float *k, *v;
-  int64_t n;
-};
-
-template <int NV>
-void AttendVec(const float* q, float scale, const Segment* segs, int nseg, float* out,
-               std::vector<float>& scores) {
-  constexpr int64_t D = 8 * NV;
-  int64_t total_n = 0;
-  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
-  scores.resize(total_n);
-  v8 qv[NV];
-  for (int j = 0; j < NV; ++j) qv[j] = Load(q + 8 * j) * scale;
-  float mx = -INFINITY;
-  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Scores<NV>(qv, segs[i].k, segs[i].n, scores.data() + at, mx);
-  const float total = ExpShift(scores.data(), total_n, mx);
-  v8 acc[NV] = {};
-  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i) Weighted<NV>(scores.data() + at, segs[i].v, segs[i].n, acc);
-  const float inv = 1.f / total;
-  for (int j = 0; j < NV; ++j) {
-    const v8 o = acc[j] * inv;
-    __builtin_memcpy(out + 8 * j, &o, sizeof o);
-  }
-}
-
-void AttendScalar(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
-                  std::vector<float>& scores) {
-  int64_t total_n = 0;
-  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
-  scores.resize(total_n);
-  float mx = -INFINITY;
-  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
-    for (int64_t t = 0; t < segs[i].n; ++t) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < D; ++j) acc += q[j] * segs[i].k[t * D + j];
-      mx = std::max(mx, scores[at + t] = scale * acc);
-    }
-  float total = 0.f;
-  for (int64_t t = 0; t < total_n; ++t) total += (scores[t] = std::exp(scores[t] - mx));
-  std::fill(out, out + D, 0.f);
-  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
-    for (int64_t t = 0; t < segs[i].n; ++t) {
-      const float w = scores[at + t] / total;
-      for (int64_t j = 0; j < D; ++j) out[j] += w * segs[i].v[t * D + j];
-    }
-}
-
-void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nseg, float* out,
-            std::vector<float>& scores) {
-  switch (D) {
-    case 16: return AttendVec<2>(q, scale, segs, nseg, out, scores);
-    case 32: return AttendVec<4>(q, scale, segs, nseg, out, scores);
-    case 64: return AttendVec<8>(q, scale, segs, nseg, out, scores);
-    case 128: return AttendVec<16>(q, scale, segs, nseg, out, scores);
-    default: return AttendScalar(q, D, scale, segs, nseg, out, scores);
   }
 }
 
@@ -733,40 +662,6 @@ struct LayerPhases {
     }
   }
 };
-
-inline void Relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-// Runs the phases of `work` in order on the calling thread and up to `threads - 1` pool tasks.
-// Counters live in a shared_ptr: a task that starts late finds every item taken and every phase
-// done, and touches nothing else (work must capture by value).
-template <typename W>
-void RunPhases(ffi::ThreadPool& pool, int64_t threads, const W& work) {
-  constexpr int P = W::kPhases;
-  struct Counters {
-    std::atomic<int64_t> next[P], done[P];
-    int64_t items[P];
-  };
-  auto c = std::make_shared<Counters>();
-  for (int i = 0; i < P; ++i) c->next[i] = 0, c->done[i] = 0, c->items[i] = work.Items(i);
-  auto run = [c, work] {
-    for (int i = 0; i < P; ++i) {
-      for (int64_t j; (j = c->next[i].fetch_add(1)) < c->items[i];) {
-        work.Run(i, j);
-        c->done[i].fetch_add(1, std::memory_order_release);
-      }
-      for (int spins = 0; c->done[i].load(std::memory_order_acquire) < c->items[i]; ++spins)
-        if (spins < 4096) Relax(); else std::this_thread::yield();
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([run] { run(); });
-  run();
-}
 
 ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g1,
                            ffi::Buffer<ffi::F32> be1, ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv,
