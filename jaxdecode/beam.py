@@ -41,7 +41,6 @@ from .sampling import (
     DEFAULT_CHUNK,
     PROMPT_BUCKET,
     SPAN_BUCKET,
-    _pack,
     batch_bucket,
     encode_stops,
     pad_rule,
@@ -430,7 +429,7 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
                   "max_len": jnp.int32(n)}
 
     # a few rows (beams x prompts): one native call per layer on weights packed once per request
-    packed = _pack(params) if n_cache and kernels.packs_rows(Bb * k) else None
+    packed = M.packed_params(params) if n_cache and kernels.packs_rows(Bb * k) else None
 
     taken = 0
     while taken < n:

@@ -339,6 +339,25 @@ def pack_params(params):
     return walk(dict(params))
 
 
+_pack_jit = jax.jit(pack_params)
+_PACKED: list = []  # (the parameter leaves, their packed weights), most recent first
+
+
+def packed_params(params):
+    """:func:`pack_params` of ``params``, computed once per parameter set: the last two sets are
+    kept, recognised by the identity of their (immutable) arrays."""
+    leaves = tuple(jax.tree_util.tree_leaves(params))
+    if not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves):
+        return _pack_jit(params)  # numpy arrays can change in place: no caching
+    for known, packed in _PACKED:
+        if len(known) == len(leaves) and all(a is b for a, b in zip(known, leaves)):
+            return packed
+    packed = _pack_jit(params)
+    _PACKED.insert(0, (leaves, packed))
+    del _PACKED[2:]
+    return packed
+
+
 def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None,
            packed=None):
     """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions.

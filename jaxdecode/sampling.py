@@ -198,25 +198,6 @@ def _prefill(params, tokens, lengths, packed=None, *, cfg, capacity):
 
 
 _grow = jax.jit(M.grow_cache, static_argnames=("capacity",))
-_pack_jit = jax.jit(M.pack_params)
-_PACKED: list = []  # (the parameter leaves, their packed weights), most recent first
-
-
-def _pack(params):
-    """``model.pack_params(params)``, computed once per parameter set: the last two sets are
-    kept, recognised by the identity of their (immutable) arrays."""
-    leaves = tuple(jax.tree_util.tree_leaves(params))
-    if not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves):
-        return _pack_jit(params)  # numpy arrays can change in place: no caching
-    for known, packed in _PACKED:
-        if len(known) == len(leaves) and all(a is b for a, b in zip(known, leaves)):
-            return packed
-    packed = _pack_jit(params)
-    _PACKED.insert(0, (leaves, packed))
-    del _PACKED[2:]
-    return packed
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _window_start(params, recent, lengths, *, cfg):
     return M.window_logits(params, cfg, recent, lengths)
@@ -333,7 +314,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
 
     # a few rows: each layer of a step (and of the prefill of short prompts) is one native call
     # (kernels.decode_layer) on packed weights, instead of a dozen small XLA operations
-    packed = _pack(params) if kernels.packs_rows(Bb) else None
+    packed = M.packed_params(params) if kernels.packs_rows(Bb) else None
     cache = None
     if Pmax <= T:
         logits, cache = _prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(length),

@@ -51,7 +51,6 @@ from .sampling import (
     PROMPT_BUCKET,
     SPAN_BUCKET,
     Generation,
-    _pack,
     batch_bucket,
     encode_prompts,
     pad_rule,
@@ -821,7 +820,7 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
 
     # A verify pass multiplies every weight matrix by Bb * (gamma + 1) rows: when those are few,
     # each layer is one native CPU call (kernels.decode_layer) on weights packed once
-    packed = _pack(params) if kernels.packs_rows(Bb * (gamma + 1)) else None
+    packed = M.packed_params(params) if kernels.packs_rows(Bb * (gamma + 1)) else None
     prompt_j, length_j = jnp.asarray(prompt), jnp.asarray(length)
     cache = _prefill(params, prompt_j[:, :min(Pb, cfg.T)], length_j - 1, packed, cfg=cfg, capacity=capacity)
     state = SpecState(

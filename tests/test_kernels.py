@@ -272,18 +272,16 @@ def test_prefill_with_packed_weights():
 
 
 def test_packed_weights_are_reused_per_parameter_set():
-    from jaxdecode import sampling as S
-
     cfg = M.ModelConfig(V=11, T=24, d=32, L=1, heads=2)
     params = M.init_params(cfg, jax.random.PRNGKey(0))
-    first = S._pack(params)
-    assert S._pack(params) is first  # the same (immutable) arrays: packed once
+    first = M.packed_params(params)
+    assert M.packed_params(params) is first  # the same (immutable) arrays: packed once
     other = jax.tree_util.tree_map(lambda a: a + 1.0, params)
-    assert S._pack(other) is not first
-    np.testing.assert_array_equal(S._pack(other)["block_0"]["ff1"]["kernel"],
+    assert M.packed_params(other) is not first
+    np.testing.assert_array_equal(M.packed_params(other)["block_0"]["ff1"]["kernel"],
                                   kernels.pack(other["block_0"]["ff1"]["kernel"]))
     as_numpy = jax.tree_util.tree_map(np.asarray, params)  # numpy arrays may change in place
-    assert S._pack(as_numpy) is not S._pack(as_numpy)
+    assert M.packed_params(as_numpy) is not M.packed_params(as_numpy)
 
 
 def test_kernels_mode_is_checked(monkeypatch):
