@@ -41,7 +41,11 @@ _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
 PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
-LAYER_MAX_ROWS = 64  # decode_layer: up to here one native call per layer beats XLA (measured)
+# decode_layer: one native call per layer beats XLA's operations at every batch measured (1 to
+# 256 rows; from 64 rows the call runs as a pipeline, see csrc/attention.cc). The limit bounds the
+# call's scratch memory (10 * d floats a row).
+LAYER_MAX_ROWS = 1024
+PREFILL_MAX_ROWS = 64  # prompts of up to this many positions in all are prefilled through it
 
 
 class KernelError(RuntimeError):
@@ -275,7 +279,10 @@ def reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps):
     return x1 + _affine(f, unpack(w2), b2), kn, vn
 
 
-def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float):
+SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}
+
+
+def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = "auto"):
     """One pre-norm decoder layer for a few new positions per row, as a single native call.
 
     ``x`` ``[B, S, d]`` are the inputs at ``S`` new positions of each row; ``weights`` is the
@@ -299,7 +306,8 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float):
                             vmap_method="sequential")
 
     def native(x, k, v, lim, k2, v2, n2, *weights):
-        y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps))
+        y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps),
+                         schedule=np.int32(SCHEDULES[schedule]))
         return y.reshape(B, S, d), kn, vn
 
     def ref(x, k, v, lim, k2, v2, n2, *weights):

@@ -308,7 +308,7 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     if P > cfg.T:
         raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
     capacity = cfg.T if capacity is None else capacity
-    if packed is not None and kernels.fuses_rows(B * P) and capacity >= P:
+    if packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P) and capacity >= P:
         logits, cache = extend(params, cfg, empty_cache(cfg, B, capacity), tokens, capacity, packed)
         last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         return last, cache._replace(length=lengths)

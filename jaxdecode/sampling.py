@@ -126,9 +126,11 @@ def _stop_hit(tail, stops, stop_lens):
     return jnp.any(jnp.all(match, axis=-1) & (stop_lens > 0)[None], axis=-1)
 
 
-def _advance(st: SamplingState, out, stops, stop_lens, T):
+def _advance(st: SamplingState, out, stops, stop_lens, T, push: bool = True):
+    """The state's recent window (unchanged when ``push`` is False), stop tail and done flags
+    after ``out``'s token."""
     token, _, _, _ = out
-    recent = push_recent(st.recent, st.length, token, T)
+    recent = push_recent(st.recent, st.length, token, T) if push else st.recent
     tail = jnp.concatenate([st.tail[:, 1:], token[:, None]], axis=1)
     done = st.done
     if stops is not None:
@@ -158,7 +160,9 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
     def body(i, carry):
         st, local, outs = carry
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
-        recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T)
+        # the recent window is written once after the loop (nothing in it reads the window, and
+        # a step that writes it also copies it)
+        recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T, push=False)
         logits, local = M.chunk_step(params, cfg, cache, local, i, token, packed)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
         out = StepOutput(token, mlp, slp, ~st.done)
@@ -166,9 +170,14 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
         return new, local, outs
 
     local = M.empty_local(cfg, B, chunk, cache.k[0].dtype)
+    start = state.length
     state, local, outs = jax.lax.fori_loop(0, steps, body, (state, local, _empty_outputs(chunk, B)))
     cache = M.merge_chunk(cache, local, steps)
-    return state, cache, outs
+    # every row stays inside the window on this path (the caller switches to the window mode at
+    # T), so step i's token goes to position start + i; steps not run point past the end
+    at = jnp.where(jnp.arange(chunk)[:, None] < steps, start[None, :] + jnp.arange(chunk)[:, None], cfg.T)
+    recent = state.recent.at[jnp.broadcast_to(jnp.arange(B)[None, :], at.shape), at].set(outs.token, mode="drop")
+    return state._replace(recent=recent), cache, outs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "greedy"))

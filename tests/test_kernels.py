@@ -196,6 +196,26 @@ def test_decode_layer_queries_with_shared_limits(B, S, H, D, C, L):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B,S,H,D,C,L", [
+    (70, 1, 4, 64, 40, 5),   # one query per row: heads attended together; 16-row blocks and a rest
+    (9, 1, 3, 32, 25, 0),    # three heads, a single block and a ragged one
+    (24, 3, 2, 32, 20, 4),   # several queries per row: head by head, in pairs
+    (40, 1, 4, 12, 15, 3),   # head size 12: the scalar path
+    (5, 1, 9, 16, 12, 2),    # more heads than are attended together
+])
+@pytest.mark.parametrize("schedule", ["pipeline", "phases"])
+def test_decode_layer_schedules_match_reference(B, S, H, D, C, L, schedule):
+    """Both ways of running the layer (phase by phase, or as a pipeline over blocks of rows,
+    which the kernel chooses from 64 rows on) agree with the reference, on ragged limits."""
+    rng = np.random.default_rng(B * 10 + S + H)
+    x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
+    got = kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5, schedule=schedule)
+    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_decode_layer_ignores_positions_past_the_limits():
     rng = np.random.default_rng(4)
     B, S, H, D, C, L = 3, 2, 2, 32, 24, 6

@@ -182,6 +182,61 @@ void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nse
   }
 }
 
+// The same attention for the G heads of one query position (G <= 8): head g's query q[g] over
+// its segments segs[g * nseg ...], whose lengths are the same for every head. A core keeps more
+// reads in flight over several streams than over one, so the heads' keys are read in turn, four
+// positions at a time, and then their values the same way; each head's arithmetic is exactly
+// that of AttendVec.
+template <int NV>
+void AttendHeadsVec(const float* const* q, int G, float scale, const Segment* segs, int nseg,
+                    float* const* out, std::vector<float>& scores) {
+  constexpr int64_t D = 8 * NV, kStep = 1;
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  scores.resize(G * total_n);
+  v8 qv[8][NV];
+  float mx[8];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < NV; ++j) qv[g][j] = Load(q[g] + 8 * j) * scale;
+    mx[g] = -INFINITY;
+  }
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; t += kStep) {
+      const int64_t m = std::min(kStep, segs[i].n - t);
+      for (int g = 0; g < G; ++g)
+        Scores<NV>(qv[g], segs[g * nseg + i].k + t * D, m, scores.data() + g * total_n + at + t, mx[g]);
+    }
+  float inv[8];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / ExpShift(scores.data() + g * total_n, total_n, mx[g]);
+  v8 acc[8][NV] = {};
+  for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
+    for (int64_t t = 0; t < segs[i].n; t += kStep) {
+      const int64_t m = std::min(kStep, segs[i].n - t);
+      for (int g = 0; g < G; ++g)
+        Weighted<NV>(scores.data() + g * total_n + at + t, segs[g * nseg + i].v + t * D, m, acc[g]);
+    }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) {
+      const v8 o = acc[g][j] * inv[g];
+      __builtin_memcpy(out[g] + 8 * j, &o, sizeof o);
+    }
+}
+
+// AttendHeadsVec where the head size allows it (a multiple of 8 up to 128, at most 8 heads, a
+// query that sees something), else one head at a time.
+void AttendHeads(const float* const* q, int G, int64_t D, float scale, const Segment* segs, int nseg,
+                 float* const* out, std::vector<float>& scores) {
+  int64_t total_n = 0;
+  for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
+  if (G <= 8 && total_n > 0) switch (D) {
+      case 16: return AttendHeadsVec<2>(q, G, scale, segs, nseg, out, scores);
+      case 32: return AttendHeadsVec<4>(q, G, scale, segs, nseg, out, scores);
+      case 64: return AttendHeadsVec<8>(q, G, scale, segs, nseg, out, scores);
+      case 128: return AttendHeadsVec<16>(q, G, scale, segs, nseg, out, scores);
+    }
+  for (int g = 0; g < G; ++g) Attend(q[g], D, scale, segs + g * nseg, nseg, out[g], scores);
+}
+
 // Decode attention of one (row, head) pair: each of its S queries over the main cache up to its
 // limit and the second buffer up to its count (zeros for a query that sees nothing).
 void RowHead(const Problem& p, int64_t bh, std::vector<float>& scores) {
@@ -597,10 +652,14 @@ struct LayerPhases {
   int64_t Items(int phase) const {
     switch (phase) {
       case 0: case 4: return p.R();       // LayerNorms, one row each
-      case 2: return p.B * p.H;           // attention, one (row, head) each
+      case 2: return ByRow() ? p.B : p.B * p.H;  // attention, one row or one (row, head) each
       default: return split;              // dense products, a range of panels each
     }
   }
+
+  // Attention by rows (all heads of a row together, see RowAttention) when there are enough rows
+  // to share out.
+  bool ByRow() const { return p.S == 1 && p.H <= 8 && p.B >= split; }
 
   // panels [p0, p1) of `panels` for item j
   void Range(int64_t panels, int64_t j, int64_t& p0, int64_t& p1) const {
@@ -614,7 +673,7 @@ struct LayerPhases {
       case 0: return LayerNorm(p.x + j * d, p.g1, p.be1, p.eps, d, p.h + j * d);
       case 1: Range(3 * d / 16, j, p0, p1);
         return Panels(p.h, R, d, p.wqkv, p.bqkv, p.qkv, 3 * d, nullptr, kPlain, p0, p1);
-      case 2: return Attention(j);
+      case 2: return ByRow() ? RowAttention(j) : Attention(j);
       case 3: Range(d / 16, j, p0, p1);
         return Panels(p.att, R, d, p.wo, p.bo, p.x1, d, p.x, kResidual, p0, p1);
       case 4: return LayerNorm(p.x1 + j * d, p.g2, p.be2, p.eps, d, p.h + j * d);
@@ -623,6 +682,34 @@ struct LayerPhases {
       case 6: Range(d / 16, j, p0, p1);
         return Panels(p.f, R, 4 * d, p.w2, p.b2, p.y, d, p.x1, kResidual, p0, p1);
     }
+  }
+
+  // Attention of every head of row b. With one query per row the heads are attended together
+  // (AttendHeads); with several, head by head (Attention).
+  void RowAttention(int64_t b) const {
+    if (p.S != 1 || p.H > 8) {  // several queries per row: see Attention
+      for (int64_t hh = 0; hh < p.H; ++hh) Attention(b * p.H + hh);
+      return;
+    }
+    thread_local std::vector<float> scores;
+    const int64_t D = p.D, d = p.d, H = p.H;
+    const float* row = p.qkv + b * 3 * d;
+    const float* qs[8];
+    float* outs[8];
+    Segment segs[8 * 3];
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const int64_t bh = b * H + hh;
+      float* kn = p.knew + bh * D;
+      float* vn = p.vnew + bh * D;
+      std::copy(row + d + hh * D, row + d + (hh + 1) * D, kn);
+      std::copy(row + 2 * d + hh * D, row + 2 * d + (hh + 1) * D, vn);
+      qs[hh] = row + hh * D;
+      outs[hh] = p.att + b * d + hh * D;
+      segs[3 * hh] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b], 0, p.C)};
+      segs[3 * hh + 1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b], 0, p.L)};
+      segs[3 * hh + 2] = {kn, vn, 1};
+    }
+    AttendHeads(qs, static_cast<int>(H), D, p.scale, segs, 3, outs, scores);
   }
 
   void Attention(int64_t bh) const {
@@ -663,6 +750,104 @@ struct LayerPhases {
   }
 };
 
+// The same layer for many rows, as a pipeline over blocks of rows. In a large batch, attention
+// streams the cache from memory while the products are bound by arithmetic on weights held in
+// cache; run as phases, the two alternate and each leaves the other's resource idle. Here every
+// block of rows goes through three tasks, in order: Q (LayerNorm and the QKV product), A (its
+// attention) and P (projection, LayerNorm, feed-forward). Threads claim ready tasks, blocks in
+// order within each kind; the calling thread prefers products (Q, then P) and the others prefer
+// attention, so that one core streams the cache while the other multiplies, and either takes the
+// other's work when its own kind has none ready. As in RunPhases, a thread that starts late (or
+// never) leaves more of the work to the others and cannot block them.
+constexpr int64_t kPipelineRows = 64, kPipelineBlock = 16;
+
+struct LayerPipeline {
+  LayerProblem p;
+  LayerPhases phases;  // for its Attention(bh)
+  int64_t rows_per_block;  // a multiple of S (whole rows of the batch)
+
+  int64_t Blocks() const { return (p.R() + rows_per_block - 1) / rows_per_block; }
+
+  // Rows [r0, r1) of block i.
+  void Rows(int64_t i, int64_t& r0, int64_t& r1) const {
+    r0 = i * rows_per_block, r1 = std::min(p.R(), r0 + rows_per_block);
+  }
+
+  // y rows [r0, r1) = x rows @ w + b (+ epilogue), panel by panel so that each panel is read
+  // once from the shared cache for all the block's rows.
+  static void BlockProduct(const float* x, int64_t M, int64_t K, const float* wp, const float* b, float* y,
+                           int64_t N, const float* res, Epilogue ep) {
+    for (int64_t q = 0; q < N / 16; ++q) Panels(x, M, K, wp, b, y, N, res, ep, q, q + 1);
+  }
+
+  void Q(int64_t i) const {
+    int64_t r0, r1;
+    Rows(i, r0, r1);
+    const int64_t d = p.d;
+    for (int64_t r = r0; r < r1; ++r) LayerNorm(p.x + r * d, p.g1, p.be1, p.eps, d, p.h + r * d);
+    BlockProduct(p.h + r0 * d, r1 - r0, d, p.wqkv, p.bqkv, p.qkv + r0 * 3 * d, 3 * d, nullptr, kPlain);
+  }
+
+  void A(int64_t i) const {
+    int64_t r0, r1;
+    Rows(i, r0, r1);
+    for (int64_t b = r0 / p.S; b < r1 / p.S; ++b) phases.RowAttention(b);
+  }
+
+  void P(int64_t i) const {
+    int64_t r0, r1;
+    Rows(i, r0, r1);
+    const int64_t d = p.d, M = r1 - r0;
+    BlockProduct(p.att + r0 * d, M, d, p.wo, p.bo, p.x1 + r0 * d, d, p.x + r0 * d, kResidual);
+    for (int64_t r = r0; r < r1; ++r) LayerNorm(p.x1 + r * d, p.g2, p.be2, p.eps, d, p.h + r * d);
+    BlockProduct(p.h + r0 * d, M, d, p.w1, p.b1, p.f + r0 * 4 * d, 4 * d, nullptr, kGelu);
+    BlockProduct(p.f + r0 * 4 * d, M, 4 * d, p.w2, p.b2, p.y + r0 * d, d, p.x1 + r0 * d, kResidual);
+  }
+};
+
+void RunPipeline(ffi::ThreadPool& pool, int64_t threads, const LayerPipeline& work) {
+  const int64_t n = work.Blocks();
+  struct State {
+    std::atomic<int64_t> next[3];  // next block to claim, per kind (Q, A, P)
+    std::atomic<int64_t> finished{0};  // P tasks done
+    std::unique_ptr<std::atomic<char>[]> done;  // [kind * n + block]: Q and A tasks done
+  };
+  auto st = std::make_shared<State>();
+  for (auto& c : st->next) c = 0;
+  st->done.reset(new std::atomic<char>[2 * n]);
+  for (int64_t i = 0; i < 2 * n; ++i) st->done[i] = 0;
+  auto run = [st, work, n](bool streams) {
+    // Claims the next block of `kind` if its previous stage is done; -1 if none is ready.
+    auto claim = [&](int kind) -> int64_t {
+      int64_t i = st->next[kind].load(std::memory_order_relaxed);
+      while (i < n && (kind == 0 || st->done[(kind - 1) * n + i].load(std::memory_order_acquire))) {
+        if (st->next[kind].compare_exchange_weak(i, i + 1)) return i;
+      }
+      return -1;
+    };
+    const int order[2][3] = {{0, 2, 1}, {1, 2, 0}};  // products first / attention first
+    for (int spins = 0; st->finished.load(std::memory_order_acquire) < n;) {
+      bool ran = false;
+      for (int kind : order[streams]) {
+        const int64_t i = claim(kind);
+        if (i < 0) continue;
+        if (kind == 0) work.Q(i);
+        if (kind == 1) work.A(i);
+        if (kind == 2) work.P(i);
+        if (kind < 2) st->done[kind * n + i].store(1, std::memory_order_release);
+        else st->finished.fetch_add(1, std::memory_order_release);
+        ran = true;
+        break;
+      }
+      if (ran) spins = 0;
+      else if (++spins < 4096) Relax();
+      else std::this_thread::yield();
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([run] { run(true); });
+  run(false);
+}
+
 ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g1,
                            ffi::Buffer<ffi::F32> be1, ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv,
                            ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> bo, ffi::Buffer<ffi::F32> g2,
@@ -670,7 +855,8 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lim, ffi::Buffer<ffi::F32> k2,
                            ffi::Buffer<ffi::F32> v2, ffi::Buffer<ffi::S32> n2, ffi::ResultBuffer<ffi::F32> y,
-                           ffi::ResultBuffer<ffi::F32> knew, ffi::ResultBuffer<ffi::F32> vnew, float eps) {
+                           ffi::ResultBuffer<ffi::F32> knew, ffi::ResultBuffer<ffi::F32> vnew, float eps,
+                           int32_t schedule) {
   auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
   auto xd = x.dimensions(), kd = k.dimensions(), k2d = k2.dimensions(), ld = lim.dimensions();
   if (xd.size() != 2 || kd.size() != 4 || k2d.size() != 3 || ld.size() != 2)
@@ -701,7 +887,15 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   // little work per phase).
   const int64_t threads =
       12 * d * d >= (int64_t{1} << 17) ? std::clamp<int64_t>(pool.num_threads(), 1, 4) : 1;
-  RunPhases(pool, threads, LayerPhases{p, 2 * threads});
+  const LayerPhases phases{p, 2 * threads};
+  // schedule: 0 = chosen here, 1 = phases, 2 = pipeline (the last two for tests and benchmarks)
+  if (schedule == 2 || (schedule == 0 && threads >= 2 && R >= kPipelineRows)) {
+    // about 16 rows a block: whole rows of the batch, at least one
+    const int64_t per = std::max<int64_t>(1, kPipelineBlock / S) * S;
+    RunPipeline(pool, threads, LayerPipeline{p, phases, per});
+  } else {
+    RunPhases(pool, threads, phases);
+  }
   return ffi::Error::Success();
 }
 
@@ -761,4 +955,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, DecodeLayerImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new keys
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new values
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("schedule"));
