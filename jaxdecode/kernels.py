@@ -282,7 +282,20 @@ def reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps):
 SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}
 
 
-def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = "auto"):
+WRITES = {None: 0, "cache": 1, "buffer": 2}
+
+
+def _write_new(buf, new, at):
+    """``new`` ``[B, H, S, hd]`` into ``buf`` (``[B, H, C, hd]``, or ``[B * H, L, hd]``) at each row's
+    position ``at`` ``[B]``."""
+    B, H, _, D = new.shape
+    flat = buf.reshape(B, H, -1, D)
+    put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
+    return put(flat, new.astype(buf.dtype), at).reshape(buf.shape)
+
+
+def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = "auto",
+                 write: str | None = None):
     """One pre-norm decoder layer for a few new positions per row, as a single native call.
 
     ``x`` ``[B, S, d]`` are the inputs at ``S`` new positions of each row; ``weights`` is the
@@ -291,7 +304,15 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     New position ``s`` of row ``b`` attends to positions ``t < lim[b, s]`` of the cache ``k, v``
     ``[B, H, C, hd]``, ``t < n2[b, s]`` of the buffer ``k2, v2`` ``[B * H, L, hd]``, and the new
     positions ``0..s`` of its row. Returns the layer's output ``[B, S, d]`` and the new positions'
-    keys and values ``[B, H, S, hd]``, for the caller to write into its cache.
+    keys and values ``[B, H, S, hd]``, for the caller to write into its cache; or, with ``write``
+    ``"cache"`` (``"buffer"``), the cache ``k, v`` (the buffer ``k2, v2``) with the new positions
+    written at ``lim[:, 0]`` (``n2[:, 0]``), in place where XLA can donate it. The ``S`` new
+    positions must fit there (``lim[:, 0] + S <= C``); the queries then see exactly what they
+    would see with ``write=None``.
+
+    ``schedule`` (``"auto"``, ``"phases"`` or ``"pipeline"``) picks how the native call shares the
+    work between threads (``"auto"``: a pipeline over blocks of rows from 64 rows on); it changes
+    the order of some sums, hence the last bits of some results, never what is computed.
 
     On the CPU backend with the kernels available this is one call (see ``csrc/attention.cc``)
     that reads every weight once and runs the small steps in between without XLA's per-operation
@@ -301,16 +322,24 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     H, D = k.shape[1], k.shape[3]
     lim = jnp.asarray(lim, jnp.int32)
     n2 = jnp.asarray(n2, jnp.int32)
-    kv = jax.ShapeDtypeStruct((B, H, S, D), jnp.float32)
+    mode = WRITES[write]
+    shape = {0: (B, H, S, D), 1: k.shape, 2: k2.shape}[mode]
+    kv = jax.ShapeDtypeStruct(shape, jnp.float32)
+    aliases = {1: {13: 1, 14: 2}, 2: {16: 1, 17: 2}}.get(mode, {})  # operand index -> output
     call = jax.ffi.ffi_call(_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), kv, kv),
-                            vmap_method="sequential")
+                            vmap_method="sequential", input_output_aliases=aliases)
 
     def native(x, k, v, lim, k2, v2, n2, *weights):
         y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps),
-                         schedule=np.int32(SCHEDULES[schedule]))
+                         schedule=np.int32(SCHEDULES[schedule]), write=np.int32(mode))
         return y.reshape(B, S, d), kn, vn
 
     def ref(x, k, v, lim, k2, v2, n2, *weights):
-        return reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps)
+        y, kn, vn = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps)
+        if mode == 1:
+            return y, _write_new(k, kn, lim[:, 0]), _write_new(v, vn, lim[:, 0])
+        if mode == 2:
+            return y, _write_new(k2, kn, n2[:, 0]), _write_new(v2, vn, n2[:, 0])
+        return y, kn, vn
 
     return _native_or(ref, native, x, k, v, lim, k2, v2, n2, *weights)

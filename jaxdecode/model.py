@@ -193,10 +193,9 @@ class Block(nn.Module):
             B, S, _ = x.shape
             lim = jnp.broadcast_to(length[:, None], (B, S))
             none = jnp.zeros((B * self.cfg.heads, 0, self.cfg.head_dim), k_cache.dtype)
-            x, k, v = kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none,
-                                           jnp.zeros((B, S), jnp.int32), eps=LN_EPS)
-            write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
-            return x, write(k_cache, k.astype(k_cache.dtype), length), write(v_cache, v.astype(v_cache.dtype), length)
+            # the new keys and values are written into the cache by the call itself
+            return kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none,
+                                        jnp.zeros((B, S), jnp.int32), eps=LN_EPS, write="cache")
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
         return x + self._ff(x, decode=True), k_cache, v_cache
@@ -205,11 +204,8 @@ class Block(nn.Module):
         weights = self._fused(x)
         if weights is not None:
             B = x.shape[0]
-            x, k, v = kernels.decode_layer(x, weights, k_main, v_main, main_len[:, None], k_loc, v_loc,
-                                           jnp.full((B, 1), i, jnp.int32), eps=LN_EPS)
-            BH, _, hd = k_loc.shape
-            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.reshape(BH, 1, hd).astype(buf.dtype), (0, i, 0))
-            return x, put(k_loc, k), put(v_loc, v)
+            return kernels.decode_layer(x, weights, k_main, v_main, main_len[:, None], k_loc, v_loc,
+                                        jnp.full((B, 1), i, jnp.int32), eps=LN_EPS, write="buffer")
         a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i)
         x = x + a
         return x + self._ff(x, decode=True), k_loc, v_loc

@@ -156,23 +156,30 @@ def _cache_chunk(params, state: SamplingState, cache: M.KVCache, rule, key, row_
     """
     B = state.logits.shape[0]
     steps = jnp.clip(step_end - state.step, 0, chunk)
+    # With one native call per layer, that call writes the step's keys and values into the cache
+    # in place, and the loop carries the cache. Otherwise they go to a small chunk buffer, merged
+    # after the loop (see model.chunk_step).
+    in_place = packed is not None and kernels.fuses_rows(B)
 
     def body(i, carry):
-        st, local, outs = carry
+        st, kv, outs = carry
         token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
         # the recent window is written once after the loop (nothing in it reads the window, and
         # a step that writes it also copies it)
         recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, cfg.T, push=False)
-        logits, local = M.chunk_step(params, cfg, cache, local, i, token, packed)
+        if in_place:
+            logits, kv = M.step(params, cfg, kv, token, packed=packed)
+        else:
+            logits, kv = M.chunk_step(params, cfg, cache, kv, i, token, packed)
         new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
         out = StepOutput(token, mlp, slp, ~st.done)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs, out)
-        return new, local, outs
+        return new, kv, outs
 
-    local = M.empty_local(cfg, B, chunk, cache.k[0].dtype)
     start = state.length
-    state, local, outs = jax.lax.fori_loop(0, steps, body, (state, local, _empty_outputs(chunk, B)))
-    cache = M.merge_chunk(cache, local, steps)
+    kv = cache if in_place else M.empty_local(cfg, B, chunk, cache.k[0].dtype)
+    state, kv, outs = jax.lax.fori_loop(0, steps, body, (state, kv, _empty_outputs(chunk, B)))
+    cache = kv if in_place else M.merge_chunk(cache, kv, steps)
     # every row stays inside the window on this path (the caller switches to the window mode at
     # T), so step i's token goes to position start + i; steps not run point past the end
     at = jnp.where(jnp.arange(chunk)[:, None] < steps, start[None, :] + jnp.arange(chunk)[:, None], cfg.T)

@@ -216,6 +216,39 @@ def test_decode_layer_schedules_match_reference(B, S, H, D, C, L, schedule):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B,S,schedule", [(2, 3, "phases"), (70, 1, "pipeline"), (20, 2, "pipeline")])
+def test_decode_layer_writes_in_place(B, S, schedule):
+    """write="cache" / "buffer": the call returns the cache (buffer) with the new keys and values
+    at each row's first limit (count), and the same output as when it returns them."""
+    H, D, C, L = 2, 32, 12, 6
+    rng = np.random.default_rng(B + S)
+    x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
+    lim = jnp.broadcast_to(jnp.asarray(rng.integers(0, C - S + 1, size=(B, 1)), jnp.int32), (B, S))
+    n2 = jnp.broadcast_to(jnp.asarray(rng.integers(0, L - S + 1, size=(B, 1)), jnp.int32), (B, S))
+    y, kn, vn = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+
+    def placed(buf, new, at):
+        buf, new = np.array(buf).reshape(B, H, -1, D), np.asarray(new)
+        for b in range(B):
+            buf[b, :, int(at[b]):int(at[b]) + S] = new[b]
+        return buf
+
+    run = jax.jit(lambda *a, write: kernels.decode_layer(a[0], a[1:13], *a[13:], eps=1e-5,
+                                                         schedule=schedule, write=write),
+                  static_argnames="write")
+    args = (x, *weights, k, v, lim, k2, v2, n2)
+    gy, gk, gv = run(*args, write="cache")
+    np.testing.assert_allclose(gy, y, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(gk, placed(k, kn, lim[:, 0]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(gv, placed(v, vn, lim[:, 0]), rtol=2e-5, atol=2e-5)
+    gy, gk, gv = run(*args, write="buffer")
+    np.testing.assert_allclose(gy, y, rtol=2e-5, atol=2e-5)
+    assert gk.shape == k2.shape
+    np.testing.assert_allclose(np.asarray(gk).reshape(B, H, L, D), placed(k2, kn, n2[:, 0]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(gv).reshape(B, H, L, D), placed(v2, vn, n2[:, 0]), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_decode_layer_ignores_positions_past_the_limits():
     rng = np.random.default_rng(4)
     B, S, H, D, C, L = 3, 2, 2, 32, 24, 6

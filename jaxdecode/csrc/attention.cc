@@ -409,7 +409,9 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // the dense kernels packed in panels of 16 columns (see kernels.pack) and their biases; the main
 // cache k, v [B, H, C, hd] with lim [B, S]; the chunk buffer k2, v2 [B * H, L, hd] with n2 [B, S].
 // Query (b, s) sees main positions t < lim[b, s], buffer positions t < n2[b, s] and the new
-// positions 0..s of its own row. Outputs: y [R, d] and the new keys and values [B, H, S, hd].
+// positions 0..s of its own row. Outputs: y [R, d] and the new keys and values: [B, H, S, hd]
+// (write 0), or written in place into the cache k, v at each row's lim[b, 0] (write 1) or into the
+// buffer k2, v2 at n2[b, 0] (write 2), the outputs then being those buffers (aliased by the caller).
 
 // Keeps a loaded vector in a register: otherwise the compiler folds the load into every
 // multiply-add that uses it, and the product becomes bound by loads instead of arithmetic.
@@ -640,7 +642,18 @@ struct LayerProblem {
   float *h, *qkv, *att, *x1, *f;  // scratch: [R, d], [R, 3d], [R, d], [R, d], [R, 4d]
   int64_t B, S, H, D, d, C, L;
   float scale, eps;
+  int write;  // where the new keys and values go: 0 knew/vnew [B, H, S, D], 1 the cache, 2 the buffer
   int64_t R() const { return B * S; }
+
+  // Offset (in floats) of row-head bh's first new key in knew and vnew: its S new positions are
+  // consecutive. In the cache (buffer) they start at the row's first limit lim[b, 0] (count
+  // n2[b, 0]), moved back to fit as XLA's dynamic_update_slice does.
+  int64_t NewAt(int64_t bh) const {
+    const int64_t b = bh / H;
+    if (write == 1) return (bh * C + std::clamp<int64_t>(lim[b * S], 0, C - S)) * D;
+    if (write == 2) return (bh * L + std::clamp<int64_t>(n2[b * S], 0, L - S)) * D;
+    return bh * S * D;
+  }
 };
 
 // Phase i of the layer, work item j of `items(i)`; `split` items for each dense product.
@@ -699,8 +712,8 @@ struct LayerPhases {
     Segment segs[8 * 3];
     for (int64_t hh = 0; hh < H; ++hh) {
       const int64_t bh = b * H + hh;
-      float* kn = p.knew + bh * D;
-      float* vn = p.vnew + bh * D;
+      float* kn = p.knew + p.NewAt(bh);
+      float* vn = p.vnew + p.NewAt(bh);
       std::copy(row + d + hh * D, row + d + (hh + 1) * D, kn);
       std::copy(row + 2 * d + hh * D, row + 2 * d + (hh + 1) * D, vn);
       qs[hh] = row + hh * D;
@@ -715,8 +728,8 @@ struct LayerPhases {
   void Attention(int64_t bh) const {
     thread_local std::vector<float> scores;
     const int64_t b = bh / p.H, hh = bh % p.H, D = p.D, S = p.S, d = p.d;
-    float* kn = p.knew + bh * S * D;
-    float* vn = p.vnew + bh * S * D;
+    float* kn = p.knew + p.NewAt(bh);
+    float* vn = p.vnew + p.NewAt(bh);
     for (int64_t s = 0; s < S; ++s) {
       const float* row = p.qkv + (b * S + s) * 3 * d + hh * D;
       std::copy(row + d, row + d + D, kn + s * D);
@@ -856,7 +869,7 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lim, ffi::Buffer<ffi::F32> k2,
                            ffi::Buffer<ffi::F32> v2, ffi::Buffer<ffi::S32> n2, ffi::ResultBuffer<ffi::F32> y,
                            ffi::ResultBuffer<ffi::F32> knew, ffi::ResultBuffer<ffi::F32> vnew, float eps,
-                           int32_t schedule) {
+                           int32_t schedule, int32_t write) {
   auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
   auto xd = x.dimensions(), kd = k.dimensions(), k2d = k2.dimensions(), ld = lim.dimensions();
   if (xd.size() != 2 || kd.size() != 4 || k2d.size() != 3 || ld.size() != 2)
@@ -873,15 +886,26 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   for (auto& s : sizes)
     if (s[0] != s[1]) return bad("decode_layer: a weight does not match the width d");
   const int64_t R = B * S;
+  // write 1 (2): knew and vnew are k and v (k2 and v2), aliased, and the new positions go there
+  const int64_t out_n = write == 1 ? n(k) : write == 2 ? n(k2) : R * d;
+  if (write < 0 || write > 2 || knew->element_count() != out_n || vnew->element_count() != out_n)
+    return bad("decode_layer: the outputs for the new keys and values do not match `write`");
+  if ((write == 1 && S > C) || (write == 2 && S > k2d[1]))
+    return bad("decode_layer: more new positions than the cache they are written to holds");
+  // with aliasing the outputs are the inputs; read the keys there in case XLA copied them
+  const float* kc = write == 1 ? knew->typed_data() : k.typed_data();
+  const float* vc = write == 1 ? vnew->typed_data() : v.typed_data();
+  const float* kb = write == 2 ? knew->typed_data() : k2.typed_data();
+  const float* vb = write == 2 ? vnew->typed_data() : v2.typed_data();
   thread_local std::vector<float> scratch;
   scratch.resize(R * 10 * d);
   float* s = scratch.data();
   LayerProblem p{x.typed_data(), g1.typed_data(), be1.typed_data(), wqkv.typed_data(), bqkv.typed_data(),
                  wo.typed_data(), bo.typed_data(), g2.typed_data(), be2.typed_data(), w1.typed_data(),
-                 b1.typed_data(), w2.typed_data(), b2.typed_data(), k.typed_data(), v.typed_data(),
-                 k2.typed_data(), v2.typed_data(), lim.typed_data(), n2.typed_data(), y->typed_data(),
-                 knew->typed_data(), vnew->typed_data(), s, s + R * d, s + 4 * R * d, s + 5 * R * d,
-                 s + 6 * R * d, B, S, H, D, d, C, k2d[1], 1.f / std::sqrt(static_cast<float>(D)), eps};
+                 b1.typed_data(), w2.typed_data(), b2.typed_data(), kc, vc, kb, vb, lim.typed_data(),
+                 n2.typed_data(), y->typed_data(), knew->typed_data(), vnew->typed_data(), s, s + R * d,
+                 s + 4 * R * d, s + 5 * R * d, s + 6 * R * d, B, S, H, D, d, C, k2d[1],
+                 1.f / std::sqrt(static_cast<float>(D)), eps, write};
   // More threads pay off once a layer's weights are a few hundred kilobytes. Every phase ends in
   // a wait for the slowest thread, so a few threads only (measured on two cores; a few rows give
   // little work per phase).
@@ -956,4 +980,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, DecodeLayerImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new keys
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new values
                                   .Attr<float>("eps")
-                                  .Attr<int32_t>("schedule"));
+                                  .Attr<int32_t>("schedule")
+                                  .Attr<int32_t>("write"));
