@@ -149,6 +149,17 @@ def _canonical_zero(x):
     return jnp.where(x == 0, 0.0, x)
 
 
+def _descending_rank(logits):
+    """[B, V] int32: each token's place when the row is sorted by decreasing logit, ties by index
+    (the order of a stable ``argsort(-logits)``). Counted by comparing every pair: for vocabularies
+    of a few hundred tokens this is several times faster than XLA's sort on CPU."""
+    key = _canonical_zero(logits)
+    V = key.shape[-1]
+    mine, other = key[:, :, None], key[:, None, :]  # [B, i, j]
+    earlier = (jnp.arange(V)[None, :] < jnp.arange(V)[:, None])[None]  # [1, i, j]: j < i
+    return jnp.sum((other > mine) | ((other == mine) & earlier), axis=-1, dtype=jnp.int32)
+
+
 def processed_logprobs(logits):
     """``log_softmax`` over the last axis that maps ``-inf`` entries to ``-inf`` without NaN."""
     logits = jnp.asarray(logits)
@@ -219,15 +230,16 @@ class TopP(Rule):
     p: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
-        _B, _V = logits.shape
+        _B, V = logits.shape
         p = _col(self.p)
-        order = jnp.argsort(-_canonical_zero(logits), axis=-1, stable=True)  # [B, V] descending
-        probs = jnp.take_along_axis(_softmax(logits), order, axis=-1)
+        rank = _descending_rank(logits)  # [B, V]
+        # the probabilities in rank order: one nonzero term per sum, so exactly the sorted values
+        probs = jnp.sum(jnp.where(rank[:, :, None] == jnp.arange(V)[None, None, :], _softmax(logits)[:, :, None], 0.0),
+                        axis=1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
         # p = 1 keeps everything: in exact arithmetic no token's preceding mass reaches 1
         drop_sorted = (before >= p) & (p < 1)
-        # back to vocabulary order through the inverse permutation (a gather; a scatter is slow on CPU)
-        drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        drop = jnp.take_along_axis(drop_sorted, rank, axis=-1)  # back to vocabulary order
         return _truncate(logits, ~drop)
 
 
