@@ -246,7 +246,7 @@ def _beam_cache_chunk(params, state: BeamState, cache: M.KVCache, rule, stops, s
         active = st.step < step_end
         new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
         cache = _gather_cache(cache, parent, span)
-        logits, cache = M.step(params, cfg, cache, token, span=span, packed=packed)
+        logits, cache = M.step(params, cfg, cache, token, span=span, packed=packed, in_place=False)
         # an inactive step leaves the state as it was (its cache write lands past the valid length)
         new = _keep_if_active(active, new._replace(logits=logits), st)
         return (new, cache), None

@@ -187,15 +187,19 @@ class Block(nn.Module):
                 pk["attn"]["proj"]["kernel"], p["attn"]["proj"]["bias"], p["ln2"]["scale"], p["ln2"]["bias"],
                 pk["ff1"]["kernel"], p["ff1"]["bias"], pk["ff2"]["kernel"], p["ff2"]["bias"])
 
-    def cached(self, x, k_cache, v_cache, length, span):
+    def cached(self, x, k_cache, v_cache, length, span, in_place=True):
         weights = self._fused(x)
         if weights is not None:
             B, S, _ = x.shape
             lim = jnp.broadcast_to(length[:, None], (B, S))
             none = jnp.zeros((B * self.cfg.heads, 0, self.cfg.head_dim), k_cache.dtype)
-            # the new keys and values are written into the cache by the call itself
-            return kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none,
-                                        jnp.zeros((B, S), jnp.int32), eps=LN_EPS, write="cache")
+            n2 = jnp.zeros((B, S), jnp.int32)
+            if in_place:  # the new keys and values are written into the cache by the call itself
+                return kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS,
+                                            write="cache")
+            x, k, v = kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS)
+            write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
+            return x, write(k_cache, k.astype(k_cache.dtype), length), write(v_cache, v.astype(v_cache.dtype), length)
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
         return x + self._ff(x, decode=True), k_cache, v_cache
@@ -239,13 +243,13 @@ class CharLM(nn.Module):
             out += (kvs,)
         return out if len(out) > 1 else logits
 
-    def cached(self, tokens, cache: KVCache, span: int):
+    def cached(self, tokens, cache: KVCache, span: int, in_place: bool = True):
         S = tokens.shape[1]
         positions = cache.length[:, None] + jnp.arange(S)[None, :]
         h = self.tok(tokens) + self.pos(jnp.minimum(positions, self.cfg.T - 1))
         ks, vs = [], []
         for block, kc, vc in zip(self.blocks, cache.k, cache.v):
-            h, kc, vc = block.cached(h, kc, vc, cache.length, span)
+            h, kc, vc = block.cached(h, kc, vc, cache.length, span, in_place)
             ks.append(kc)
             vs.append(vc)
         logits = self.tok.attend(self.ln(h))
@@ -355,7 +359,7 @@ def packed_params(params):
 
 
 def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None,
-           packed=None):
+           packed=None, in_place: bool = True):
     """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions.
 
     ``span`` (static) bounds the attended cache prefix: it must be at least
@@ -364,18 +368,21 @@ def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: in
     row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``packed``
     (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of a few
     rows (``B * S``, see :func:`jaxdecode.kernels.fuses_rows`) run each layer as one native call
-    on CPU (:func:`jaxdecode.kernels.decode_layer`).
+    on CPU (:func:`jaxdecode.kernels.decode_layer`). That call writes the new keys and values
+    into the cache itself, which saves a copy when the caller's loop carries the cache as it is;
+    ``in_place=False`` leaves the write to XLA, for a caller that rebuilds the cache each step
+    (beam search reorders it), where writing in place would cost a copy instead.
     """
     span = cache.capacity if span is None else span
     variables = {"params": params} if packed is None else {"params": params, "packed": packed}
-    return CharLM(cfg).apply(variables, tokens, cache, span, method=CharLM.cached)
+    return CharLM(cfg).apply(variables, tokens, cache, span, in_place, method=CharLM.cached)
 
 
 def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None,
-         packed=None):
+         packed=None, in_place: bool = True):
     """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache.
-    ``packed``: as for :func:`extend`."""
-    logits, cache = extend(params, cfg, cache, token[:, None], span, packed)
+    ``packed``, ``in_place``: as for :func:`extend`."""
+    logits, cache = extend(params, cfg, cache, token[:, None], span, packed, in_place)
     return logits[:, 0], cache
 
 

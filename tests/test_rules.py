@@ -405,6 +405,17 @@ def test_ties_with_the_kth_logit_are_kept():
     assert list(kept(_apply(R.top_k(9), x))[0]) == [True] * 5
 
 
+@settings(max_examples=40, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 70)),
+                  elements=st.sampled_from([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.0, 3.0])))
+def test_descending_rank_is_the_stable_sort_order(x):
+    """Top-p's pairwise ranking equals the inverse of a stable descending argsort (ties, -0.0 and
+    -inf included), which is what makes its cumulative sums those of the sorted row."""
+    order = np.argsort(-np.where(x == 0, 0.0, x), axis=-1, kind="stable")
+    want = np.argsort(order, axis=-1)
+    np.testing.assert_array_equal(R._descending_rank(jnp.asarray(x)), want)
+
+
 def test_top_p_ranks_ties_by_index():
     x = jnp.zeros((1, 4))
     assert list(kept(_apply(R.top_p(0.5), x))[0]) == [True, True, False, False]
