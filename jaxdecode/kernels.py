@@ -4,9 +4,11 @@ XLA CPU turns the attention of a decode step (one or a few queries per row again
 cache) into a batched product over ``B * heads`` tiny matrices, after copying the attended part of
 the cache out of the cache buffer. :func:`attention` instead calls a small C++ kernel
 (``csrc/attention.cc``, an XLA FFI custom call) that reads every row's keys and values in place,
-only up to that row's own length, on XLA's intra-op threads. For passes of a few rows (a decode
-step at small batch, a speculative verify pass), :func:`decode_layer` runs a whole decoder layer
-as one call on weights packed by :func:`pack`, and :func:`dense` / :func:`packed_dense` serve
+only up to that row's own length, on XLA's intra-op threads. For decode passes (a step at any
+batch up to 1,024 rows, a speculative verify pass, a beam step), :func:`decode_layer` runs a
+whole decoder layer as one call on weights packed by :func:`pack`: phase by phase for a few rows,
+where reading the weights bounds it, and as a pipeline over blocks of rows for many, where one
+core streams the KV cache while another multiplies. :func:`dense` / :func:`packed_dense` serve
 single products. Other backends (GPU, TPU) and machines without a C++ compiler use the same
 computations written in ``jax.numpy``.
 

@@ -328,7 +328,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     def capacity(taken):
         return round_up((min(T, Pmax + n) if whole else Pmax + taken) + chunk, SPAN_BUCKET)
 
-    # a few rows: each layer of a step (and of the prefill of short prompts) is one native call
+    # each layer of a step (and of the prefill of short prompts) is one native call
     # (kernels.decode_layer) on packed weights, instead of a dozen small XLA operations
     packed = M.packed_params(params) if kernels.packs_rows(Bb) else None
     cache = None

@@ -394,7 +394,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 }
 
 // ---------------------------------------------------------------------------------------------
-// A whole decoder layer for a few rows (a decode step at small batch, a speculative verify pass):
+// A whole decoder layer for the rows of a decode pass (a step, a speculative verify pass):
 //
 //   h = LN1(x); q, k, v = split(h @ Wqkv + bqkv); x1 = x + attend(q, ...) @ Wo + bo
 //   y = x1 + gelu(LN2(x1) @ W1 + b1) @ W2 + b2
@@ -403,7 +403,8 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // dozen small operations of a few microseconds each. Here the layer is one call: its phases run on
 // the calling thread and one pool task, which claim work items phase by phase (so a task that
 // starts late, or never, only means the caller does more of the work) and wait for each other
-// only between phases, spinning for the microsecond that takes.
+// only between phases, spinning for the microsecond that takes. Many rows run as a pipeline
+// instead (LayerPipeline, below).
 //
 // Inputs: x [R, d] (R = B * S, row b's S queries in order); the LayerNorm scales and biases [d];
 // the dense kernels packed in panels of 16 columns (see kernels.pack) and their biases; the main
