@@ -848,13 +848,15 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
         state = _segment(params, draft, state, rule_b, key, ids_j, n_j, packed, cfg=cfg, gamma=gamma,
                          span=span, greedy=greedy)
 
-    out = jax.device_get(state)
-    stats = [SpeculativeStats(gamma, int(out.passes[b]), gamma * int(out.passes[b]),
-                              int(out.examined[b]), int(out.accepted[b]), int(out.count[b]))
+    # only what is returned comes back to the host (not the cache)
+    tokens, mlp, slp, passes, examined, accepted, count = jax.device_get(
+        (state.tokens[:B, :n], state.model_logprobs[:B, :n], state.sample_logprobs[:B, :n],
+         state.passes, state.examined, state.accepted, state.count))
+    stats = [SpeculativeStats(gamma, int(passes[b]), gamma * int(passes[b]), int(examined[b]),
+                              int(accepted[b]), int(count[b]))
              for b in range(B)]
-    return SpeculativeResult(np.asarray(out.tokens[:B, :n], np.int32),
-                             np.asarray(out.model_logprobs[:B, :n], np.float32),
-                             np.asarray(out.sample_logprobs[:B, :n], np.float32), stats)
+    return SpeculativeResult(np.asarray(tokens, np.int32), np.asarray(mlp, np.float32),
+                             np.asarray(slp, np.float32), stats)
 
 
 @dataclasses.dataclass
