@@ -287,9 +287,9 @@ SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}
 WRITES = {None: 0, "cache": 1, "buffer": 2}
 
 
-def _write_new(buf, new, at):
+def write_rows(buf, new, at):
     """``new`` ``[B, H, S, hd]`` into ``buf`` (``[B, H, C, hd]``, or ``[B * H, L, hd]``) at each row's
-    position ``at`` ``[B]``."""
+    position ``at`` ``[B]`` (moved back to fit, as ``dynamic_update_slice`` does)."""
     B, H, _, D = new.shape
     flat = buf.reshape(B, H, -1, D)
     put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
@@ -339,9 +339,9 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     def ref(x, k, v, lim, k2, v2, n2, *weights):
         y, kn, vn = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps)
         if mode == 1:
-            return y, _write_new(k, kn, lim[:, 0]), _write_new(v, vn, lim[:, 0])
+            return y, write_rows(k, kn, lim[:, 0]), write_rows(v, vn, lim[:, 0])
         if mode == 2:
-            return y, _write_new(k2, kn, n2[:, 0]), _write_new(v2, vn, n2[:, 0])
+            return y, write_rows(k2, kn, n2[:, 0]), write_rows(v2, vn, n2[:, 0])
         return y, kn, vn
 
     return _native_or(ref, native, x, k, v, lim, k2, v2, n2, *weights)

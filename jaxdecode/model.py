@@ -126,9 +126,8 @@ class Attention(nn.Module):
     def cached(self, x, k_cache, v_cache, length, span):
         """Append ``x`` ([B, S, d]) at each row's ``length`` and attend over the first ``span``."""
         q, k, v = self._heads(x, decode=True)
-        write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
-        k_cache = write(k_cache, k.astype(k_cache.dtype), length)
-        v_cache = write(v_cache, v.astype(v_cache.dtype), length)
+        k_cache = kernels.write_rows(k_cache, k, length)
+        v_cache = kernels.write_rows(v_cache, v, length)
         B, H, S, hd = q.shape
         lim = length[:, None] + 1 + jnp.arange(S)[None, :]  # query s sees up to its own position
         none = jnp.zeros((B * H, 0, hd), k_cache.dtype)
@@ -198,8 +197,7 @@ class Block(nn.Module):
                 return kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS,
                                             write="cache")
             x, k, v = kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS)
-            write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
-            return x, write(k_cache, k.astype(k_cache.dtype), length), write(v_cache, v.astype(v_cache.dtype), length)
+            return x, kernels.write_rows(k_cache, k, length), kernels.write_rows(v_cache, v, length)
         a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
         x = x + a
         return x + self._ff(x, decode=True), k_cache, v_cache
@@ -419,11 +417,10 @@ def grow_cache(cache: KVCache, capacity: int) -> KVCache:
 
 def merge_chunk(cache: KVCache, local: KVCache, steps) -> KVCache:
     """Append the first ``steps`` entries of a chunk buffer to every row of the cache."""
-    write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice(c, new, (0, at, 0)))
     B, H = cache.k[0].shape[:2]
     unfold = lambda n: n.reshape(B, H, *n.shape[1:])
-    ks = tuple(write(c, unfold(n), cache.length) for c, n in zip(cache.k, local.k))
-    vs = tuple(write(c, unfold(n), cache.length) for c, n in zip(cache.v, local.v))
+    ks = tuple(kernels.write_rows(c, unfold(n), cache.length) for c, n in zip(cache.k, local.k))
+    vs = tuple(kernels.write_rows(c, unfold(n), cache.length) for c, n in zip(cache.v, local.v))
     return KVCache(ks, vs, cache.length + steps)
 
 

@@ -416,6 +416,19 @@ def test_descending_rank_is_the_stable_sort_order(x):
     np.testing.assert_array_equal(R._descending_rank(jnp.asarray(x)), want)
 
 
+@pytest.mark.parametrize("V", [R.PAIRWISE_RANK_MAX_V, R.PAIRWISE_RANK_MAX_V + 1])
+def test_top_p_on_both_sides_of_the_pairwise_limit(V):
+    """Up to PAIRWISE_RANK_MAX_V tokens top-p ranks by comparing pairs, beyond by sorting; both
+    give the reference's kept set (logits rounded so that ties occur)."""
+    x = np.round(np.random.default_rng(V).normal(size=(3, V)) * 2, 1).astype(np.float32)
+    for p in (0.3, 0.9):
+        got = kept(_apply(R.top_p(p), jnp.asarray(x)))
+        for row in range(3):
+            want, decided = ref_top_p(x[row].astype(np.float64), p)
+            if decided:
+                np.testing.assert_array_equal(got[row], want)
+
+
 def test_top_p_ranks_ties_by_index():
     x = jnp.zeros((1, 4))
     assert list(kept(_apply(R.top_p(0.5), x))[0]) == [True, True, False, False]

@@ -185,13 +185,13 @@ void Attend(const float* q, int64_t D, float scale, const Segment* segs, int nse
 // The same attention for the G heads of one query position (G <= 8): head g's query q[g] over
 // its segments segs[g * nseg ...], whose lengths are the same for every head. A core keeps more
 // reads in flight over several streams than over one, so the heads' keys are read in turn, one
-// position (kStep) at a time, and then their values the same way (measured from DRAM on one core:
+// position at a time, and then their values the same way (measured from DRAM on one core:
 // about 18 GB/s over one stream, 25-28 GB/s over four to eight interleaved at 256 bytes, less at
 // 1-4 KB); each head's arithmetic is exactly that of AttendVec.
 template <int NV>
 void AttendHeadsVec(const float* const* q, int G, float scale, const Segment* segs, int nseg,
                     float* const* out, std::vector<float>& scores) {
-  constexpr int64_t D = 8 * NV, kStep = 1;
+  constexpr int64_t D = 8 * NV;
   int64_t total_n = 0;
   for (int i = 0; i < nseg; ++i) total_n += segs[i].n;
   scores.resize(G * total_n);
@@ -202,20 +202,16 @@ void AttendHeadsVec(const float* const* q, int G, float scale, const Segment* se
     mx[g] = -INFINITY;
   }
   for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
-    for (int64_t t = 0; t < segs[i].n; t += kStep) {
-      const int64_t m = std::min(kStep, segs[i].n - t);
+    for (int64_t t = 0; t < segs[i].n; ++t)
       for (int g = 0; g < G; ++g)
-        Scores<NV>(qv[g], segs[g * nseg + i].k + t * D, m, scores.data() + g * total_n + at + t, mx[g]);
-    }
+        Scores<NV>(qv[g], segs[g * nseg + i].k + t * D, 1, scores.data() + g * total_n + at + t, mx[g]);
   float inv[8];
   for (int g = 0; g < G; ++g) inv[g] = 1.f / ExpShift(scores.data() + g * total_n, total_n, mx[g]);
   v8 acc[8][NV] = {};
   for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
-    for (int64_t t = 0; t < segs[i].n; t += kStep) {
-      const int64_t m = std::min(kStep, segs[i].n - t);
+    for (int64_t t = 0; t < segs[i].n; ++t)
       for (int g = 0; g < G; ++g)
-        Weighted<NV>(scores.data() + g * total_n + at + t, segs[g * nseg + i].v + t * D, m, acc[g]);
-    }
+        Weighted<NV>(scores.data() + g * total_n + at + t, segs[g * nseg + i].v + t * D, 1, acc[g]);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) {
       const v8 o = acc[g][j] * inv[g];
@@ -699,6 +695,25 @@ struct LayerPhases {
     }
   }
 
+  // Row-head bh's S new keys and values, copied from the QKV product to where they go (see
+  // LayerProblem::NewAt); returns their addresses.
+  void PlaceNew(int64_t bh, float*& kn, float*& vn) const {
+    const int64_t b = bh / p.H, hh = bh % p.H, D = p.D, S = p.S, d = p.d;
+    kn = p.knew + p.NewAt(bh), vn = p.vnew + p.NewAt(bh);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* row = p.qkv + (b * S + s) * 3 * d + hh * D;
+      std::copy(row + d, row + d + D, kn + s * D);
+      std::copy(row + 2 * d, row + 2 * d + D, vn + s * D);
+    }
+  }
+
+  // The cache and buffer segments query s of row-head bh sees.
+  void Seen(int64_t bh, int64_t s, Segment* segs) const {
+    const int64_t i = bh / p.H * p.S + s, D = p.D;
+    segs[0] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[i], 0, p.C)};
+    segs[1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[i], 0, p.L)};
+  }
+
   // Attention of every head of row b. With one query per row the heads are attended together
   // (AttendHeads); with several, head by head (Attention).
   void RowAttention(int64_t b) const {
@@ -708,21 +723,16 @@ struct LayerPhases {
     }
     thread_local std::vector<float> scores;
     const int64_t D = p.D, d = p.d, H = p.H;
-    const float* row = p.qkv + b * 3 * d;
     const float* qs[8];
     float* outs[8];
     Segment segs[8 * 3];
     for (int64_t hh = 0; hh < H; ++hh) {
-      const int64_t bh = b * H + hh;
-      float* kn = p.knew + p.NewAt(bh);
-      float* vn = p.vnew + p.NewAt(bh);
-      std::copy(row + d + hh * D, row + d + (hh + 1) * D, kn);
-      std::copy(row + 2 * d + hh * D, row + 2 * d + (hh + 1) * D, vn);
-      qs[hh] = row + hh * D;
-      outs[hh] = p.att + b * d + hh * D;
-      segs[3 * hh] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b], 0, p.C)};
-      segs[3 * hh + 1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b], 0, p.L)};
+      float *kn, *vn;
+      PlaceNew(b * H + hh, kn, vn);
+      Seen(b * H + hh, 0, segs + 3 * hh);
       segs[3 * hh + 2] = {kn, vn, 1};
+      qs[hh] = p.qkv + b * 3 * d + hh * D;
+      outs[hh] = p.att + b * d + hh * D;
     }
     AttendHeads(qs, static_cast<int>(H), D, p.scale, segs, 3, outs, scores);
   }
@@ -730,19 +740,11 @@ struct LayerPhases {
   void Attention(int64_t bh) const {
     thread_local std::vector<float> scores;
     const int64_t b = bh / p.H, hh = bh % p.H, D = p.D, S = p.S, d = p.d;
-    float* kn = p.knew + p.NewAt(bh);
-    float* vn = p.vnew + p.NewAt(bh);
-    for (int64_t s = 0; s < S; ++s) {
-      const float* row = p.qkv + (b * S + s) * 3 * d + hh * D;
-      std::copy(row + d, row + d + D, kn + s * D);
-      std::copy(row + 2 * d, row + 2 * d + D, vn + s * D);
-    }
+    float *kn, *vn;
+    PlaceNew(bh, kn, vn);
     auto query = [&](int64_t s) { return p.qkv + (b * S + s) * 3 * d + hh * D; };
     auto out = [&](int64_t s) { return p.att + (b * S + s) * d + hh * D; };
-    auto shared = [&](int64_t s, Segment* segs) {
-      segs[0] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[b * S + s], 0, p.C)};
-      segs[1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[b * S + s], 0, p.L)};
-    };
+    auto shared = [&](int64_t s, Segment* segs) { Seen(bh, s, segs); };
     int64_t s = 0;
     if (D % 8 == 0 && D <= 128) {
       // pairs of queries that see the same cache positions read those keys and values once
