@@ -261,9 +261,13 @@ class NGramDraft(Draft):
 
     @classmethod
     def from_tokens(cls, tokens, V: int, n: int = 3, alpha: float = 0.01,
-                    backoff: float | None = None) -> NGramDraft:
+                    backoff: float | None = None, soft=None) -> NGramDraft:
         """Count every window of ``n`` tokens of ``tokens`` (a 1-D id array); with ``backoff``
-        (a positive ``beta``), every shorter window too (see the class)."""
+        (a positive ``beta``), every shorter window too (see the class).
+
+        ``soft`` ``[len(tokens), V]``: instead of counting each next token once, add
+        ``soft[i]`` (a distribution over the token at ``i``, e.g. a target model's prediction
+        from the text before it; see :meth:`distill`) to its context's counts."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"NGramDraft: n must be an integer >= 1, got {n!r}")
         if (V + 1) ** (n - 1) >= 2**31:
@@ -277,6 +281,25 @@ class NGramDraft(Draft):
             raise ValueError(f"NGramDraft: the text has {len(tokens)} tokens, fewer than n={n}")
         if tokens.min() < 0 or tokens.max() >= V:
             raise ValueError(f"NGramDraft: token ids must lie in [0, {V})")
+        if soft is not None:
+            soft = np.asarray(soft)
+            if soft.shape != (len(tokens), V):
+                raise ValueError(f"NGramDraft: soft counts must have shape {(len(tokens), V)}, "
+                                 f"got {soft.shape}")
+            if not np.all(np.isfinite(soft)) or soft.min() < 0:
+                raise ValueError("NGramDraft: soft counts must be finite and non-negative")
+
+        def count(k, ctx, nxt):  # (sorted distinct contexts, their inverse, [K, V] counts)
+            keys, inverse = np.unique(ctx, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            if soft is None:
+                counts = np.zeros((len(keys), V), np.float64)
+                np.add.at(counts, (inverse, nxt), 1.0)
+            else:  # sum the rows of each context: sort by context, add up each run
+                order = np.argsort(inverse, kind="stable")
+                starts = np.searchsorted(inverse[order], np.arange(len(keys)))
+                counts = np.add.reduceat(soft[k:][order].astype(np.float64), starts, axis=0)
+            return keys, inverse, counts
 
         def contexts(k):  # ids of the k-token contexts of positions k .. len-1 (n-1 digits)
             m = len(tokens) - k
@@ -288,23 +311,18 @@ class NGramDraft(Draft):
             return ctx, tokens[k:]
 
         if backoff is None:
-            ctx, nxt = contexts(n - 1)
-            keys, inverse = np.unique(ctx, return_inverse=True)
-            counts = np.full((len(keys), V), alpha, np.float64)
-            np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
+            keys, _, counts = count(n - 1, *contexts(n - 1))
+            counts += alpha
             probs = counts / counts.sum(axis=1, keepdims=True)
         else:
             all_keys, all_probs = [], []
             lower = lower_keys = None
             for k in range(n):
-                ctx, nxt = contexts(k)
-                keys, inverse = np.unique(ctx, return_inverse=True)
-                counts = np.zeros((len(keys), V), np.float64)
-                np.add.at(counts, (inverse.reshape(-1), nxt), 1.0)
+                keys, inverse, counts = count(k, *contexts(k))
                 if lower is None:
                     prior = np.full((len(keys), V), 1.0 / V)
                 else:  # each context's parent: itself without its oldest token, one order down
-                    first = np.unique(inverse.reshape(-1), return_index=True)[1]
+                    first = np.unique(inverse, return_index=True)[1]
                     parent_ctx = contexts(k - 1)[0][first + 1]
                     prior = lower[np.searchsorted(lower_keys, parent_ctx)]
                 probs = (counts + backoff * prior) / (counts.sum(axis=1, keepdims=True) + backoff)
@@ -681,14 +699,22 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, pack
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _prefill(params, tokens, lengths, packed=None, *, cfg, capacity):
-    return M.prefill(params, cfg, tokens, lengths, capacity=capacity, packed=packed)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def _draft_init(draft, prompt, lengths, *, capacity):
-    return draft.init(prompt, lengths, capacity)
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "width", "N"))
+def _start(params, draft: Draft, prompt, length, count, packed=None, *, cfg, capacity, width, N):
+    """The loop's first state: the prompts (but their last tokens) prefilled into the target's
+    cache, the draft's state, empty outputs. One call: every dispatch costs host time."""
+    B = prompt.shape[0]
+    cache = M.prefill(params, cfg, prompt[:, :width], length - 1, capacity=capacity, packed=packed)[1]
+    zeros = jnp.zeros((B,), jnp.int32)
+    return SpecState(
+        cache=cache,
+        pending=jnp.take_along_axis(prompt, (length - 1)[:, None], axis=1)[:, 0],
+        context=length,
+        draft=draft.init(prompt, length, capacity),
+        tokens=jnp.zeros((B, N), jnp.int32),
+        model_logprobs=jnp.zeros((B, N), jnp.float32),
+        sample_logprobs=jnp.zeros((B, N), jnp.float32),
+        count=count, passes=zeros, examined=zeros, accepted=zeros, iteration=jnp.int32(0))
 
 
 @dataclasses.dataclass
@@ -821,37 +847,32 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
     # A verify pass multiplies every weight matrix by Bb * (gamma + 1) rows: when those are few,
     # each layer is one native CPU call (kernels.decode_layer) on weights packed once
     packed = M.packed_params(params) if kernels.packs_rows(Bb * (gamma + 1)) else None
-    prompt_j, length_j = jnp.asarray(prompt), jnp.asarray(length)
-    cache = _prefill(params, prompt_j[:, :min(Pb, cfg.T)], length_j - 1, packed, cfg=cfg, capacity=capacity)
-    state = SpecState(
-        cache=cache,
-        pending=jnp.asarray(prompt[np.arange(Bb), length - 1]),
-        context=length_j,
-        draft=_draft_init(draft, prompt_j, length_j, capacity=capacity),
-        tokens=jnp.zeros((Bb, N), jnp.int32),
-        model_logprobs=jnp.zeros((Bb, N), jnp.float32),
-        sample_logprobs=jnp.zeros((Bb, N), jnp.float32),
-        count=jnp.asarray(count),
-        passes=jnp.zeros((Bb,), jnp.int32), examined=jnp.zeros((Bb,), jnp.int32),
-        accepted=jnp.zeros((Bb,), jnp.int32), iteration=jnp.int32(0))
+    state = _start(params, draft, prompt, length, count, packed, cfg=cfg, capacity=capacity,
+                   width=min(Pb, cfg.T), N=N)
     n_j = jnp.int32(n)
     ids_j = jnp.asarray(row_ids_b)
-    whole = kernels.reads_only_filled()
-    while True:
-        count_h, context_h = jax.device_get((state.count, state.context))
-        active = count_h < n
-        if not active.any():
-            break
-        # unfinished rows stay within T (checked above); finished ones may attend to garbage.
-        # The native CPU attention reads each row only up to its length: one segment for all.
-        span = cfg.T if whole else min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
+    if kernels.reads_only_filled():
+        # the native CPU attention reads each row only up to its length: one segment over the
+        # whole window runs every row to the end (unfinished rows stay within T, checked above)
         state = _segment(params, draft, state, rule_b, key, ids_j, n_j, packed, cfg=cfg, gamma=gamma,
-                         span=span, greedy=greedy)
+                         span=cfg.T, greedy=greedy)
+    else:
+        while True:
+            count_h, context_h = jax.device_get((state.count, state.context))
+            active = count_h < n
+            if not active.any():
+                break
+            # finished rows may attend to garbage, which is never read back
+            span = min(cfg.T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
+            state = _segment(params, draft, state, rule_b, key, ids_j, n_j, packed, cfg=cfg,
+                             gamma=gamma, span=span, greedy=greedy)
 
-    # only what is returned comes back to the host (not the cache)
+    # only what is returned comes back to the host (not the cache); cut on the host, since a
+    # slice on the device would compile once per (B, n)
     tokens, mlp, slp, passes, examined, accepted, count = jax.device_get(
-        (state.tokens[:B, :n], state.model_logprobs[:B, :n], state.sample_logprobs[:B, :n],
-         state.passes, state.examined, state.accepted, state.count))
+        (state.tokens, state.model_logprobs, state.sample_logprobs, state.passes, state.examined,
+         state.accepted, state.count))
+    tokens, mlp, slp = tokens[:B, :n], mlp[:B, :n], slp[:B, :n]
     stats = [SpeculativeStats(gamma, int(passes[b]), gamma * int(passes[b]), int(examined[b]),
                               int(accepted[b]), int(count[b]))
              for b in range(B)]
