@@ -76,9 +76,13 @@ def _cpu_name() -> str:
     return "".join(found) or platform.processor()
 
 
+def cache_root() -> Path:
+    """Where jaxdecode keeps what it builds: ``$JAXDECODE_CACHE``, default ``~/.cache/jaxdecode``."""
+    return Path(os.environ.get("JAXDECODE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode"))
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("JAXDECODE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def build(verbose: bool = False) -> Path:

@@ -2,7 +2,8 @@
 
 For each batch size (default 1 and 32), plain ancestral sampling
 (:func:`jaxdecode.sampling.sample_tokens`) and speculative sampling with each draft (trigram
-table, small draft model, prompt lookup) and each gamma (default 1, 2, 4, 8), all with the same
+table, interpolated 5-gram, distilled 6-gram, small draft model, prompt lookup) and each gamma
+(default 1, 2, 4, 8), all with the same
 target and no rule. Every configuration runs once to compile (its wall time is reported as the
 warm-up; compile time is warm-up minus the fastest timed run), then ``--repeats`` rounds time
 every configuration once each (the fastest round counts), so that a slow phase of the machine
@@ -41,9 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=256, help="characters generated per row")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--gammas", default="1,2,4,8")
-    ap.add_argument("--drafts", default="ngram,ngram:5:6,draft,lookup",
+    ap.add_argument("--drafts", default="ngram,ngram:5:6,distilled,draft,lookup",
                     help="ngram (the chapter's trigram), ngram:N[:BETA] (order N, interpolated "
-                         "backoff BETA), draft, lookup")
+                         "backoff BETA), distilled (the target's predictions as a 6-gram table, "
+                         "built once and cached), draft, lookup")
     ap.add_argument("--repeats", type=int, default=5, help="timing rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                 drafts[kind] = SP.make_draft("ngram", lm, args.data, n=int(parts[1]),
                                              backoff=float(parts[2]) if len(parts) > 2 else None)
             else:
-                drafts[kind] = SP.make_draft(kind, lm, args.data)
+                drafts[kind] = SP.make_draft(kind, lm, args.data, progress=True)
         except Exception as e:  # noqa: BLE001 - report and bench the others
             skipped[kind] = f"{type(e).__name__}: {e}"
             print(f"skipping draft {kind!r}: {skipped[kind]}", file=sys.stderr)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxdecode import model as M
 from jaxdecode import rules
 from jaxdecode import sampling as S
 from jaxdecode import speculative as SP
@@ -47,21 +48,24 @@ def exact_model():
     return params, EXACT_CFG, want
 
 
-def make_drafts(V: int, T: int, seed: int = 1):
+def make_drafts(params, cfg: ModelConfig, seed: int = 1):
+    V = cfg.V
     rng = np.random.default_rng(seed)
     text = rng.integers(0, V, 3000)
-    dcfg = ModelConfig(V=V, T=T, d=4, L=1, heads=1)
+    dcfg = ModelConfig(V=V, T=cfg.T, d=4, L=1, heads=1)
     return {
         "ngram": SP.NGramDraft.from_tokens(text, V, n=3),
         "backoff": SP.NGramDraft.from_tokens(text, V, n=4, backoff=2.0),
+        "distilled": SP.NGramDraft.distill(params, cfg, text[:1000], n=4),
         "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), dcfg),
         "lookup": SP.PromptLookupDraft(2),
     }
 
 
 @pytest.fixture(scope="module")
-def exact_drafts():
-    return make_drafts(EXACT_CFG.V, EXACT_CFG.T)
+def exact_drafts(exact_model):
+    params, cfg, _ = exact_model
+    return make_drafts(params, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def small_lm():
 
 @pytest.fixture(scope="module")
 def small_drafts(small_lm):
-    return make_drafts(small_lm.cfg.V, small_lm.cfg.T, seed=2)
+    return make_drafts(small_lm.params, small_lm.cfg, seed=2)
 
 
 # ----------------------------------------------------------------------------- the acceptance rule
@@ -154,37 +158,147 @@ def hashed(build):
         SP.NGramDraft.MAX_INDEX = old
 
 
-def backoff_reference(tokens, V, n, beta, context):
+def backoff_reference(tokens, V, n, beta, context, soft=None):
     """The interpolated estimate written plainly: from the empty context up, each order mixes
-    its counts with the order below, q_k = (count + beta * q_(k-1)) / (total + beta)."""
+    its counts with the order below, q_k = (count + beta * q_(k-1)) / (total + beta). With
+    ``soft``, position j adds the distribution soft[j] instead of counting tokens[j]."""
     real = [t for t in context if t != V]
     q = np.full(V, 1.0 / V)
     for k in range(len(real) + 1):
         h = tuple(real[len(real) - k:])
-        counts = np.zeros(V)
+        counts, seen = np.zeros(V), False
         for j in range(k, len(tokens)):
             if tuple(tokens[j - k:j]) == h:
-                counts[tokens[j]] += 1
-        if counts.sum() == 0:  # unseen: the longest seen context decides
+                seen = True
+                if soft is None:
+                    counts[tokens[j]] += 1
+                else:
+                    counts += soft[j]
+        if not seen:  # unseen: the longest seen context decides
             break
         q = (counts + beta * q) / (counts.sum() + beta)
     return q
 
 
+@pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_ngram_backoff_matches_reference(n):
+def test_ngram_backoff_matches_reference(n, soft):
     V, beta = 4, 2.0
-    tokens = np.random.default_rng(n).integers(0, V, 300)
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(0, V, 300)
     tokens[:40] = 1  # a skewed stretch: some long contexts are frequent, others unseen
+    weights = rng.dirichlet(np.full(V, 0.5), len(tokens)) if soft else None
     # every context of n-1 digits whose padding (V) comes first, as init() builds them
     contexts = [c for c in np.ndindex(*(V + 1,) * (n - 1))
                 if all(a == V for a in c[:sum(1 for x in c if x == V)])]
     ctx = jnp.asarray(np.array(contexts, np.int32).reshape(len(contexts), n - 1))
-    want = np.array([backoff_reference(tokens, V, n, beta, c) for c in contexts])
-    for d in (SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta),
-              hashed(lambda: SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta))):
+    want = np.array([backoff_reference(tokens, V, n, beta, c, weights) for c in contexts])
+    for d in (SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta, soft=weights),
+              hashed(lambda: SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=beta, soft=weights))):
         got = np.exp(np.asarray(d._next_logits(ctx)))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_backoff_transitions_match_the_context_lookup(n):
+    """The one-gather walk over ``goto`` proposes exactly what looking the context up at every
+    order does: same tokens, same q, through proposals, partial acceptances and short prompts."""
+    import dataclasses
+
+    V, B, gamma = 4, 6, 3
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(0, V, 400)
+    tokens[:50] = 2  # frequent long contexts next to unseen ones
+    walk = SP.NGramDraft.from_tokens(tokens, V, n=n, backoff=1.0)
+    assert walk.goto is not None
+    look = dataclasses.replace(walk, goto=None)
+    prompt = jnp.asarray(rng.integers(0, V, (B, 8)), jnp.int32)
+    lengths = jnp.asarray([1, 2, 8, 5, 3, 8])
+    states = [d.init(prompt, lengths, 64) for d in (walk, look)]
+    for it in range(12):
+        noise = jnp.asarray(rng.gumbel(size=(B, gamma, V)), jnp.float32)
+        out = [d.propose(st, noise, gamma, lambda x: x, 64) for d, st in zip((walk, look), states)]
+        np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
+        np.testing.assert_allclose(np.asarray(out[0][1]), np.asarray(out[1][1]), rtol=1e-6)
+        n_acc = jnp.asarray(rng.integers(0, gamma + 1, B), jnp.int32)
+        nxt = jnp.asarray(rng.integers(0, V, B), jnp.int32)
+        active = jnp.asarray(rng.random(B) < 0.8)
+        states = [d.commit(o[2], o[0], n_acc, nxt, active) for d, o in zip((walk, look), out)]
+
+
+def test_backoff_table_needs_the_empty_context():
+    with pytest.raises(ValueError, match="empty context"):
+        SP.NGramDraft.from_table(np.array([0, 1]), np.zeros((3, 2)), n=2, backoff=True)
+
+
+@pytest.mark.parametrize("backoff", [None, 1.5])
+def test_one_hot_soft_counts_are_counting(backoff):
+    V = 5
+    tokens = np.random.default_rng(0).integers(0, V, 200)
+    counted = SP.NGramDraft.from_tokens(tokens, V, n=3, backoff=backoff)
+    soft = SP.NGramDraft.from_tokens(tokens, V, n=3, backoff=backoff, soft=np.eye(V)[tokens])
+    np.testing.assert_array_equal(np.asarray(soft.keys), np.asarray(counted.keys))
+    np.testing.assert_allclose(np.asarray(soft.logits), np.asarray(counted.logits), rtol=1e-6)
+
+
+@pytest.mark.parametrize("soft, message", [
+    (np.ones((10, 2)), "shape"),
+    (np.full((10, 3), -1.0), "non-negative"),
+    (np.full((10, 3), np.nan), "finite"),
+])
+def test_bad_soft_counts(soft, message):
+    with pytest.raises(ValueError, match=message):
+        SP.NGramDraft.from_tokens(np.arange(10) % 3, 3, soft=soft)
+
+
+@pytest.mark.parametrize("N, stride", [(1, None), (2, None), (12, None), (13, None), (14, 5),
+                                       (60, 7), (60, 12), (40, 1)])
+def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
+    """Row i is the forward pass over the window the docstring names, ending at token i - 1."""
+    params, cfg, _ = exact_model
+    T = cfg.T
+    tokens = np.random.default_rng(N).integers(0, cfg.V, N)
+    got = SP.target_predictions(params, cfg, tokens, stride=stride, batch=3)
+    step = 3 * T // 4 if stride is None else stride
+    want = np.zeros((N, cfg.V), np.float32)
+    want[0, tokens[0]] = 1.0
+    for i in range(1, N):
+        s = 0 if i - 1 < T else ((i - 1 - T) // step + 1) * step
+        assert min(i, T - step) <= i - s <= T  # the context it promises
+        logits = M.forward(params, cfg, jnp.asarray(tokens[None, s:i]))[0, -1]
+        want[i] = np.asarray(jax.nn.softmax(logits))
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_target_predictions_bad_settings(exact_model):
+    params, cfg, _ = exact_model
+    with pytest.raises(ValueError, match="stride"):
+        SP.target_predictions(params, cfg, np.arange(5), stride=cfg.T + 1)
+    with pytest.raises(ValueError, match="token ids"):
+        SP.target_predictions(params, cfg, np.array([0, cfg.V]))
+
+
+def test_distilled_table_averages_the_targets_predictions(exact_model):
+    """A context's row is the mean prediction after it (nearly no backoff); with backoff, the
+    table overlaps the target's predictions on new text more than counting does."""
+    params, cfg, _ = exact_model
+    tokens = np.random.default_rng(5).integers(0, cfg.V, 2000)
+    d = SP.NGramDraft.distill(params, cfg, tokens, n=2, backoff=1e-6)
+    pred = SP.target_predictions(params, cfg, tokens)
+    for c in range(cfg.V):
+        after = np.flatnonzero(tokens[:-1] == c) + 1
+        got = np.exp(np.asarray(d._next_logits(jnp.asarray([[c]], jnp.int32))))[0]
+        np.testing.assert_allclose(got, pred[after].mean(axis=0), rtol=1e-4, atol=1e-6)
+    # held-out text: the distilled 3-gram overlaps the target's predictions more than the counted
+    held = np.random.default_rng(6).integers(0, cfg.V, 600)
+    p_held = SP.target_predictions(params, cfg, held)[2:]
+    ctx = jnp.asarray(np.stack([held[:-2], held[1:-1]], axis=1), jnp.int32)
+    overlap = {}
+    for name, draft in (("distilled", SP.NGramDraft.distill(params, cfg, tokens, n=3, backoff=2.0)),
+                        ("counted", SP.NGramDraft.from_tokens(tokens, cfg.V, n=3, backoff=2.0))):
+        q = np.exp(np.asarray(draft._next_logits(ctx)))
+        overlap[name] = np.minimum(p_held, q).sum(axis=1).mean()  # the acceptance rate
+    assert overlap["distilled"] > overlap["counted"] + 0.02, overlap
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -229,6 +343,34 @@ def test_prompt_lookup_proposals():
     assert tokens[1].tolist() == [2, 2, 2]  # context 1 2 3 4 2: "4 2" is new, repeat the last
 
 
+def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
+    """Built once per (weights, text, settings), written atomically, read back identical; a
+    damaged file is rebuilt with a warning."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc de.\nfghi a " * 680)  # 10,200 characters, the least a corpus may have
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "cache"))
+    first = SP.make_draft("distilled", small_lm, corpus, n=3)
+    files = list((tmp_path / "cache" / "drafts").glob("distilled-*.npz"))
+    assert len(files) == 1 and not list((tmp_path / "cache" / "drafts").glob("*.tmp"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rebuilt although cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(SP.NGramDraft, "distill", refuse)
+        again = SP.make_draft("distilled", small_lm, corpus, n=3)
+    for a, b in ((first.keys, again.keys), (first.logits, again.logits)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (again.n, again.backoff) == (3, True)
+    # other settings or other weights: another table
+    SP.make_draft("distilled", small_lm, corpus, n=3, backoff=1.0)
+    assert len(list((tmp_path / "cache" / "drafts").glob("distilled-*.npz"))) == 2
+    files[0].write_bytes(b"not a table")
+    with pytest.warns(UserWarning, match="rebuilding"):
+        rebuilt = SP.make_draft("distilled", small_lm, corpus, n=3)
+    np.testing.assert_array_equal(np.asarray(rebuilt.logits), np.asarray(first.logits))
+
+
 # ----------------------------------------------------------------------------- exactness
 
 
@@ -250,12 +392,14 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
         assert 0 < total.accepted <= total.examined <= total.proposed == gamma * total.passes
 
 
-def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
-    """The interpolated n-gram draft (a table looked up at several orders) is exact too."""
+@pytest.mark.parametrize("kind", ["backoff", "distilled"])
+def test_exact_distribution_with_backoff_drafts(exact_model, exact_drafts, kind):
+    """The interpolated n-gram drafts (a table looked up at several orders; counted or distilled
+    from the target) are exact too."""
     params, cfg, want = exact_model
     prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
     p = TOP_P[1]
-    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts["backoff"],
+    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts[kind],
                                 gamma=4, rule=rules.top_p(p))
     codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
     counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
@@ -270,7 +414,7 @@ def ragged_prompts(V, sizes, seed=0):
     return [rng.integers(0, V, size=s).astype(np.int32) for s in sizes]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "backoff", "model", "lookup"])
+@pytest.mark.parametrize("kind", ["ngram", "backoff", "distilled", "model", "lookup"])
 def test_greedy_speculative_equals_greedy(small_lm, small_drafts, kind):
     cfg, params = small_lm.cfg, small_lm.params
     prompts = ragged_prompts(cfg.V, [1, 6, 3, 2, 5])
