@@ -230,7 +230,7 @@ def _generate_beam(args, prompt, rule, settings):
 
 
 def _generate_speculative(args, prompt, rule, settings):
-    from .speculative import SpeculativeStats, make_draft, speculative_generate
+    from .speculative import SpeculativeStats, check_request, make_draft, speculative_generate
 
     gamma = 2 if args.gamma is None else args.gamma
     if gamma < 1:
@@ -245,7 +245,7 @@ def _generate_speculative(args, prompt, rule, settings):
     if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
         raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
     lm = _load(args)
-    lm.vocab.encode(prompt)
+    check_request(lm.cfg, len(lm.vocab.encode(prompt)), args.n, gamma)  # before building a draft
     draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
                        progress=True)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,

@@ -123,12 +123,29 @@ def test_speculative_bad_input(tiny_ckpt, capsys, argv, message):
     assert err.startswith("jaxdecode: error:") and message in err
 
 
+def test_generate_speculative_distilled(tiny_ckpt, capsys, tmp_path, monkeypatch):
+    """The distilled draft is built from --data with the model's vocabulary, cached, and greedy
+    speculative decoding with it prints what greedy decoding prints."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc def. ghi\nabcab ba\n" * 500)
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "cache"))
+    argv = ["generate", "abcab", "-n", "8", "--ckpt", tiny_ckpt, "--json", "--greedy"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for _ in range(2):  # built, then read from the cache
+        assert main(argv + ["--speculative", "distilled", "--ngram-order", "4", "--data", str(corpus)]) == 0
+        spec = json.loads(capsys.readouterr().out)
+        assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]
+        assert spec["settings"]["speculative"] == "distilled" and spec["stats"]["passes"] >= 1
+    assert len(list((tmp_path / "cache" / "drafts").glob("distilled-*.npz"))) == 1
+
+
 def test_generate_speculative_ngram_backoff_json(tiny_ckpt, capsys, monkeypatch):
     from jaxdecode import speculative
 
     seen = {}
 
-    def small_table(kind, lm, data_path=None, *, n=None, backoff=None):  # the corpus is Shakespeare's
+    def small_table(kind, lm, data_path=None, *, n=None, backoff=None, progress=False):  # the corpus is Shakespeare's
         seen.update(kind=kind, n=n, backoff=backoff)
         text = lm.vocab.encode("abc def. ghi\nabcab ba\n" * 50)
         return speculative.NGramDraft.from_tokens(text, lm.cfg.V, n=n, backoff=backoff)
