@@ -202,6 +202,11 @@ class Block(nn.Module):
         x = x + a
         return x + self._ff(x, decode=True), k_cache, v_cache
 
+    def cached_kv(self, x, k_cache, v_cache, length):
+        """Only what the cache needs from this layer: its keys and values of ``x``, written."""
+        _, k, v = self.attn._heads(self.ln1(x), decode=True)
+        return kernels.write_rows(k_cache, k, length), kernels.write_rows(v_cache, v, length)
+
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
         weights = self._fused(x)
         if weights is not None:
@@ -241,16 +246,19 @@ class CharLM(nn.Module):
             out += (kvs,)
         return out if len(out) > 1 else logits
 
-    def cached(self, tokens, cache: KVCache, span: int, in_place: bool = True):
+    def cached(self, tokens, cache: KVCache, span: int, in_place: bool = True, cache_only: bool = False):
         S = tokens.shape[1]
         positions = cache.length[:, None] + jnp.arange(S)[None, :]
         h = self.tok(tokens) + self.pos(jnp.minimum(positions, self.cfg.T - 1))
         ks, vs = [], []
-        for block, kc, vc in zip(self.blocks, cache.k, cache.v):
-            h, kc, vc = block.cached(h, kc, vc, cache.length, span, in_place)
+        for i, (block, kc, vc) in enumerate(zip(self.blocks, cache.k, cache.v)):
+            if cache_only and i == len(self.blocks) - 1:  # the rest of the last layer is unused
+                kc, vc = block.cached_kv(h, kc, vc, cache.length)
+            else:
+                h, kc, vc = block.cached(h, kc, vc, cache.length, span, in_place)
             ks.append(kc)
             vs.append(vc)
-        logits = self.tok.attend(self.ln(h))
+        logits = None if cache_only else self.tok.attend(self.ln(h))
         return logits, KVCache(tuple(ks), tuple(vs), cache.length + S)
 
 
@@ -316,6 +324,22 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     vs = tuple(jnp.pad(v, pad) for _, v in kvs)
     last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     return last, KVCache(ks, vs, lengths)
+
+
+def prefill_cache(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+                  capacity: int | None = None, packed=None) -> KVCache:
+    """:func:`prefill` for a caller that needs only the cache (it feeds the prompt's last token
+    itself, as speculative decoding does). On the native path this skips the last layer's
+    attention and feed-forward and the head: about a fifth of the work."""
+    B, P = tokens.shape
+    capacity = cfg.T if capacity is None else capacity
+    if packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P) and capacity >= P:
+        chex.assert_shape(lengths, (B,))
+        variables = {"params": params, "packed": packed}
+        _, cache = CharLM(cfg).apply(variables, tokens, empty_cache(cfg, B, capacity), capacity, True, True,
+                                     method=CharLM.cached)
+        return cache._replace(length=jnp.array(lengths, jnp.int32))
+    return prefill(params, cfg, tokens, lengths, capacity, packed)[1]
 
 
 def pack_params(params):

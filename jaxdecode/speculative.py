@@ -888,7 +888,7 @@ def _start(params, draft: Draft, prompt, length, count, packed=None, *, cfg, cap
     """The loop's first state: the prompts (but their last tokens) prefilled into the target's
     cache, the draft's state, empty outputs. One call: every dispatch costs host time."""
     B = prompt.shape[0]
-    cache = M.prefill(params, cfg, prompt[:, :width], length - 1, capacity=capacity, packed=packed)[1]
+    cache = M.prefill_cache(params, cfg, prompt[:, :width], length - 1, capacity=capacity, packed=packed)
     zeros = jnp.zeros((B,), jnp.int32)
     return SpecState(
         cache=cache,
@@ -1033,8 +1033,8 @@ def speculative_tokens(params, cfg: M.ModelConfig, prompts, n: int, key: jax.Arr
     packed = M.packed_params(params) if kernels.packs_rows(Bb * (gamma + 1)) else None
     state = _start(params, draft, prompt, length, count, packed, cfg=cfg, capacity=capacity,
                    width=min(Pb, cfg.T), N=N)
-    n_j = jnp.int32(n)
-    ids_j = jnp.asarray(row_ids_b)
+    n_j = np.int32(n)  # numpy: a jnp scalar would cost a dispatch of its own
+    ids_j = row_ids_b
     if kernels.reads_only_filled():
         # the native CPU attention reads each row only up to its length: one segment over the
         # whole window runs every row to the end (unfinished rows stay within T, checked above)

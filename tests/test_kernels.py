@@ -324,6 +324,23 @@ def test_prefill_with_packed_weights():
             np.testing.assert_allclose(a[b, :, :n], w[b, :, :n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_prefill_cache_is_prefills_cache(packed):
+    """The cache-only prefill (the last layer only computes its keys and values) fills the same
+    cache as the full prefill, on the native path and off it."""
+    cfg = M.ModelConfig(V=11, T=24, d=32, L=3, heads=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(7))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.V, size=(2, 16)), jnp.int32)
+    lengths = jnp.array([16, 5], jnp.int32)
+    _, want = M.prefill(params, cfg, tokens, lengths, capacity=24)
+    pk = M.pack_params(params) if packed else None
+    cache = jax.jit(lambda p, pk: M.prefill_cache(p, cfg, tokens, lengths, capacity=24, packed=pk))(params, pk)
+    assert cache.length.tolist() == [16, 5] and cache.capacity == 24
+    for b, n in enumerate(lengths.tolist()):  # positions past a row's length are never read
+        for a, w in zip(cache.k + cache.v, want.k + want.v):
+            np.testing.assert_allclose(a[b, :, :n], w[b, :, :n], rtol=1e-4, atol=1e-5)
+
+
 def test_packed_weights_are_reused_per_parameter_set():
     cfg = M.ModelConfig(V=11, T=24, d=32, L=1, heads=2)
     params = M.init_params(cfg, jax.random.PRNGKey(0))
