@@ -23,8 +23,8 @@ greedy decoding.
 Rows accept different numbers of tokens, so each row has its own output buffer, count, target
 cache length and draft state. The whole run is a few jitted ``lax.while_loop`` segments, one per
 static attended span of the KV cache (as in :mod:`jaxdecode.sampling`): no host round trip per
-token. Randomness: row ``r`` draws all the noise of iteration ``i`` (the draft's Gumbel noise, the
-acceptance uniforms, the Gumbel noise of the corrected token; fixed entries per position) from
+token. Randomness: row ``r`` draws all the noise of iteration ``i`` (one uniform per draft token,
+per acceptance test and for the corrected token; fixed entries per position) from
 ``fold_in(fold_in(key, r), i)`` (:func:`iteration_noise`). A row's output therefore depends only
 on the user key, its row id and its own history, never on its batch.
 
@@ -79,11 +79,12 @@ def row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
 
 
 class Noise(NamedTuple):
-    """The randomness of one iteration, for every row (one uniform draw per row and iteration)."""
+    """The randomness of one iteration, for every row (one uniform draw per row and iteration).
+    Every entry is uniform in (0, 1); tokens are drawn by inverting the CDF (:func:`_draw`)."""
 
-    accept: jax.Array  # [B, gamma] uniform in (0, 1): the acceptance tests
-    final: jax.Array  # [B, V] Gumbel: the corrected (or extra) token
-    draft: jax.Array | None  # [B, gamma, V] Gumbel: the draft's proposals
+    accept: jax.Array  # [B, gamma] the acceptance tests
+    final: jax.Array  # [B] the corrected (or extra) token
+    draft: jax.Array | None  # [B, gamma] the draft's proposals
 
 
 def iteration_noise(keys, iteration, gamma: int, V: int, draft: bool = True) -> Noise:
@@ -92,14 +93,22 @@ def iteration_noise(keys, iteration, gamma: int, V: int, draft: bool = True) -> 
     Position ``j`` of row ``b`` at iteration ``i`` uses fixed entries of that row's draw, so a
     row's randomness depends only on the user key, its row id, the iteration and the position.
     """
-    m = gamma + V + (gamma * V if draft else 0)
+    del V  # one uniform per token, whatever the vocabulary
+    m = 2 * gamma + 1 if draft else gamma + 1
     tiny = jnp.finfo(jnp.float32).tiny
     i = jnp.asarray(iteration, jnp.uint32)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i), (m,), minval=tiny))(keys)
-    gumbel = lambda x: -jnp.log(-jnp.log(x))
-    B = keys.shape[0]
-    return Noise(u[:, :gamma], gumbel(u[:, gamma:gamma + V]),
-                 gumbel(u[:, gamma + V:]).reshape(B, gamma, V) if draft else None)
+    return Noise(u[:, :gamma], u[:, gamma], u[:, gamma + 1:] if draft else None)
+
+
+def _draw(weights, u):
+    """Token ``[B]`` drawn from unnormalized non-negative ``weights`` ``[B, V]`` by inverting the
+    CDF with ``u`` ``[B]`` uniform in (0, 1): the first token whose cumulative weight reaches
+    ``u`` times the total. That token always has positive weight (the cumulative weight before it
+    is below ``u * total > 0``, and ``u * total`` cannot round above the total). One uniform per
+    token instead of a Gumbel per vocabulary entry: the noise was most of a draft's cost."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    return jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
 
 
 def _accept(p, q, draft, noise: Noise | None, greedy: bool):
@@ -119,12 +128,10 @@ def _accept(p, q, draft, noise: Noise | None, greedy: bool):
     q_next = q[rows, jnp.minimum(n_accepted, G - 1)]
     residual = jnp.maximum(p_next - q_next, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
-    # after a rejection the residual is a valid distribution (its mass is positive whenever a
-    # rejection can happen); after all accepted, the target's own next distribution
+    # after a rejection the normalized residual (its mass is positive whenever a rejection can
+    # happen); after all accepted, the target's own next distribution (_draw normalizes)
     rejected = (n_accepted < G)[:, None] & (mass > 0)
-    dist = jnp.where(rejected, residual / jnp.where(mass > 0, mass, 1.0), p_next)
-    token = jnp.argmax(jnp.log(dist) + noise.final, axis=-1)  # a draw from dist (Gumbel-max)
-    return n_accepted, token.astype(jnp.int32)
+    return n_accepted, _draw(jnp.where(rejected, residual, p_next), noise.final)
 
 
 def accept(p, q, draft, key, *, row_ids=None, iteration=0, greedy: bool = False):
@@ -178,12 +185,12 @@ def _static():
     return dataclasses.field(metadata={"static": True})
 
 
-def _pick(processed, gumbel):
-    """One token per row from processed logits ``[B, V]``: a draw with Gumbel noise ``[B, V]``
-    (Gumbel-max: ``argmax(logits + G)`` follows ``softmax(logits)``), or the argmax if ``None``."""
-    if gumbel is not None:
-        processed = processed + gumbel
-    return jnp.argmax(processed, axis=-1).astype(jnp.int32)
+def _pick(processed, u):
+    """One token per row from processed logits ``[B, V]``: a draw from ``softmax(logits)`` with
+    uniforms ``u`` ``[B]`` (:func:`_draw`), or the argmax if ``u`` is ``None``."""
+    if u is None:
+        return jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    return _draw(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), u)
 
 
 class Draft:
@@ -192,12 +199,12 @@ class Draft:
 
     ``init(prompt [B, P], lengths [B], capacity) -> state``
         state for right-padded prompts; ``capacity`` bounds every position the loop will touch.
-    ``propose(state, noise [B, gamma, V] | None, gamma, process, span)``
+    ``propose(state, noise [B, gamma] | None, gamma, process, span)``
     ``-> (tokens [B, gamma], q [B, gamma, V] | None, state)``
         ``gamma`` proposals after each row's accepted context, with the processed logits ``q``
         they were drawn from (``process`` maps raw logits ``[B, V]`` to processed ones). Proposal
-        ``j`` is ``argmax(q_j + noise[:, j])`` (Gumbel-max sampling), or ``argmax(q_j)`` when
-        ``noise`` is ``None`` (greedy decoding). A deterministic draft returns ``q = None`` (a
+        ``j`` is drawn from ``softmax(q_j)`` with the uniform ``noise[:, j]`` (see ``_pick``), or
+        is ``argmax(q_j)`` when ``noise`` is ``None`` (greedy decoding). A deterministic draft returns ``q = None`` (a
         point mass on each proposal). ``span`` is the static attended cache span of the segment.
     ``commit(state, tokens [B, gamma], n_accepted [B], token [B], active [B]) -> state``
         advance to the context plus ``tokens[:, :n_accepted]`` plus ``token`` (rolling back
@@ -655,14 +662,14 @@ class ModelDraft(Draft):
         first = process(logits)
         tok = _pick(first, None if noise is None else noise[:, 0])
 
-        def body(carry, gumbel):
+        def body(carry, u):
             cache, tok = carry
             logits, cache = M.step(self.params, self.cfg, cache, tok, span)
             processed = process(logits)
-            nxt = _pick(processed, gumbel)
+            nxt = _pick(processed, u)
             return (cache, nxt), (nxt, processed)
 
-        xs = None if noise is None else jnp.transpose(noise[:, 1:], (1, 0, 2))
+        xs = None if noise is None else jnp.transpose(noise[:, 1:])
         (cache, _), (toks, qs) = jax.lax.scan(body, (cache, tok), xs, length=gamma - 1)
         tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)  # [B, gamma]
         q = jnp.concatenate([first[:, None], jnp.transpose(qs, (1, 0, 2))], axis=1)  # [B, gamma, V]

@@ -105,6 +105,25 @@ def test_toy_acceptance_and_frequencies():
     assert np.all(nxt[n_acc == 0] != draft[n_acc == 0, 0])
 
 
+def test_inverse_cdf_draws():
+    """_draw follows the normalized weights, never picks a zero weight (also at the extreme
+    uniforms), and _pick draws from softmax(logits) with -inf entries removed."""
+    w = jnp.asarray([[0.0, 3.0, 0.0, 1.0, 0.0, 4.0, 0.0]])
+    edges = jnp.asarray([jnp.finfo(jnp.float32).tiny, 0.375, 0.3751, 0.5, 0.5001, 1 - 2**-24])
+    got = SP._draw(jnp.broadcast_to(w, (6, 7)), edges).tolist()
+    assert got == [1, 1, 3, 3, 5, 5]  # cumulative weights 3, 4, 8 of 8: 0.375, 0.5, 1
+    n = 200_000
+    u = jax.random.uniform(jax.random.PRNGKey(3), (n,), minval=jnp.finfo(jnp.float32).tiny)
+    counts = np.bincount(np.asarray(SP._draw(jnp.broadcast_to(w, (n, 7)), u)), minlength=7)
+    assert counts[[0, 2, 4, 6]].sum() == 0
+    assert stats.chisquare(counts[[1, 3, 5]], np.array([3, 1, 4]) / 8 * n).pvalue > P_MIN
+    logits = jnp.log(jnp.broadcast_to(w, (n, 7)))  # -inf where the weight is 0
+    counts = np.bincount(np.asarray(SP._pick(logits, u)), minlength=7)
+    assert counts[[0, 2, 4, 6]].sum() == 0
+    assert stats.chisquare(counts[[1, 3, 5]], np.array([3, 1, 4]) / 8 * n).pvalue > P_MIN
+    assert SP._pick(logits[:2], None).tolist() == [5, 5]
+
+
 def test_accept_all_and_greedy():
     V = 5
     p = jnp.asarray(np.eye(V, dtype=np.float32)[[1, 2, 3]])[None]  # point masses at 1, 2, 3
@@ -216,7 +235,7 @@ def test_backoff_transitions_match_the_context_lookup(n):
     lengths = jnp.asarray([1, 2, 8, 5, 3, 8])
     states = [d.init(prompt, lengths, 64) for d in (walk, look)]
     for it in range(12):
-        noise = jnp.asarray(rng.gumbel(size=(B, gamma, V)), jnp.float32)
+        noise = jnp.asarray(rng.uniform(size=(B, gamma)), jnp.float32)
         out = [d.propose(st, noise, gamma, lambda x: x, 64) for d, st in zip((walk, look), states)]
         np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
         np.testing.assert_allclose(np.asarray(out[0][1]), np.asarray(out[1][1]), rtol=1e-6)

@@ -54,6 +54,22 @@ inline float Sum(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+// Sum of each of four vectors, added in exactly Sum's order (so bit for bit the same), but
+// transposed: eight shuffles and adds for the four instead of about six for each.
+typedef float v4 __attribute__((vector_size(16)));
+inline void Sum4(v8 a, v8 b, v8 c, v8 d, float* sa, float* sb, float* sc, float* sd) {
+  // [a0+a4, a1+a5, a2+a6, a3+a7 | the same for b], and for c, d
+  const v8 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  // [(a0+a4)+(a1+a5), (a2+a6)+(a3+a7), the same for c | for b, for d]
+  const v8 u = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
+  const v4 r = __builtin_shufflevector(u, u, 0, 4, 2, 6) + __builtin_shufflevector(u, u, 1, 5, 3, 7);
+  *sa = r[0], *sb = r[1], *sc = r[2], *sd = r[3];
+}
+
 typedef int v8i __attribute__((vector_size(32)));
 
 // exp for x <= 0 (scores minus their maximum), Cephes' single-precision method: 2^n times a
@@ -102,7 +118,7 @@ void Scores(const v8* qv, const float* kb, int64_t n, float* out, float& mx) {
       a2 += qv[j] * Load(k0 + 2 * D + 8 * j);
       a3 += qv[j] * Load(k0 + 3 * D + 8 * j);
     }
-    out[t] = Sum(a0), out[t + 1] = Sum(a1), out[t + 2] = Sum(a2), out[t + 3] = Sum(a3);
+    Sum4(a0, a1, a2, a3, out + t, out + t + 1, out + t + 2, out + t + 3);
     mx = std::max(mx, std::max(std::max(out[t], out[t + 1]), std::max(out[t + 2], out[t + 3])));
   }
   for (; t < n; ++t) {
@@ -571,8 +587,7 @@ void AttendPairVec(const float* const* q, float scale, const Segment* shared, co
         const v8 k0 = Load(kb + t * D + 8 * j), k1 = Load(kb + (t + 1) * D + 8 * j);
         a00 += qv[0][j] * k0, a01 += qv[0][j] * k1, a10 += qv[1][j] * k0, a11 += qv[1][j] * k1;
       }
-      sc[0][at + t] = Sum(a00), sc[0][at + t + 1] = Sum(a01);
-      sc[1][at + t] = Sum(a10), sc[1][at + t + 1] = Sum(a11);
+      Sum4(a00, a01, a10, a11, sc[0] + at + t, sc[0] + at + t + 1, sc[1] + at + t, sc[1] + at + t + 1);
       mx[0] = std::max(mx[0], std::max(sc[0][at + t], sc[0][at + t + 1]));
       mx[1] = std::max(mx[1], std::max(sc[1][at + t], sc[1][at + t + 1]));
     }
