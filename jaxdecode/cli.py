@@ -232,7 +232,10 @@ def _generate_beam(args, prompt, rule, settings):
 def _generate_speculative(args, prompt, rule, settings):
     from .speculative import SpeculativeStats, check_request, make_draft, speculative_generate
 
-    gamma = 2 if args.gamma is None else args.gamma
+    if args.gamma is None:  # the fastest on CPU for each draft (docs/benchmarks.md)
+        gamma = 3 if args.speculative == "distilled" else 2
+    else:
+        gamma = args.gamma
     if gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
     if args.stop:
@@ -356,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative sampling with this draft (exact: same distribution as plain "
                         "sampling); distilled, the fastest, is an n-gram table of the model's own "
                         "predictions over the corpus, built once (minutes) and cached")
-    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default 2, the fastest on CPU)")
+    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default: the fastest on CPU, 3 with "
+                        "the distilled draft, else 2)")
     s.add_argument("--ngram-order", type=int, default=None, metavar="N",
                    help="speculative ngram: context of N-1 characters (default 3, the chapter's "
                         "trigram; distilled: 6)")

@@ -514,7 +514,14 @@ void Panels(const float* x, int64_t M, int64_t K, const float* wp, const float* 
             int64_t N, const float* res, Epilogue ep, int64_t p0, int64_t p1) {
   int64_t r = 0;
   if (kManyRegisters) {
+    // whole tiles of up to 8 rows: a tile of a remainder of 5-7 rows reads each panel once, where
+    // 4 + 1 (2, 3) would read it twice (a verify pass of gamma = 4 is 5 rows)
     for (; r + 8 <= M; r += 8) PanelsR<8, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
+    switch (M - r) {
+      case 7: PanelsR<7, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); return;
+      case 6: PanelsR<6, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); return;
+      case 5: PanelsR<5, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1); return;
+    }
     for (; r + 4 <= M; r += 4) PanelsR<4, 2>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
   } else {
     for (; r + 4 <= M; r += 4) PanelsR<4, 1>(x + r * K, K, wp, b, y + r * N, N, res ? res + r * N : res, ep, p0, p1);
