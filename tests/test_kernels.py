@@ -101,7 +101,7 @@ def test_dense_matches_matmul(M, K, N, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 13, 15])  # every tile: 8, 5-7, 4, 3, 2, 1
 def test_packed_dense_matches_matmul(M):
     rng = np.random.default_rng(M)
     K, N = 48, 96
