@@ -114,14 +114,14 @@ def test_packed_dense_matches_matmul(M):
 
 
 @needs_kernel
-@pytest.mark.parametrize("S", [3, 4])
+@pytest.mark.parametrize("S", [3, 4, 5, 7])
 def test_extend_with_packed_weights(S):
     """A verify-sized pass with packed weights gives the logits of the ordinary pass."""
     cfg = M.ModelConfig(V=11, T=24, d=32, L=2, heads=2)
     params = M.init_params(cfg, jax.random.PRNGKey(5))
     packed = M.pack_params(params)
     assert set(packed["block_0"]) == {"attn", "ff1", "ff2"} and "tok" not in packed
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.V, size=(1, 12)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.V, size=(1, 16)), jnp.int32)
     _, cache = M.prefill(params, cfg, tokens[:, :8], jnp.array([8], jnp.int32))
     want, _ = M.extend(params, cfg, cache, tokens[:, 8:8 + S])
     got, _ = jax.jit(lambda p, c, t, pk: M.extend(p, cfg, c, t, packed=pk))(params, cache, tokens[:, 8:8 + S], packed)
