@@ -7,7 +7,9 @@ table, interpolated 5-gram, distilled 6-gram, small draft model, prompt lookup) 
 target and no rule. Every configuration runs once to compile (its wall time is reported as the
 warm-up; compile time is warm-up minus the fastest timed run), then ``--repeats`` rounds time
 every configuration once each (the fastest round counts), so that a slow phase of the machine
-hits every row alike. Rows of a batch continue the same prompt with different row ids.
+hits every row alike. Rows of a batch continue the same prompt with different row ids; with
+``--seeds N`` every configuration generates from N keys in turn (each timed on its own, the times
+summed), since the acceptance path of one text is a noisy sample.
 
     python scripts/bench_speculative.py --out bench_speculative.json
     python scripts/bench_speculative.py --ckpt path/to/checkpoint --drafts ngram,lookup --batches 1
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
                          "built once and cached), draft, lookup")
     ap.add_argument("--repeats", type=int, default=5, help="timing rounds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=4,
+                    help="generate from this many keys (seed, seed + 1, ...), each timed on its own "
+                         "and summed: one text's acceptance path is a noisy sample")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -56,7 +61,9 @@ def main(argv=None) -> int:
     gammas = [int(g) for g in args.gammas.split(",")]
     kinds = [k for k in args.drafts.split(",") if k]
     prompt = lm.vocab.encode(args.prompt)
-    key = jax.random.PRNGKey(args.seed)
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    keys = [jax.random.PRNGKey(args.seed + i) for i in range(args.seeds)]
 
     drafts, skipped = {}, {}
     for kind in kinds:
@@ -79,36 +86,41 @@ def main(argv=None) -> int:
     rows = []
     for B in batches:
         prompts = [prompt] * B
-        configs = {("plain", None, None): lambda prompts=prompts: sampling.sample_tokens(
+        configs = {("plain", None, None): lambda key, prompts=prompts: sampling.sample_tokens(
             lm.params, lm.cfg, prompts, args.n, key)}
         for kind, draft in drafts.items():
             for gamma in gammas:
                 configs[("speculative", kind, gamma)] = (
-                    lambda draft=draft, gamma=gamma, prompts=prompts: SP.speculative_tokens(
+                    lambda key, draft=draft, gamma=gamma, prompts=prompts: SP.speculative_tokens(
                         lm.params, lm.cfg, prompts, args.n, key, draft=draft, gamma=gamma))
-        # Compile everything first, then time in rounds (every configuration once per round, the
-        # fastest round counts): a slow phase of a shared machine then hits all rows alike.
+        # Compile everything first, then time in rounds (every configuration and key once per
+        # round, the fastest round of each counts): a slow phase of a shared machine then hits
+        # all rows alike.
         warm, best, results = {}, {}, {}
         for name, fn in configs.items():
             t0 = time.perf_counter()
-            results[name] = fn()
+            results[name] = [fn(keys[0])]
             warm[name] = time.perf_counter() - t0
+            results[name] += [fn(k) for k in keys[1:]]
         for _ in range(args.repeats):
             for name, fn in configs.items():
-                t0 = time.perf_counter()
-                fn()
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-        plain_cps = B * args.n / best[("plain", None, None)]
+                for i, k in enumerate(keys):
+                    t0 = time.perf_counter()
+                    fn(k)
+                    best[name, i] = min(best.get((name, i), float("inf")), time.perf_counter() - t0)
+        chars = B * args.n * len(keys)
+        seconds = {name: sum(best[name, i] for i in range(len(keys))) for name in configs}
+        plain_cps = chars / seconds[("plain", None, None)]
         for (method, kind, gamma), res in results.items():
-            t = best[(method, kind, gamma)]
-            cps = B * args.n / t
+            t = seconds[(method, kind, gamma)]
+            cps = chars / t
             row = {"method": method, "draft": kind, "gamma": gamma, "batch": B, "seconds": t,
                    "warmup_seconds": warm[(method, kind, gamma)],
-                   "compile_seconds": max(warm[(method, kind, gamma)] - t, 0.0),
+                   "compile_seconds": max(warm[(method, kind, gamma)] - t / len(keys), 0.0),
                    "chars_per_second": cps, "speedup": cps / plain_cps,
-                   "mean_logprob": float(np.mean(res.model_logprobs))}
+                   "mean_logprob": float(np.mean([r.model_logprobs for r in res]))}
             if method == "speculative":
-                total = SP.SpeculativeStats.total(res.stats)
+                total = SP.SpeculativeStats.total([s for r in res for s in r.stats])
                 row.update(acceptance_rate=total.acceptance_rate, chars_per_pass=total.chars_per_pass,
                            predicted_chars_per_pass=total.predicted_chars_per_pass)
             rows.append(row)
@@ -127,7 +139,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.out:
         meta = {"checkpoint": str(lm.path), "n": args.n, "prompt": args.prompt, "repeats": args.repeats,
-                "seed": args.seed, "skipped_drafts": skipped, "jax": jax.__version__,
+                "seed": args.seed, "seeds": args.seeds, "skipped_drafts": skipped, "jax": jax.__version__,
                 "backend": jax.default_backend(), "machine": platform.machine(),
                 "cpu_count": os.cpu_count()}
         with open(args.out, "w", encoding="utf-8") as f:
