@@ -129,7 +129,7 @@ def test_generate_speculative_distilled(tiny_ckpt, capsys, tmp_path, monkeypatch
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc def. ghi\nabcab ba\n" * 500)
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "cache"))
-    argv = ["generate", "abcab", "-n", "8", "--ckpt", tiny_ckpt, "--json", "--greedy"]
+    argv = ["generate", "abcab", "-n", "7", "--ckpt", tiny_ckpt, "--json", "--greedy"]  # + gamma 3 + 1: T
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
     for _ in range(2):  # built, then read from the cache
@@ -137,6 +137,7 @@ def test_generate_speculative_distilled(tiny_ckpt, capsys, tmp_path, monkeypatch
         spec = json.loads(capsys.readouterr().out)
         assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]
         assert spec["settings"]["speculative"] == "distilled" and spec["stats"]["passes"] >= 1
+        assert spec["settings"]["gamma"] == 3  # the distilled draft's default
     assert len(list((tmp_path / "cache" / "drafts").glob("distilled-*.npz"))) == 1
 
 
