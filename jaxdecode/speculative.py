@@ -429,7 +429,7 @@ class NGramDraft(Draft):
 
         Counting estimates the text's next-token distribution; this estimates the target's, which
         is what a draft must match: on the shipped model and corpus, the 6-gram table accepts
-        about 0.86 of its proposals against 0.80 for the counted 5-gram."""
+        about 0.88 of its proposals against about 0.81 for the counted 5-gram."""
         soft = target_predictions(params, cfg, tokens, **predict)
         return cls.from_tokens(tokens, cfg.V, n=n, backoff=backoff, soft=soft)
 
@@ -538,7 +538,7 @@ def target_predictions(params, cfg: M.ModelConfig, tokens, *, stride: int | None
     padded = np.zeros(((J - 1) * stride + T + 1,), np.int32)
     padded[:N] = tokens
     starts = np.arange(J) * stride
-    probs = jax.jit(lambda w: jax.nn.softmax(M.forward(params, cfg, w), axis=-1))
+    probs = jax.jit(lambda p, w: jax.nn.softmax(M.forward(p, cfg, w), axis=-1))  # weights as arguments
     bar = None
     if progress:
         from tqdm import tqdm
@@ -548,7 +548,7 @@ def target_predictions(params, cfg: M.ModelConfig, tokens, *, stride: int | None
         part = starts[b0:b0 + batch]
         idx = np.concatenate([part, np.full(batch - len(part), part[-1])])  # one compiled shape
         windows = padded[idx[:, None] + np.arange(T)[None, :]]
-        p = np.asarray(probs(jnp.asarray(windows)))
+        p = np.asarray(probs(params, jnp.asarray(windows)))
         for j, s in enumerate(part):
             first = 0 if s == 0 else T - stride  # window position of the first kept prediction
             lo, hi = s + first + 1, min(s + T + 1, N)  # the tokens it predicts
