@@ -351,9 +351,10 @@ class NGramDraft(Draft):
         return cls.from_table(keys, logp, n, backoff is not None)
 
     @classmethod
-    def from_table(cls, keys, logp, n: int, backoff: bool) -> NGramDraft:
+    def from_table(cls, keys, logp, n: int, backoff: bool, goto=None) -> NGramDraft:
         """A draft from its table: sorted context numbers ``keys`` ``[K]`` and log-probabilities
-        ``logp`` ``[K + 1, V]`` (the last row for an unseen context); builds the lookup."""
+        ``logp`` ``[K + 1, V]`` (the last row for an unseen context); builds the lookup, and with
+        ``backoff`` the transition table unless ``goto`` (saved from an earlier build) is given."""
         keys = np.asarray(keys, np.int64)
         logp = np.asarray(logp, np.float32)
         V = logp.shape[1]
@@ -380,7 +381,16 @@ class NGramDraft(Draft):
             slot_rows = np.full(len(slots), len(keys), np.int32)
             slot_rows[at] = rows[by_hash]
             slots, slot_rows = jnp.asarray(slots, jnp.int32), jnp.asarray(slot_rows)
-        goto = jnp.asarray(cls._transitions(keys, n, V)) if backoff else None
+        if not backoff:
+            goto = None
+        elif goto is None:
+            goto = jnp.asarray(cls._transitions(keys, n, V))
+        else:
+            goto = np.asarray(goto)
+            if goto.shape != (len(keys), V) or goto.min() < 0 or goto.max() >= len(keys):
+                raise ValueError(f"NGramDraft: a transition table must be [{len(keys)}, {V}] rows "
+                                 f"of the table, got shape {goto.shape}")
+            goto = jnp.asarray(goto, jnp.int32)
         return cls(jnp.asarray(keys, jnp.int32), jnp.asarray(logp, jnp.float32), index, n, V,
                    slots, slot_rows, probes, bits, bool(backoff), goto)
 
@@ -584,7 +594,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
     train = text[:int(train_fraction * len(text))]
     tokens = np.asarray(lm.vocab.encode(train), np.int32)
     h = hashlib.sha256()
-    h.update(f"distilled-v1 n={n} backoff={backoff!r} V={lm.cfg.V} cfg={lm.cfg}".encode())
+    h.update(f"distilled-v2 n={n} backoff={backoff!r} V={lm.cfg.V} cfg={lm.cfg}".encode())
     for leaf in jax.tree_util.tree_leaves(lm.params):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     h.update(tokens.tobytes())
@@ -592,7 +602,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
     if path.exists():
         try:
             with np.load(path) as f:
-                return NGramDraft.from_table(f["keys"], f["logp"], n, True)
+                return NGramDraft.from_table(f["keys"], f["logp"], n, True, f["goto"])
         except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, not fatal
             warnings.warn(f"rebuilding the distilled draft: cannot read {path} ({e})", stacklevel=2)
     draft = NGramDraft.distill(lm.params, lm.cfg, tokens, n=n, backoff=backoff, progress=progress)
@@ -601,7 +611,8 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, keys=np.asarray(draft.keys), logp=np.asarray(draft.logits))
+            np.savez(f, keys=np.asarray(draft.keys), logp=np.asarray(draft.logits),
+                     goto=np.asarray(draft.goto))
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache only costs the next run the rebuild
         warnings.warn(f"could not cache the distilled draft at {path}: {e}", stacklevel=2)

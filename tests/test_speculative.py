@@ -248,6 +248,11 @@ def test_backoff_transitions_match_the_context_lookup(n):
 def test_backoff_table_needs_the_empty_context():
     with pytest.raises(ValueError, match="empty context"):
         SP.NGramDraft.from_table(np.array([0, 1]), np.zeros((3, 2)), n=2, backoff=True)
+    d = SP.NGramDraft.from_tokens(np.arange(20) % 3, 3, n=2, backoff=1.0)
+    with pytest.raises(ValueError, match="transition table"):
+        SP.NGramDraft.from_table(d.keys, d.logits, n=2, backoff=True, goto=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="transition table"):
+        SP.NGramDraft.from_table(d.keys, d.logits, n=2, backoff=True, goto=np.asarray(d.goto) + 9)
 
 
 @pytest.mark.parametrize("backoff", [None, 1.5])
@@ -378,7 +383,7 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(SP.NGramDraft, "distill", refuse)
         again = SP.make_draft("distilled", small_lm, corpus, n=3)
-    for a, b in ((first.keys, again.keys), (first.logits, again.logits)):
+    for a, b in ((first.keys, again.keys), (first.logits, again.logits), (first.goto, again.goto)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert (again.n, again.backoff) == (3, True)
     # other settings or other weights: another table
