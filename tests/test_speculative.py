@@ -399,7 +399,7 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("kind", ["ngram", "model", "lookup"])
+@pytest.mark.parametrize("kind", ["ngram", "distilled", "model", "lookup"])
 def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kind, gamma):
     """Each row of a big batch is one draw; the first 3 tokens follow the processed target."""
     params, cfg, want = exact_model
@@ -416,14 +416,12 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
         assert 0 < total.accepted <= total.examined <= total.proposed == gamma * total.passes
 
 
-@pytest.mark.parametrize("kind", ["backoff", "distilled"])
-def test_exact_distribution_with_backoff_drafts(exact_model, exact_drafts, kind):
-    """The interpolated n-gram drafts (a table looked up at several orders; counted or distilled
-    from the target) are exact too."""
+def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
+    """The interpolated n-gram draft (a table walked through its transitions) is exact too."""
     params, cfg, want = exact_model
     prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
     p = TOP_P[1]
-    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts[kind],
+    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts["backoff"],
                                 gamma=4, rule=rules.top_p(p))
     codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
     counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
