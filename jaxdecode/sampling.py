@@ -39,6 +39,7 @@ SPAN_BUCKET = 128
 PROMPT_BUCKET = 16
 DEFAULT_CHUNK = 32
 SMALL_BATCH_CHUNK = 64  # up to 4 rows a step is cheap, and each host round trip counts more
+WHOLE_CHUNK_MAX = 512  # without streaming or stop strings, up to 4 rows run in one chunk this long
 
 
 def batch_bucket(b: int) -> int:
@@ -277,7 +278,9 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     the argmax of the processed logits instead of sampling. ``row_ids`` (default ``0..B-1``) name
     the rows for the PRNG. ``stops``: token sequences that end a row once generated.
     ``on_chunk(tokens [B, c], emitted [B, c])`` is called after every chunk (for streaming);
-    ``chunk`` is the number of steps between host round trips (default 64 up to 4 rows, else 32).
+    ``chunk`` is the number of steps between host round trips (default 64 up to 4 rows, else 32;
+    up to 4 rows with neither ``on_chunk`` nor ``stops``, the request's length rounded up to a
+    power of two, at most 512, on the native CPU path).
     """
     B = len(prompts)
     if B == 0:
@@ -297,6 +300,11 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     T = cfg.T
     if chunk is None:
         chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
+        if B <= 4 and on_chunk is None and not stops and kernels.reads_only_filled():
+            # nothing to stream or to check between chunks, and a few rows, where each host round
+            # trip costs about half a millisecond: the request in one chunk (a power of two, so
+            # one program per size bucket of n)
+            chunk = max(chunk, min(batch_bucket(n), WHOLE_CHUNK_MAX))
     chunk = min(chunk, batch_bucket(n))  # short requests get a smaller buffer
     Bb = batch_bucket(B)
     Pmax = int(lens.max())
@@ -348,7 +356,7 @@ def sample_tokens(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: 
     outs, taken = [], 0
     while taken < n:
         valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
-        step_end = jnp.int32(taken + valid)
+        step_end = np.int32(taken + valid)  # a numpy scalar: a jnp one costs a dispatch of its own
         if taken < n_cache:
             if cache.capacity < capacity(taken):
                 cache = _grow(cache, capacity=capacity(taken))

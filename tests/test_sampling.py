@@ -121,6 +121,28 @@ def test_compile_once_per_bucket(tiny_lm):
     assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
 
 
+def test_one_chunk_unless_streaming(monkeypatch):
+    """Without a streaming callback or stop strings a few rows run the request in one chunk (one
+    host round trip instead of one per 64 steps); the text does not depend on the chunking."""
+    from jaxdecode import kernels
+
+    cfg = M.ModelConfig(V=9, T=256, d=16, L=1, heads=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(2))
+    prompts = [np.array([1, 2, 3]), np.array([4])]
+    calls = []
+    real = S._cache_chunk
+    monkeypatch.setattr(S, "_cache_chunk", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    key = jax.random.PRNGKey(4)
+    whole = S.sample_tokens(params, cfg, prompts, 150, key)
+    assert calls == ([256] if kernels.reads_only_filled() else [64, 64, 64])
+    calls.clear()
+    streamed = []
+    parts = S.sample_tokens(params, cfg, prompts, 150, key, on_chunk=lambda t, e: streamed.append(t.shape[1]))
+    assert calls == [64, 64, 64] and streamed == [64, 64, 22]
+    np.testing.assert_array_equal(whole.tokens, parts.tokens)
+    np.testing.assert_allclose(whole.model_logprobs, parts.model_logprobs, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_input(tiny_lm):
     cfg, params = tiny_lm.cfg, tiny_lm.params
     with pytest.raises(ValueError, match=">= 0"):
