@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative sampling with this draft (exact: same distribution as plain "
                         "sampling); distilled, the fastest, is an n-gram table of the model's own "
                         "predictions over the corpus, built once (minutes) and cached")
-    s.add_argument("--gamma", type=int, default=None, help="speculative: draft tokens per target pass (default: the fastest on CPU, 3 with "
-                        "the distilled draft, else 2)")
+    s.add_argument("--gamma", type=int, default=None,
+                   help="speculative: draft tokens per target pass (default: the fastest on CPU, "
+                        "3 with the distilled draft, else 2)")
     s.add_argument("--ngram-order", type=int, default=None, metavar="N",
                    help="speculative ngram: context of N-1 characters (default 3, the chapter's "
                         "trigram; distilled: 6)")
