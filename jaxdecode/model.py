@@ -307,14 +307,9 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
     ``packed`` (:func:`pack_params`): when the ``B * P`` positions are few enough, the prompts go
     through :func:`extend` on an empty cache, one native call per layer on CPU.
     """
-    lengths = jnp.array(lengths, jnp.int32)  # a copy: the cache must not alias the caller's array
-    chex.assert_rank(tokens, 2)
-    chex.assert_shape(lengths, (tokens.shape[0],))
+    lengths, capacity, native = _prefill_setup(cfg, tokens, lengths, capacity, packed)
     B, P = tokens.shape
-    if P > cfg.T:
-        raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
-    capacity = cfg.T if capacity is None else capacity
-    if packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P) and capacity >= P:
+    if native:
         logits, cache = extend(params, cfg, empty_cache(cfg, B, capacity), tokens, capacity, packed)
         last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         return last, cache._replace(length=lengths)
@@ -331,15 +326,29 @@ def prefill_cache(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     """:func:`prefill` for a caller that needs only the cache (it feeds the prompt's last token
     itself, as speculative decoding does). On the native path this skips the last layer's
     attention and feed-forward and the head: about a fifth of the work."""
-    B, P = tokens.shape
-    capacity = cfg.T if capacity is None else capacity
-    if packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P) and capacity >= P:
-        chex.assert_shape(lengths, (B,))
+    lengths, capacity, native = _prefill_setup(cfg, tokens, lengths, capacity, packed)
+    if native:
         variables = {"params": params, "packed": packed}
-        _, cache = CharLM(cfg).apply(variables, tokens, empty_cache(cfg, B, capacity), capacity, True, True,
-                                     method=CharLM.cached)
-        return cache._replace(length=jnp.array(lengths, jnp.int32))
+        empty = empty_cache(cfg, tokens.shape[0], capacity)
+        _, cache = CharLM(cfg).apply(variables, tokens, empty, capacity, True, True, method=CharLM.cached)
+        return cache._replace(length=lengths)
     return prefill(params, cfg, tokens, lengths, capacity, packed)[1]
+
+
+def _prefill_setup(cfg: ModelConfig, tokens, lengths, capacity, packed):
+    """Checks shared by the prefills; returns a copy of ``lengths`` (the cache must not alias
+    the caller's array), the capacity, and whether the prompts go through the native layers
+    (``packed`` weights and few enough positions in all)."""
+    lengths = jnp.array(lengths, jnp.int32)
+    chex.assert_rank(tokens, 2)
+    chex.assert_shape(lengths, (tokens.shape[0],))
+    B, P = tokens.shape
+    if P > cfg.T:
+        raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
+    capacity = cfg.T if capacity is None else capacity
+    native = (packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P)
+              and capacity >= P)
+    return lengths, capacity, native
 
 
 def pack_params(params):

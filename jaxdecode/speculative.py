@@ -87,14 +87,13 @@ class Noise(NamedTuple):
     draft: jax.Array | None  # [B, gamma] the draft's proposals
 
 
-def iteration_noise(keys, iteration, gamma: int, V: int, draft: bool = True) -> Noise:
+def iteration_noise(keys, iteration, gamma: int, draft: bool = True) -> Noise:
     """Noise for every row: ``uniform(fold_in(keys[b], iteration))``, cut into its parts.
 
     Position ``j`` of row ``b`` at iteration ``i`` uses fixed entries of that row's draw, so a
     row's randomness depends only on the user key, its row id, the iteration and the position.
     """
-    del V  # one uniform per token, whatever the vocabulary
-    m = 2 * gamma + 1 if draft else gamma + 1
+    m = 2 * gamma + 1 if draft else gamma + 1  # one uniform per token, whatever the vocabulary
     tiny = jnp.finfo(jnp.float32).tiny
     i = jnp.asarray(iteration, jnp.uint32)
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, i), (m,), minval=tiny))(keys)
@@ -165,7 +164,7 @@ def accept(p, q, draft, key, *, row_ids=None, iteration=0, greedy: bool = False)
 def _accept_keys(p, q, draft, key, row_ids, iteration, greedy):
     noise = None
     if not greedy:
-        noise = iteration_noise(row_keys(key, row_ids), iteration, draft.shape[1], p.shape[2], draft=False)
+        noise = iteration_noise(row_keys(key, row_ids), iteration, draft.shape[1], draft=False)
     return _accept(p, q, draft, noise, greedy)
 
 
@@ -403,8 +402,9 @@ class NGramDraft(Draft):
         if K == 0 or keys[-1] != pad[0]:  # the empty context is the largest number
             raise ValueError("NGramDraft: a backoff table must hold the empty context")
         goto = np.full((K, V), -1, np.int64)
-        for c0 in range(0, V, max(1, (1 << 22) // max(K, 1))):  # a few million pairs at a time
-            c = np.arange(c0, min(V, c0 + max(1, (1 << 22) // max(K, 1))))
+        step = max(1, (1 << 22) // K)  # tokens at a time: a few million (context, token) pairs
+        for c0 in range(0, V, step):
+            c = np.arange(c0, min(V, c0 + step))
             longer = (keys[:, None] * (V + 1) + c[None, :]) % full  # context + c, cut to n-1 digits
             found = np.full(longer.shape, -1, np.int64)
             for m in range(width, -1, -1):  # longest suffix first
@@ -471,9 +471,6 @@ class NGramDraft(Draft):
         first = jnp.argmax(rows < K, axis=1)  # the longest context in the table
         return self.logits[jnp.take_along_axis(rows, first[:, None], axis=1)[:, 0]]
 
-    def _empty_row(self):  # the row of the empty context (every digit padding)
-        return jnp.searchsorted(self.keys, (self.V + 1) ** (self.n - 1) - 1).astype(jnp.int32)
-
     def init(self, prompt, lengths, capacity):
         k = self.n - 1
         idx = jnp.asarray(lengths)[:, None] - k + jnp.arange(k)[None, :]  # [B, n-1]
@@ -481,7 +478,7 @@ class NGramDraft(Draft):
         context = jnp.where(idx >= 0, tok, self.V).astype(jnp.int32)
         row = jnp.zeros(context.shape[:1], jnp.int32)
         if self.goto is not None:  # walk from the empty context over the last n-1 tokens
-            row = jnp.broadcast_to(self._empty_row(), row.shape)
+            row = jnp.full(row.shape, self.keys.shape[0] - 1, jnp.int32)  # the empty context: the largest key
             for j in range(k):
                 row = jnp.where(idx[:, j] >= 0, self.goto[row, jnp.maximum(tok[:, j], 0)], row)
             context = context[:, :0]  # not needed: the row is the state
@@ -549,11 +546,9 @@ def target_predictions(params, cfg: M.ModelConfig, tokens, *, stride: int | None
     padded[:N] = tokens
     starts = np.arange(J) * stride
     probs = jax.jit(lambda p, w: jax.nn.softmax(M.forward(p, cfg, w), axis=-1))  # weights as arguments
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=J, desc="target predictions", unit="window", file=None, leave=False)
+    bar = tqdm(total=J, desc="target predictions", unit="window", leave=False, disable=not progress)
     for b0 in range(0, J, batch):
         part = starts[b0:b0 + batch]
         idx = np.concatenate([part, np.full(batch - len(part), part[-1])])  # one compiled shape
@@ -564,10 +559,8 @@ def target_predictions(params, cfg: M.ModelConfig, tokens, *, stride: int | None
             lo, hi = s + first + 1, min(s + T + 1, N)  # the tokens it predicts
             if hi > lo:
                 out[lo:hi] = p[j, first:first + hi - lo]
-        if bar is not None:
-            bar.update(len(part))
-    if bar is not None:
-        bar.close()
+        bar.update(len(part))
+    bar.close()
     return out
 
 
@@ -861,7 +854,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, pack
 
     def body(st):
         active = st.count < n
-        noise = None if greedy else iteration_noise(keys, st.iteration, gamma, V)
+        noise = None if greedy else iteration_noise(keys, st.iteration, gamma)
         drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
                                                  process, span)
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
