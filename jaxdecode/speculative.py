@@ -815,6 +815,9 @@ class SpecState(NamedTuple):
     iteration: jax.Array  # [] int32
 
 
+NOISE_TABLE_MAX = 1 << 20  # uniforms: a segment draws its noise up front when it needs at most this many
+
+
 def _stateless(rule, V: int) -> None:
     if rule is None:
         return
@@ -847,6 +850,24 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, pack
     process = _processor(rule, B, V)
     process_all = jax.vmap(process, in_axes=1, out_axes=1)  # over the positions of [B, S, V]
 
+    # A row makes at least one token a pass, so this segment runs at most n passes. When their
+    # noise is small, draw it all here, in one vectorized call: each iteration then slices its
+    # row of the table instead of running the generator (a loop of a few dozen tiny operations,
+    # which costs more than the numbers themselves). Same values either way.
+    n_max = state.tokens.shape[1]  # static, and at least n
+    table = None
+    if not greedy and B * n_max * (2 * gamma + 1) <= NOISE_TABLE_MAX:
+        its = state.iteration + jnp.arange(n_max, dtype=jnp.int32)
+        table = jax.vmap(lambda i: iteration_noise(keys, i, gamma), out_axes=1)(its)  # [B, n_max, ..]
+
+    def noise_at(st):
+        if greedy:
+            return None
+        if table is None:
+            return iteration_noise(keys, st.iteration, gamma)
+        k = jnp.minimum(st.iteration - state.iteration, n_max - 1)
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 1, False), table)
+
     def cond(st):
         active = st.count < n
         need = jnp.max(jnp.where(active, st.context + gamma, 0))
@@ -854,7 +875,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, pack
 
     def body(st):
         active = st.count < n
-        noise = None if greedy else iteration_noise(keys, st.iteration, gamma)
+        noise = noise_at(st)
         drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
                                                  process, span)
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]

@@ -480,6 +480,29 @@ def test_batch_invariance(small_lm, small_drafts):
     assert gens[0].text == small_lm.vocab.decode(together.tokens[0])
 
 
+@pytest.mark.parametrize("segments", ["one", "many"])
+def test_noise_drawn_up_front_is_the_same_noise(small_lm, small_drafts, monkeypatch, segments):
+    """A segment draws its iterations' noise in one call when that is small (NOISE_TABLE_MAX):
+    the text must be the one the per-iteration draws give, also when a request runs as several
+    segments (without the native attention), whose tables start at a later iteration."""
+    cfg, params = small_lm.cfg, small_lm.params
+    if segments == "many":
+        monkeypatch.setattr(SP.kernels, "reads_only_filled", lambda: False)
+    prompts = ragged_prompts(cfg.V, [2, 5, 1, 4, 3], seed=4)
+    kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(6)}
+    runs = []
+    for table_max in (SP.NOISE_TABLE_MAX, 0):
+        monkeypatch.setattr(SP, "NOISE_TABLE_MAX", table_max)
+        SP._segment.clear_cache()  # the table is chosen when the loop is traced
+        runs.append(SP.speculative_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(11), **kw))
+    SP._segment.clear_cache()
+    (a, b) = runs
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.sample_logprobs, b.sample_logprobs)
+    assert a.stats == b.stats
+    assert sum(s.passes for s in a.stats) > len(prompts)  # several iterations per row
+
+
 # ----------------------------------------------------------------------------- errors
 
 
