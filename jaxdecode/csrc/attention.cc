@@ -308,8 +308,8 @@ struct Helper {
 Helper& g_helper = *new Helper;  // never destroyed: a helper may outlive static destructors
 constexpr auto kStayAwake = std::chrono::microseconds(50);
 
-void HelperLoop(std::shared_ptr<std::function<void()>> task) {
-  uint64_t seen = g_helper.posted.load(std::memory_order_acquire);
+// `seen`: the hand-overs counted when this helper was scheduled; any later one is for it.
+void HelperLoop(std::shared_ptr<std::function<void()>> task, uint64_t seen) {
   (*task)();
   auto until = std::chrono::steady_clock::now() + kStayAwake;
   for (int spins = 0;; ++spins) {
@@ -335,9 +335,10 @@ void HelperLoop(std::shared_ptr<std::function<void()>> task) {
   }
 }
 
-// Runs `task` on one more thread: the helper's, or a new pool task that becomes the helper.
+// Runs `fn` on one more thread: the helper's, or a new pool task that becomes the helper.
 void Share(ffi::ThreadPool& pool, std::function<void()> fn) {
   auto task = std::make_shared<std::function<void()>>(std::move(fn));
+  uint64_t seen;
   {
     std::lock_guard<std::mutex> lock(g_helper.mu);
     if (g_helper.running) {
@@ -346,8 +347,9 @@ void Share(ffi::ThreadPool& pool, std::function<void()> fn) {
       return;
     }
     g_helper.running = true;
+    seen = g_helper.posted.load(std::memory_order_relaxed);
   }
-  pool.Schedule([task] { HelperLoop(task); });
+  pool.Schedule([task, seen] { HelperLoop(task, seen); });
 }
 
 // Runs the phases of `work` in order on the calling thread and up to `threads - 1` other threads
