@@ -481,21 +481,28 @@ def test_batch_invariance(small_lm, small_drafts):
 
 
 @pytest.mark.parametrize("segments", ["one", "many"])
-def test_noise_drawn_up_front_is_the_same_noise(small_lm, small_drafts, monkeypatch, segments):
+def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segments):
     """A segment draws its iterations' noise in one call when that is small (NOISE_TABLE_MAX):
     the text must be the one the per-iteration draws give, also when a request runs as several
-    segments (without the native attention), whose tables start at a later iteration."""
-    cfg, params = small_lm.cfg, small_lm.params
+    segments (without the native attention the attended span grows in steps of SPAN_BUCKET), whose
+    tables start at a later iteration."""
+    cfg = ModelConfig(V=12, T=2 * S.SPAN_BUCKET, d=16, L=1, heads=2)
+    params = random_params(cfg, 5, 1.0)
     if segments == "many":
         monkeypatch.setattr(SP.kernels, "reads_only_filled", lambda: False)
-    prompts = ragged_prompts(cfg.V, [2, 5, 1, 4, 3], seed=4)
+    lens = [S.SPAN_BUCKET - 6, S.SPAN_BUCKET - 12, S.SPAN_BUCKET - 3]  # every row crosses the bucket
+    prompts = ragged_prompts(cfg.V, lens, seed=4)
     kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(6)}
+    segment, calls = SP._segment, []
+    monkeypatch.setattr(SP, "_segment", lambda *a, **k: calls.append(k["span"]) or segment(*a, **k))
     runs = []
     for table_max in (SP.NOISE_TABLE_MAX, 0):
         monkeypatch.setattr(SP, "NOISE_TABLE_MAX", table_max)
-        SP._segment.clear_cache()  # the table is chosen when the loop is traced
-        runs.append(SP.speculative_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(11), **kw))
-    SP._segment.clear_cache()
+        segment.clear_cache()  # the table is chosen when the loop is traced
+        calls.clear()
+        runs.append(SP.speculative_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(11), **kw))
+    segment.clear_cache()
+    assert len(calls) == (1 if segments == "one" else 2), calls
     (a, b) = runs
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.sample_logprobs, b.sample_logprobs)
