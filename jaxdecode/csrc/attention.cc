@@ -131,7 +131,7 @@ void Scores(const v8* qv, const float* kb, int64_t n, float* out, float& mx) {
     __builtin_memcpy(out + t, &r, sizeof r);
     m4 = Max4(m4, r);
   }
-  mx = std::max(mx, Max(m4));
+  mx = Max(m4);  // m4 started at mx
   for (; t < n; ++t) {
     v8 a = {};
     for (int j = 0; j < NV; ++j) a += qv[j] * Load(kb + t * D + 8 * j);
@@ -681,8 +681,8 @@ void AttendPairVec(const float* const* q, float scale, const Segment* shared, co
       __builtin_memcpy(sc[1] + at + t, rs + 2, 2 * sizeof(float));
       m4 = Max4(m4, r);
     }
-    mx[0] = std::max(mx[0], std::max(m4[0], m4[1]));
-    mx[1] = std::max(mx[1], std::max(m4[2], m4[3]));
+    mx[0] = std::max(m4[0], m4[1]);  // m4 started at mx
+    mx[1] = std::max(m4[2], m4[3]);
     for (; t < shared[i].n; ++t) {
       v8 a0 = {}, a1 = {};
       for (int j = 0; j < NV; ++j) {
