@@ -2,7 +2,8 @@
 
 The flat API: :func:`load` a checkpoint, :func:`generate` (greedy or sampling with any chain of
 :mod:`jaxdecode.rules`), :func:`beam_generate`, :func:`score`. The modules underneath take token
-arrays: :mod:`jaxdecode.model`, :mod:`jaxdecode.sampling`, :mod:`jaxdecode.beam`,
+arrays and a decoding model (:mod:`jaxdecode.models`: the interface, the adapter for your own
+logits function, the reference transformer): :mod:`jaxdecode.sampling`, :mod:`jaxdecode.beam`,
 :mod:`jaxdecode.speculative`, :mod:`jaxdecode.score`, :mod:`jaxdecode.exact`.
 """
 
@@ -11,12 +12,14 @@ __version__ = "0.1.0"
 from . import rules
 from .beam import beam_generate, mode_search
 from .checkpoint import CheckpointError, LanguageModel, load
-from .rules import RuleError
-from .sampling import Generation, generate, make_rule
+from .rules import RuleError, make_rule
+from .sampling import Generation, generate
 from .score import score_texts as score
-from .vocab import UnknownCharacterError, Vocab
+from .models import DecodingModel, FunctionModel
+from .vocab import TokenVocab, UnknownCharacterError, Vocab
 
 __all__ = [
-    "CheckpointError", "Generation", "LanguageModel", "RuleError", "UnknownCharacterError", "Vocab",
-    "beam_generate", "generate", "load", "make_rule", "mode_search", "rules", "score",
+    "CheckpointError", "DecodingModel", "FunctionModel", "Generation", "LanguageModel", "RuleError",
+    "TokenVocab", "UnknownCharacterError", "Vocab", "beam_generate", "generate", "load", "make_rule",
+    "mode_search", "rules", "score",
 ]

@@ -13,11 +13,12 @@ live beam can beat its worst finished hypothesis: a live beam's final score is a
 divided by the largest penalty it can still reach (at the maximum length for ``alpha > 0``, as in
 flax's ``examples/wmt/decode.py``). When the steps run out, the live beams compete with the pool.
 
-The loop reuses the sampling loop's layout (:mod:`jaxdecode.sampling`): batch padded to a power
-of two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend over a static
-cache span bucket, and past the model window ``T`` the exact window mode (a forward over each
-beam's last ``T`` tokens). The beam axis is flattened into the batch for the model: row ``b``'s
-beam ``j`` is model row ``b * k + j``.
+The loop shares the sampling loop's layout (:mod:`jaxdecode.core`): batch padded to a power of
+two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend over a static cache
+span bucket, and past the model window ``T`` the model's exact window mode. The beam axis is
+flattened into the batch for the model: row ``b``'s beam ``j`` is model row ``b * k + j``; each
+step reorders the model's cache by parent through ``model.reorder`` (the loop never sees what a
+cache holds).
 
 :func:`mode_search` finds the single most probable continuation of ``n`` tokens by best-first
 search; :mod:`jaxdecode.studies.beam_curse` compares the two.
@@ -28,31 +29,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels
-from . import model as M
-from .sampling import (
-    DEFAULT_CHUNK,
+from .core import (
     PROMPT_BUCKET,
     SPAN_BUCKET,
-    batch_bucket,
+    check_int,
+    encode_prompts,
+    encode_stop_strings,
     encode_stops,
+    make_batch,
     pad_rule,
     push_recent,
     round_up,
 )
+from .models.base import DecodingModel
 
 NEG_INF = -jnp.inf
 TOKEN_BUCKET = 64  # the generated-token buffers are this many tokens wide, rounded up
-
-# (history [N, W] left-aligned, lengths [N]) -> next-token logits [N, V]; see beam_search
-LogitsFn = Callable[[jax.Array, jax.Array], jax.Array]
+DEFAULT_CHUNK = 32
 
 
 # ----------------------------------------------------------------------------- beam helpers
@@ -86,18 +86,10 @@ def gather_flat(tree, parent):
     return jax.tree_util.tree_map(lambda x: jnp.take(x, flat, axis=0), tree)
 
 
-def _gather_cache(cache: M.KVCache, parent, span: int) -> M.KVCache:
-    """Reorder the cache rows by parent, copying only the first ``span`` positions.
-
-    Positions past ``span`` lie beyond every row's length: garbage that is overwritten before it
-    is attended to, so they need not follow their beam.
-    """
-    def gather(c):  # [B*k, H, capacity, hd]
-        part = gather_flat(c[:, :, :span], parent)
-        return jax.lax.dynamic_update_slice(c, part, (0, 0, 0, 0))
-
-    return M.KVCache(tuple(map(gather, cache.k)), tuple(map(gather, cache.v)),
-                     gather_flat(cache.length, parent))
+def _beam_rows(parent):
+    """The model rows ``[B * k]`` that beam ``j`` of row ``b`` continues: ``b * k + parent[b, j]``."""
+    B, k = parent.shape
+    return (jnp.arange(B)[:, None] * k + parent).reshape(-1)
 
 
 def gnmt_length_penalty(length, alpha):
@@ -235,57 +227,50 @@ def _keep_if_active(active, new, old):
     return jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "span", "chunk"), donate_argnames=("cache",))
-def _beam_cache_chunk(params, state: BeamState, cache: M.KVCache, rule, stops, stop_lens, alpha,
-                      max_len, step_end, packed=None, *, cfg: M.ModelConfig, span: int, chunk: int):
-    """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops.
-    ``packed``: the weights packed for a step of a few rows (``model.pack_params``), or None."""
+@functools.partial(jax.jit, static_argnames=("model", "span", "chunk"), donate_argnames=("cache",))
+def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, alpha, max_len, step_end, *,
+                      model: DecodingModel, span: int, chunk: int):
+    """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
 
     def body(carry, _):
         st, cache = carry
         active = st.step < step_end
-        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
-        cache = _gather_cache(cache, parent, span)
-        logits, cache = M.step(params, cfg, cache, token, span=span, packed=packed, in_place=False)
+        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T)
+        cache = model.reorder(cache, _beam_rows(parent), span)
+        logits, _, cache = model.extend(params, cache, token[:, None], span=span, in_place=False)
         # an inactive step leaves the state as it was (its cache write lands past the valid length)
-        new = _keep_if_active(active, new._replace(logits=logits), st)
+        new = _keep_if_active(active, new._replace(logits=logits[:, 0]), st)
         return (new, cache), None
 
     (state, cache), _ = jax.lax.scan(body, (state, cache), None, length=chunk)
     return state, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "logits_fn"))
-def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end,
-                       *, cfg: M.ModelConfig, chunk: int, logits_fn: LogitsFn | None):
-    """``chunk`` beam steps of the exact window mode: a forward over each beam's last T tokens."""
+@functools.partial(jax.jit, static_argnames=("model", "chunk"))
+def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end, *,
+                       model: DecodingModel, chunk: int):
+    """``chunk`` beam steps of the exact window mode: the model's prediction from each beam's last T tokens."""
 
     def body(st, _):
         active = st.step < step_end
-        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, cfg.T)
-        if logits_fn is None:
-            logits = M.window_logits(params, cfg, new.recent, new.length)
-        else:
-            logits = logits_fn(new.recent, jnp.minimum(new.length, cfg.T))
+        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T)
+        logits, _ = model.window(params, new.recent, new.length)
         return _keep_if_active(active, new._replace(logits=logits), st), None
 
     state, _ = jax.lax.scan(body, state, None, length=chunk)
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "k", "N", "S"))
-def _beam_prefill(params, prompt, recent, lengths, rule_state, *, cfg, capacity, k, N, S):
-    logits, cache = M.prefill(params, cfg, prompt, lengths, capacity=capacity)
-    cache = jax.tree_util.tree_map(functools.partial(add_beams, k=k), cache)
+@functools.partial(jax.jit, static_argnames=("model", "capacity", "k", "N", "S"))
+def _beam_prefill(params, prompt, recent, lengths, rule_state, *, model, capacity, k, N, S):
+    logits, _, cache = model.prefill(params, prompt, lengths, capacity)
+    cache = model.reorder(cache, jnp.repeat(jnp.arange(prompt.shape[0]), k))
     return beam_init(logits, recent, lengths, rule_state, k, N, S), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "N", "S", "logits_fn"))
-def _beam_window_start(params, recent, lengths, rule_state, *, cfg, k, N, S, logits_fn):
-    if logits_fn is None:
-        logits = M.window_logits(params, cfg, recent, lengths)
-    else:
-        logits = logits_fn(recent, jnp.minimum(lengths, cfg.T))
+@functools.partial(jax.jit, static_argnames=("model", "k", "N", "S"))
+def _beam_window_start(params, recent, lengths, rule_state, *, model, k, N, S):
+    logits, _ = model.window(params, recent, lengths)
     return beam_init(logits, recent, lengths, rule_state, k, N, S)
 
 
@@ -318,12 +303,6 @@ class BeamResult:
         return self.hypotheses[i][0]
 
 
-def _check_int(name: str, value, low: int):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 def _end_sequences(end_tokens, V: int) -> list[np.ndarray]:
     if end_tokens is None:
         return []
@@ -351,57 +330,36 @@ def _alpha_per_row(length_penalty_alpha, B: int, Bb: int) -> np.ndarray:
     return np.concatenate([a, np.zeros(Bb - B)]).astype(np.float32)
 
 
-def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: int, k: int, *,
+def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, k: int, *,
                 n_best: int = 1, length_penalty: float | Sequence[float] = 0.0,
                 end_tokens: Sequence[int | Sequence[int]] | None = None, rule=None,
-                chunk: int = DEFAULT_CHUNK, logits_fn: LogitsFn | None = None) -> BeamResult:
-    """Beam search of width ``k`` for ``n`` tokens after each prompt (token arrays of any lengths).
+                chunk: int = DEFAULT_CHUNK) -> BeamResult:
+    """Beam search of width ``k`` for ``n`` tokens after each prompt (token arrays of any lengths)
+    with ``model`` (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) and ``params``.
 
     ``length_penalty``: the GNMT exponent alpha (a number or one per prompt; traced, so every
     value shares one compiled program). ``end_tokens``: end tokens or stop strings (token
     sequences); a hypothesis that completes one is finished. ``rule``: a :mod:`jaxdecode.rules`
     rule; scores then sum the processed log-probabilities, while ``logprob`` stays the model's.
     Returns up to ``n_best`` (<= k) hypotheses per prompt, best first.
-
-    ``logits_fn(history [N, W], lengths [N]) -> logits [N, V]`` replaces the model (then
-    ``params`` is unused and only ``cfg.V`` and ``cfg.T`` matter): row i's tokens so far are
-    ``history[i, :lengths[i]]``, its last ``T`` when longer. For fake models in tests and for
-    models other than the reference one.
     """
-    B = len(prompts)
-    if B == 0:
-        raise ValueError("no prompts given")
-    n = _check_int("the number of new tokens n", n, 0)
-    k = _check_int("the beam width k", k, 1)
-    n_best = _check_int("n_best", n_best, 1)
+    n = check_int("the number of new tokens n", n, 0)
+    k = check_int("the beam width k", k, 1)
+    n_best = check_int("n_best", n_best, 1)
     if n_best > k:
         raise ValueError(f"n_best={n_best} exceeds the beam width k={k}")
-    chunk = _check_int("chunk", chunk, 1)
-    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
-    lens = np.array([len(p) for p in prompts], np.int32)
-    if lens.min() < 1:
-        raise ValueError("every prompt needs at least one token")
-    for p in prompts:
-        if p.min() < 0 or p.max() >= cfg.V:
-            raise ValueError(f"prompt token ids must lie in [0, {cfg.V}), got min {p.min()} max {p.max()}")
-    ends = _end_sequences(end_tokens, cfg.V)
-    Bb = batch_bucket(B)
+    chunk = check_int("chunk", chunk, 1)
+    T = model.T
+    batch = make_batch(prompts, n, model.V, T)
+    B, Bb = batch.B, batch.Bb
+    ends = _end_sequences(end_tokens, model.V)
     alpha = _alpha_per_row(length_penalty, B, Bb)
     if n == 0:
         empty = np.zeros((0,), np.int32)
         return BeamResult([[Hypothesis(empty, 0.0, 0.0, False)] for _ in range(B)], 0)
 
-    T = cfg.T
-    Pmax = int(lens.max())
-    Pb = round_up(Pmax, PROMPT_BUCKET)
-    prompt = np.zeros((Bb, Pb), np.int32)
-    recent = np.zeros((Bb, T), np.int32)
-    length = np.ones((Bb,), np.int32)  # dummy rows: one token
-    for i, p in enumerate(prompts):
-        prompt[i, :len(p)] = p
-        last = p[-T:]
-        recent[i, :len(last)] = last
-        length[i] = len(p)
+    Pmax, Pb = batch.Pmax, batch.Pb
+    prompt, recent, length = batch.prompt, batch.recent, batch.length
     stop_arr, stop_lens = encode_stops(ends)
     S = stop_arr.shape[1] if stop_arr is not None else 1
     N = round_up(n, TOKEN_BUCKET)
@@ -410,26 +368,24 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
     rule_state = None
     if rule is not None:
         rule_b = pad_rule(rule, B, Bb)
-        rule_state = _rule_init(rule_b, jnp.asarray(prompt), jnp.asarray(length), V=cfg.V,
+        rule_state = _rule_init(rule_b, jnp.asarray(prompt), jnp.asarray(length), V=model.V,
                                 max_new=round_up(n, 256))
         rule_b = jax.tree_util.tree_map(functools.partial(add_beams, k=k), rule_b)  # [Bb*k]
 
     capacity = T + chunk  # slack so that no-op steps of a last partial chunk never clamp a write
+    params = model.prepare(params, Bb * k)
     cache = None
-    if Pmax <= T and logits_fn is None:
+    if Pmax <= T:
         state, cache = _beam_prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(recent),
-                                     jnp.asarray(length), rule_state, cfg=cfg, capacity=capacity,
+                                     jnp.asarray(length), rule_state, model=model, capacity=capacity,
                                      k=k, N=N, S=S)
         n_cache = min(n, T - Pmax)
     else:
         state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state,
-                                   cfg=cfg, k=k, N=N, S=S, logits_fn=logits_fn)
+                                   model=model, k=k, N=N, S=S)
         n_cache = 0
     common = {"rule": rule_b, "stops": stop_arr, "stop_lens": stop_lens, "alpha": jnp.asarray(alpha),
-                  "max_len": jnp.int32(n)}
-
-    # a few rows (beams x prompts): one native call per layer on weights packed once per request
-    packed = M.packed_params(params) if n_cache and kernels.packs_rows(Bb * k) else None
+              "max_len": jnp.int32(n)}
 
     taken = 0
     while taken < n:
@@ -437,12 +393,11 @@ def beam_search(params, cfg: M.ModelConfig, prompts: Sequence[np.ndarray], n: in
         step_end = jnp.int32(taken + valid)
         if taken < n_cache:
             span = min(capacity, round_up(Pmax + taken + chunk, SPAN_BUCKET))
-            state, cache = _beam_cache_chunk(params, state, cache, step_end=step_end, packed=packed,
-                                             cfg=cfg, span=span, chunk=chunk, **common)
+            state, cache = _beam_cache_chunk(params, state, cache, step_end=step_end, model=model,
+                                             span=span, chunk=chunk, **common)
         else:
             cache = None
-            state = _beam_window_chunk(params, state, step_end=step_end, cfg=cfg, chunk=chunk,
-                                       logits_fn=logits_fn, **common)
+            state = _beam_window_chunk(params, state, step_end=step_end, model=model, chunk=chunk, **common)
         taken += valid
         if stop_arr is not None and bool(np.all(np.asarray(state.done)[:B])):
             break  # no row can improve on its finished hypotheses
@@ -484,7 +439,7 @@ class BeamText:
 
     @property
     def mean_logprob(self) -> float:
-        """The model's mean log-probability per generated character (nats)."""
+        """The model's mean log-probability per generated token (nats; per character for the character model)."""
         return self.logprob / len(self.tokens) if len(self.tokens) else float("nan")
 
 
@@ -496,19 +451,9 @@ def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: i
     Returns one list per prompt (also for a single string) of up to ``n_best`` continuations,
     best first. ``stop``: stop strings that finish a hypothesis (included in its text).
     """
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    for p in prompts:
-        if not p:
-            raise ValueError("the prompt is empty: give at least one character")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    for s in stops:
-        if not s:
-            raise ValueError("a stop string must not be empty")
-    encoded = [lm.vocab.encode(p) for p in prompts]
-    ends = [lm.vocab.encode(s) for s in stops] or None
-    res = beam_search(lm.params, lm.cfg, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
+    prompts, encoded = encode_prompts(lm, prompts, 1)
+    ends = encode_stop_strings(lm, stop) or None
+    res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
                       end_tokens=ends, rule=rule, chunk=chunk)
     return [[BeamText(prompt=p, text=lm.vocab.decode(h.tokens), tokens=h.tokens, score=h.score,
                       logprob=h.logprob, finished=h.finished) for h in hyps]
@@ -522,32 +467,33 @@ class SearchBudgetExceeded(RuntimeError):
     """Exact search expanded more nodes than its budget allows."""
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _expand_cached(params, cache: M.KVCache, prompt_logits, tokens, depth, *, cfg):
+@functools.partial(jax.jit, static_argnames=("model",))
+def _expand_cached(params, cache, prompt_logits, tokens, depth, *, model):
     """Next-token log-probabilities [m, V] after prompt + ``tokens[i, :depth[i]]``.
 
     ``cache`` holds the prompt (one row), ``prompt_logits`` [1, V] the logits after it.
     """
     m = tokens.shape[0]
-    rows = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (m,) + a.shape[1:]), cache)
-    logits, _ = M.extend(params, cfg, rows, tokens)  # [m, W, V]; causal: padding never looks back
+    rows = model.reorder(cache, jnp.zeros((m,), jnp.int32))
+    logits, _, _ = model.extend(params, rows, tokens)  # [m, W, V]; causal: padding never looks back
     at = jnp.maximum(depth - 1, 0)[:, None, None]
     out = jnp.take_along_axis(logits, at, axis=1)[:, 0]
     out = jnp.where((depth == 0)[:, None], prompt_logits, out)
     return jax.nn.log_softmax(out, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _expand_window(params, history, lengths, *, cfg):
-    return jax.nn.log_softmax(M.window_logits(params, cfg, history, lengths), axis=-1)
+@functools.partial(jax.jit, static_argnames=("model",))
+def _expand_window(params, history, lengths, *, model):
+    return jax.nn.log_softmax(model.window(params, history, lengths)[0], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _prompt_prefill(params, prompt, length, *, cfg, capacity):
-    return M.prefill(params, cfg, prompt, length, capacity=capacity)
+@functools.partial(jax.jit, static_argnames=("model", "capacity"))
+def _prompt_prefill(params, prompt, length, *, model, capacity):
+    logits, _, cache = model.prefill(params, prompt, length, capacity)
+    return logits, cache
 
 
-def mode_search(params, cfg: M.ModelConfig, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
+def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
                 lower_bound: float | None = None, batch: int = 32) -> tuple[np.ndarray, float, int]:
     """The most probable continuation of ``n`` tokens: (tokens [n], log-probability, nodes expanded).
 
@@ -559,25 +505,22 @@ def mode_search(params, cfg: M.ModelConfig, prompt: np.ndarray, n: int, node_bud
     below ``lower_bound`` (that of any known continuation, by default greedy's) cannot lead to the
     mode and are not pushed. Raises :class:`SearchBudgetExceeded` after ``node_budget`` expansions.
     """
-    prompt = np.asarray(prompt, np.int32).reshape(-1)
-    n = _check_int("the number of new tokens n", n, 0)
-    node_budget = _check_int("node_budget", node_budget, 1)
-    batch = _check_int("batch", batch, 1)
+    n = check_int("the number of new tokens n", n, 0)
+    prompt = make_batch([prompt], n, model.V, model.T).prompt[0, :len(np.asarray(prompt).reshape(-1))]
+    node_budget = check_int("node_budget", node_budget, 1)
+    batch = check_int("batch", batch, 1)
     P = len(prompt)
-    if P < 1:
-        raise ValueError("the prompt needs at least one token")
-    if prompt.min() < 0 or prompt.max() >= cfg.V:
-        raise ValueError(f"prompt token ids must lie in [0, {cfg.V})")
+    T = model.T
     if n == 0:
         return np.zeros((0,), np.int32), 0.0, 0
 
     W = max(n - 1, 1)  # a node to expand has at most n - 1 generated tokens
-    if P + n <= cfg.T:
+    if P + n <= T:
         Pb = round_up(P, PROMPT_BUCKET)
         padded = np.zeros((1, Pb), np.int32)
         padded[0, :P] = prompt
-        prompt_logits, cache = _prompt_prefill(params, jnp.asarray(padded[:, :min(Pb, cfg.T)]),
-                                               jnp.asarray([P], jnp.int32), cfg=cfg,
+        prompt_logits, cache = _prompt_prefill(params, jnp.asarray(padded[:, :min(Pb, T)]),
+                                               jnp.asarray([P], jnp.int32), model=model,
                                                capacity=round_up(Pb + W, PROMPT_BUCKET))
 
         def expand(nodes):
@@ -587,17 +530,17 @@ def mode_search(params, cfg: M.ModelConfig, prompt: np.ndarray, n: int, node_bud
                 tokens[i, :len(t)] = t
                 depth[i] = len(t)
             out = _expand_cached(params, cache, prompt_logits, jnp.asarray(tokens), jnp.asarray(depth),
-                                 cfg=cfg)
+                                 model=model)
             return np.asarray(out, np.float64)[:len(nodes)]
     else:
         def expand(nodes):  # the book's window: a forward over the last T tokens of each prefix
-            history = np.zeros((batch, cfg.T), np.int32)
+            history = np.zeros((batch, T), np.int32)
             lengths = np.ones((batch,), np.int32)
             for i, t in enumerate(nodes):
-                seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-cfg.T:]
+                seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-T:]
                 history[i, :len(seq)] = seq
                 lengths[i] = len(seq)
-            out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), cfg=cfg)
+            out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), model=model)
             return np.asarray(out, np.float64)[:len(nodes)]
 
     expanded = 0

@@ -149,17 +149,40 @@ def params_to_state_dict(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass
 class LanguageModel:
-    """A loaded checkpoint: Flax ``params``, the shape ``cfg``, the ``vocab`` and its metadata."""
+    """A loaded model: its ``params``, its ``vocab``, metadata, and the ``decoder`` the loops run it
+    through (a :class:`jaxdecode.models.DecodingModel`). For the reference transformer, ``cfg`` is
+    its shape and the decoder is built from it on ``backend`` (``"native"``, ``"portable"`` or
+    ``None``/``"auto"``: ``$JAXDECODE_KERNELS``, see :func:`jaxdecode.kernels.select`)."""
 
     params: Any
-    cfg: ModelConfig
+    cfg: ModelConfig | None
     vocab: Vocab
     meta: dict
     path: Path | None = None
+    decoder: Any = None
+    backend: dataclasses.InitVar[str | None] = None
+
+    def __post_init__(self, backend):
+        if self.decoder is None:
+            if self.cfg is None:
+                raise ValueError("LanguageModel needs a cfg or a decoder")
+            from .models.charlm import decoder_for
+
+            self.decoder = decoder_for(self.cfg, backend)
+        if len(self.vocab) != self.decoder.V:
+            raise ValueError(f"the vocabulary has {len(self.vocab)} tokens but the model has V={self.decoder.V}")
 
     @property
     def num_params(self) -> int:
-        return self.cfg.num_params()
+        return sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(self.params))
+
+    def with_backend(self, backend: str) -> LanguageModel:
+        """The same model on another backend (``"native"`` or ``"portable"``)."""
+        from .models.charlm import decoder_for
+
+        if self.cfg is None:
+            raise ValueError("only the reference transformer has backends to choose from")
+        return dataclasses.replace(self, decoder=decoder_for(self.cfg, backend))
 
 
 def config_from_dict(d: dict, where: str) -> tuple[ModelConfig, Vocab]:
@@ -206,8 +229,9 @@ def resolve(path: str | os.PathLike | None) -> Path:
     return p
 
 
-def load(path: str | os.PathLike | None = None) -> LanguageModel:
-    """Load a checkpoint folder (default: the shipped ``shakespeare-char``)."""
+def load(path: str | os.PathLike | None = None, *, backend: str | None = None) -> LanguageModel:
+    """Load a checkpoint folder (default: the shipped ``shakespeare-char``) onto ``backend``
+    (``"native"``, ``"portable"``, or ``None``/``"auto"``: see :func:`jaxdecode.kernels.select`)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -233,7 +257,7 @@ def load(path: str | os.PathLike | None = None) -> LanguageModel:
     params = state_dict_to_params(state, cfg, where=str(wfile))
     # device arrays: immutable, so work derived from them (packed weights) can be reused
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path)
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
 
 
 class _AtomicFolder:

@@ -40,6 +40,9 @@ def cmd_info(args):
         "path": str(lm.path),
         "config": {"V": lm.cfg.V, "T": lm.cfg.T, "d": lm.cfg.d, "L": lm.cfg.L, "heads": lm.cfg.heads},
         "parameters": lm.num_params,
+        "backend": lm.decoder.backend,
+        "backend_reason": getattr(lm.decoder, "why", ""),
+        "jax_backend": __import__("jax").default_backend(),
         "vocabulary": lm.vocab.chars,
         "provenance": {k: v for k, v in lm.meta.items()
                        if k not in ("V", "T", "d", "L", "heads", "chars")},
@@ -51,6 +54,7 @@ def cmd_info(args):
     print(f"checkpoint  {info['path']}")
     print(f"shape       V={c['V']} T={c['T']} d={c['d']} L={c['L']} heads={c['heads']}")
     print(f"parameters  {info['parameters']:,}")
+    print(f"backend     {info['backend_reason'] or info['backend']} [JAX on {info['jax_backend']}]")
     print(f"vocabulary  {lm.vocab.chars!r}")
     for k, v in info["provenance"].items():
         if k == "loss_curve":
@@ -106,24 +110,22 @@ def cmd_eval(args):
             print(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}")
 
 
-RULE_FLAGS = [  # (flag, attribute, type, help)
-    ("--temperature", "temperature", float, "divide logits by this; 0 = greedy"),
-    ("--top-k", "top_k", int, "keep the k most probable characters"),
-    ("--top-p", "top_p", float, "keep the smallest set with mass >= p (nucleus)"),
-    ("--min-p", "min_p", float, "keep characters with prob >= this fraction of the top one"),
-    ("--typical", "typical", float, "locally typical sampling with this mass"),
-    ("--epsilon", "epsilon", float, "epsilon sampling: keep prob >= eps"),
-    ("--eta", "eta", float, "eta sampling"),
-    ("--top-n-sigma", "top_n_sigma", float, "keep logits within n standard deviations of the max"),
-    ("--repetition-penalty", "repetition_penalty", float, "CTRL penalty for characters already seen"),
-    ("--frequency-penalty", "frequency_penalty", float, "subtract count * f"),
-    ("--presence-penalty", "presence_penalty", float, "subtract p from characters generated before"),
-    ("--no-repeat-ngram", "no_repeat_ngram", int, "forbid repeating any n-gram"),
-]
+# The rule flags in the order --help lists them: temperature, the truncations, then the penalties
+# (within a kind, the registry's order).
+_FLAG_KINDS = ("temperature", "truncation", "penalty")
+
+
+def _rule_specs():
+    from .rules import REGISTRY
+
+    return sorted(REGISTRY, key=lambda spec: _FLAG_KINDS.index(spec.kind))
 
 
 def _settings(args) -> dict:
-    return {attr: getattr(args, attr) for _, attr, _, _ in RULE_FLAGS if getattr(args, attr) is not None}
+    from .rules import REGISTRY
+
+    return {spec.name: getattr(args, spec.name) for spec in REGISTRY
+            if getattr(args, spec.name) is not None}
 
 
 def _load(args):
@@ -139,6 +141,21 @@ def _read_prompt(args) -> str:
     return prompt
 
 
+def _streaming(args, prompt):
+    """Whether to stream (one sample, not JSON; a terminal or --stream), and the callback."""
+    stream = not args.json and args.num_samples == 1 and (sys.stdout.isatty() or args.stream)
+    if not stream:
+        return False, None
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def on_text(row, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    return True, on_text
+
+
 def _print_samples(outs):
     for i, o in enumerate(outs):
         if len(outs) > 1:
@@ -147,7 +164,8 @@ def _print_samples(outs):
 
 
 def cmd_generate(args):
-    from .sampling import generate, make_rule
+    from .rules import make_rule
+    from .sampling import generate
 
     prompt = _read_prompt(args)
     if args.n < 0:
@@ -172,17 +190,7 @@ def cmd_generate(args):
     lm = _load(args)
     lm.vocab.encode(prompt)  # unknown characters: a clear error before any work
     stop = [_unescape(s) for s in args.stop] if args.stop else None
-    stream = not args.json and args.num_samples == 1 and sys.stdout.isatty() or (
-        not args.json and args.num_samples == 1 and args.stream)
-    on_text = None
-    if stream:
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-
-        def on_text(row, text):
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
+    stream, on_text = _streaming(args, prompt)
     outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
                     num_samples=args.num_samples, stop=stop, on_text=on_text)
     if args.json:
@@ -238,8 +246,6 @@ def _generate_speculative(args, prompt, rule, settings):
         gamma = args.gamma
     if gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
-    if args.stop:
-        raise UsageError("--stop is not supported with --speculative")
     order, backoff = args.ngram_order, args.ngram_backoff
     if (order is not None or backoff is not None) and args.speculative not in ("ngram", "distilled"):
         raise UsageError("--ngram-order and --ngram-backoff need --speculative ngram or distilled")
@@ -248,26 +254,33 @@ def _generate_speculative(args, prompt, rule, settings):
     if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
         raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
     lm = _load(args)
-    check_request(lm.cfg, len(lm.vocab.encode(prompt)), args.n, gamma)  # before building a draft
+    check_request(lm.decoder, len(lm.vocab.encode(prompt)), args.n, gamma)  # before building a draft
     draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
                        progress=True)
+    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    stream, on_text = _streaming(args, prompt)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
-                                greedy=args.greedy, num_samples=args.num_samples)
+                                greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text)
     total = SpeculativeStats.total([o.stats for o in outs])
     line = (f"speculative ({args.speculative}, gamma={gamma}): acceptance {total.acceptance_rate:.2f}, "
             f"{total.chars_per_pass:.2f} characters per target pass "
             f"(i.i.d. prediction {total.predicted_chars_per_pass:.2f}), {total.passes} passes")
     if args.json:
         doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
-                            "tokens": o.tokens.tolist(), "stats": o.stats.as_dict()} for o in outs],
+                            "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason,
+                            "stats": o.stats.as_dict()} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
-                            "greedy": bool(args.greedy), "speculative": args.speculative, "gamma": gamma,
+                            "greedy": bool(args.greedy), "stop": stop, "speculative": args.speculative,
+                            "gamma": gamma,
                             "ngram_order": order, "ngram_backoff": backoff,
                             "checkpoint": str(lm.path), **settings},
                "stats": total.as_dict()}
         print(json.dumps(doc, ensure_ascii=False))
         return
-    _print_samples(outs)
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        _print_samples(outs)
     print(line, file=sys.stderr)
 
 
@@ -278,7 +291,7 @@ def cmd_mode(args):
     if args.n < 1:
         raise UsageError(f"-n must be >= 1, got {args.n}")
     lm = _load(args)
-    tokens, logprob, nodes = mode_search(lm.params, lm.cfg, lm.vocab.encode(prompt), args.n,
+    tokens, logprob, nodes = mode_search(lm.decoder, lm.params, lm.vocab.encode(prompt), args.n,
                                          node_budget=args.budget)
     text = lm.vocab.decode(tokens)
     if args.json:
@@ -336,6 +349,8 @@ def cmd_score(args):
 # ----------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
+    from .speculative import DRAFTS
+
     p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -349,13 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--greedy", action="store_true", help="always take the most probable character")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     s.add_argument("--stream", action="store_true", help="stream text even when stdout is not a terminal")
-    for flag, attr, typ, hlp in RULE_FLAGS:
-        s.add_argument(flag, dest=attr, type=typ, default=None, help=hlp)
+    for spec in _rule_specs():
+        s.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=spec.metavar,
+                       help=spec.help)
     s.add_argument("--beam", type=int, default=None, metavar="K", help="beam search with K beams")
     s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
                    help="beam: divide scores by ((5+|y|)/6)^ALPHA")
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
-    s.add_argument("--speculative", choices=["ngram", "distilled", "draft", "lookup"], default=None,
+    s.add_argument("--speculative", choices=list(DRAFTS), default=None,
                    help="speculative sampling with this draft (exact: same distribution as plain "
                         "sampling); distilled, the fastest, is an n-gram table of the model's own "
                         "predictions over the corpus, built once (minutes) and cached")
@@ -438,18 +454,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _enable_compilation_cache():
-    """Keep compiled programs between runs (``$JAXDECODE_CACHE``, default ~/.cache/jaxdecode;
-    set it to an empty string to turn the cache off)."""
-    import os
+    """Keep compiled programs between runs, in :func:`jaxdecode.paths.cache_dir` ``("xla")``
+    (``$JAXDECODE_CACHE``/xla, default ~/.cache/jaxdecode/xla; ``$JAXDECODE_CACHE`` set to an
+    empty string turns the cache off)."""
+    from . import paths
 
-    path = os.environ.get("JAXDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode"))
-    if not path:
+    path = paths.cache_dir("xla")
+    if path is None:
         return
     try:
         import jax
 
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     except (OSError, AttributeError):
         pass  # a read-only home or an older jax: run without the cache

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model import ModelConfig, forward
+from jaxdecode.model import ModelConfig
 
 NextLogits = Callable[[np.ndarray], np.ndarray]  # tokens [N, t] -> next-token logits [N, V]
 
@@ -89,37 +89,11 @@ def exact_distribution(next_logits: NextLogits, prompt, n: int, rule=None, V: in
 
 
 def model_next_logits(params, cfg: ModelConfig, batch_size: int = 256) -> NextLogits:
-    """``next_logits`` for a CharLM: the last position of :func:`jaxdecode.model.forward`.
+    """``next_logits`` for a CharLM: :func:`next_logits_for` its portable decoder (a forward over
+    each row's last ``T`` tokens, as :func:`jaxdecode.model.forward` does)."""
+    from .models.charlm import CharLMDecoder
 
-    Rows longer than ``T`` keep their last ``T`` tokens, as :func:`forward` does. To compile few
-    shapes, rows are right-padded to a power-of-two length (causal attention makes the padding
-    invisible to the positions before it) and run ``batch_size`` at a time, the last chunk
-    padded to a power of two.
-    """
-
-    @jax.jit
-    def at(params, tokens, last):  # tokens [N, t'], last [] -> logits [N, V] at position last
-        logits = forward(params, cfg, tokens)
-        return jax.lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)
-
-    def bucket(m: int, cap: int) -> int:
-        return min(cap, 1 << max(m - 1, 0).bit_length())
-
-    def next_logits(tokens: np.ndarray) -> np.ndarray:
-        tokens = np.asarray(tokens, np.int32)[:, -cfg.T:]
-        t = tokens.shape[1]
-        if t == 0:
-            raise ValueError("model_next_logits: rows must hold at least one token")
-        tokens = np.pad(tokens, ((0, 0), (0, bucket(t, cfg.T) - t)))
-        out = []
-        for start in range(0, len(tokens), batch_size):
-            chunk = tokens[start:start + batch_size]
-            m = len(chunk)
-            chunk = np.pad(chunk, ((0, bucket(m, batch_size) - m), (0, 0)))
-            out.append(np.asarray(at(params, jnp.asarray(chunk), t - 1))[:m])
-        return np.concatenate(out, axis=0)
-
-    return next_logits
+    return next_logits_for(CharLMDecoder(cfg, native=False), params, batch_size)
 
 
 def chisquare_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> float:
@@ -154,3 +128,41 @@ def chisquare_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> fl
     if len(f_exp) < 2:
         return 1.0
     return float(stats.chisquare(f_obs, f_exp).pvalue)
+
+
+def next_logits_for(model, params, batch_size: int = 256) -> NextLogits:
+    """``next_logits`` for any decoding model (:class:`jaxdecode.models.DecodingModel`): its exact
+    window prediction, ``model.window``, after each full row.
+
+    Rows longer than ``model.T`` are predicted from their last ``T`` tokens (the window's
+    semantics). As in :func:`model_next_logits`, rows are right-padded to a power-of-two width
+    (``window`` reads each row only up to its length) and run ``batch_size`` at a time, the last
+    chunk padded to a power of two, so that few shapes compile.
+    """
+
+    @jax.jit
+    def at(params, history, lengths):  # history [N, t'], lengths [N] -> logits [N, V]
+        return model.window(params, history, lengths)[0]
+
+    def bucket(m: int, cap: int) -> int:
+        return min(cap, 1 << max(m - 1, 0).bit_length())
+
+    def next_logits(tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"next_logits_for: give rows of tokens [N, t], got shape {tokens.shape}")
+        tokens = tokens[:, -model.T:]
+        t = tokens.shape[1]
+        if t == 0:
+            raise ValueError("next_logits_for: rows must hold at least one token")
+        tokens = np.pad(tokens, ((0, 0), (0, bucket(t, model.T) - t)))
+        out = []
+        for start in range(0, len(tokens), batch_size):
+            chunk = tokens[start:start + batch_size]
+            m = len(chunk)
+            chunk = np.pad(chunk, ((0, bucket(m, batch_size) - m), (0, 0)))
+            lengths = np.full((len(chunk),), t, np.int32)
+            out.append(np.asarray(at(params, jnp.asarray(chunk), jnp.asarray(lengths)))[:m])
+        return np.concatenate(out, axis=0)
+
+    return next_logits

@@ -82,152 +82,191 @@ def _init(std):
     return nn.initializers.normal(stddev=std)
 
 
-def _dense(layer: nn.Dense, x):
-    """``layer(x)`` on the decode paths: through :func:`jaxdecode.kernels.dense` (one or two rows),
-    or :func:`jaxdecode.kernels.packed_dense` when the caller passed packed weights (see
-    :func:`pack_params`) and there are a few more rows."""
+def attend(q, segments, scale: float):
+    """Softmax attention of ``q`` ``[B, H, S, D]`` over several ``(k, v, visible)`` segments at once
+    (one softmax over all of them), ``k, v`` ``[B, H, T, D]``, ``visible`` broadcastable to
+    ``[B, H, S, T]`` (bool). The model's one attention: the training forward attends over one
+    causal segment; a decode pass over the cache, a chunk buffer and its own new positions,
+    without concatenating (copying) the cache."""
+    scores = [jnp.where(ok, jnp.einsum("bhsd,bhtd->bhst", q, k) * scale, -jnp.inf) for k, _, ok in segments]
+    w = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, at = 0.0, 0
+    for k, v, _ in segments:
+        out = out + jnp.einsum("bhst,bhtd->bhsd", w[..., at:at + k.shape[2]], v)
+        at += k.shape[2]
+    return out
+
+
+def visible_below(n: int, limit):
+    """``[B, 1, S, n]`` bool: position ``t < limit[b, s]`` (``limit`` ``[B, S]``)."""
+    return (jnp.arange(n)[None, None, :] < limit[:, :, None])[:, None]
+
+
+def write_rows(buf, new, at):
+    """``new`` ``[B, H, S, hd]`` into ``buf`` (``[B, H, C, hd]``, or ``[B * H, L, hd]``) at each row's
+    position ``at`` ``[B]`` (moved back to fit, as ``dynamic_update_slice`` does)."""
+    B, H, _, D = new.shape
+    flat = buf.reshape(B, H, -1, D)
+    put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
+    return put(flat, new.astype(buf.dtype), at).reshape(buf.shape)
+
+
+def _dense(layer: nn.Dense, x, native: bool):
+    """``layer(x)``; on the native backend for a few rows, a native product (packed weights when
+    the caller passed them, see :func:`pack_params`)."""
+    if not native:
+        return layer(x)
     v = layer.variables
     p = v["params"]
     rows = math.prod(x.shape[:-1])
-    if "packed" in v and kernels.DENSE_MAX_ROWS < rows <= kernels.PACKED_MAX_ROWS and kernels.packs_rows(rows):
+    if "packed" in v and kernels.DENSE_MAX_ROWS < rows <= kernels.PACKED_MAX_ROWS:
         return kernels.packed_dense(x, v["packed"]["kernel"], p["bias"])
-    return kernels.dense(x, p["kernel"], p["bias"])
+    if rows <= kernels.DENSE_MAX_ROWS and p["kernel"].shape[1] % 8 == 0:
+        return kernels.dense(x, p["kernel"], p["bias"])
+    return layer(x)
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    native: bool = False
 
     def setup(self):
         d = self.cfg.d
         self.qkv = nn.Dense(3 * d, kernel_init=_init(0.02), name="qkv")
         self.proj = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="proj")
 
-    def _heads(self, x, decode=False):  # [B, S, d] -> q, k, v each [B, H, S, hd]
+    def heads(self, x):  # [B, S, d] -> q, k, v each [B, H, S, hd]
         B, S, _ = x.shape
-        qkv = _dense(self.qkv, x) if decode else self.qkv(x)
-        qkv = qkv.reshape(B, S, 3, self.cfg.heads, self.cfg.head_dim)
+        qkv = _dense(self.qkv, x, self.native).reshape(B, S, 3, self.cfg.heads, self.cfg.head_dim)
         q, k, v = (jnp.transpose(qkv[:, :, i], (0, 2, 1, 3)) for i in range(3))
         return q, k, v
 
-    def _attend(self, q, k, v, mask):  # mask [B or 1, 1, S, Skv] True = may attend
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(self.cfg.head_dim)
-        scores = jnp.where(mask, scores, -jnp.inf)
-        w = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bhqk,bhkd->bhqd", w, v)
+    def merge(self, out):  # [B, H, S, hd] -> proj([B, S, d])
         B, H, S, hd = out.shape
-        return self.proj(jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
+        return _dense(self.proj, jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd), self.native)
 
-    def __call__(self, x):
-        q, k, v = self._heads(x)
+    def __call__(self, x, segments=()):
+        """Attention of the new positions ``x`` ``[B, S, d]`` over ``segments`` (cached keys and
+        values with their visibility) and, causally, over themselves. Returns the output and the
+        new positions' keys and values ``[B, H, S, hd]``."""
+        q, k, v = self.heads(x)
         S = x.shape[1]
         causal = jnp.tril(jnp.ones((S, S), bool))[None, None]
-        return self._attend(q, k, v, causal), (k, v)
-
-    def cached(self, x, k_cache, v_cache, length, span):
-        """Append ``x`` ([B, S, d]) at each row's ``length`` and attend over the first ``span``."""
-        q, k, v = self._heads(x, decode=True)
-        k_cache = kernels.write_rows(k_cache, k, length)
-        v_cache = kernels.write_rows(v_cache, v, length)
-        B, H, S, hd = q.shape
-        lim = length[:, None] + 1 + jnp.arange(S)[None, :]  # query s sees up to its own position
-        none = jnp.zeros((B * H, 0, hd), k_cache.dtype)
-        out = kernels.attention(q, k_cache, v_cache, lim, none, none, jnp.zeros((B, S), jnp.int32),
-                                1.0 / math.sqrt(hd), span=span)
-        return self._merge_heads(out), k_cache, v_cache
-
-    def _merge_heads(self, out):  # [B, H, S, hd] -> proj([B, S, d]), on the decode paths
-        B, H, S, hd = out.shape
-        return _dense(self.proj, jnp.transpose(out, (0, 2, 1, 3)).reshape(B, S, H * hd))
-
-    def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
-        """One decode step that leaves the main cache untouched (see :func:`chunk_step`).
-
-        The local buffers are ``[B * H, chunk, hd]``: with a separate batch axis, XLA splits the
-        write at ``B = 1`` into two fused copies and then copies the buffer several times per step.
-        """
-        q, k, v = self._heads(x, decode=True)  # [B, H, 1, hd]
-        B, H, _, hd = q.shape
-        k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, hd).astype(k_loc.dtype), (0, i, 0))
-        v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, hd).astype(v_loc.dtype), (0, i, 0))
-        out = kernels.attention(q, k_main, v_main, main_len[:, None], k_loc, v_loc,
-                                jnp.full((B, 1), i + 1, jnp.int32), 1.0 / math.sqrt(hd))
-        return self._merge_heads(out), k_loc, v_loc
+        out = attend(q, [*segments, (k, v, causal)], 1.0 / math.sqrt(self.cfg.head_dim))
+        return self.merge(out), (k, v)
 
 
 class Block(nn.Module):
+    """A pre-norm encoder layer: ``x + SA(LN1(x))``, then ``+ FF(LN2(.))``."""
+
     cfg: ModelConfig
+    native: bool = False
 
     def setup(self):
         d = self.cfg.d
         self.ln1 = nn.LayerNorm(epsilon=LN_EPS, name="ln1")
-        self.attn = Attention(self.cfg, name="attn")
+        self.attn = Attention(self.cfg, self.native, name="attn")
         self.ln2 = nn.LayerNorm(epsilon=LN_EPS, name="ln2")
         self.ff1 = nn.Dense(4 * d, kernel_init=_init(0.02), name="ff1")
         self.ff2 = nn.Dense(d, kernel_init=_init(0.02 / math.sqrt(2 * self.cfg.L)), name="ff2")
 
-    def _ff(self, x, decode=False):
-        if decode:  # few rows: see kernels.dense
-            return _dense(self.ff2, jax.nn.gelu(_dense(self.ff1, self.ln2(x)), approximate=False))
-        return self.ff2(jax.nn.gelu(self.ff1(self.ln2(x)), approximate=False))
+    def __call__(self, x, segments=()):
+        a, kv = self.attn(self.ln1(x), segments)
+        return self._ff_residual(x + a), kv
 
-    def __call__(self, x):
-        a, kv = self.attn(self.ln1(x))
-        x = x + a
-        return x + self._ff(x), kv
+    def decode(self, x, k, v, lim, k2, v2, n2):
+        """The layer for ``S`` new positions per row ``x`` ``[B, S, d]``: position ``s`` of row ``b``
+        sees cache positions ``t < lim[b, s]`` of ``k, v`` ``[B, H, C, hd]``, buffer positions
+        ``t < n2[b, s]`` of ``k2, v2`` ``[B * H, L, hd]`` and new positions ``0..s``. Returns the
+        output and the new keys and values ``[B, H, S, hd]``. The portable code of
+        :func:`jaxdecode.kernels.decode_layer`, which the native layer is tested against."""
+        B, H, D = x.shape[0], self.cfg.heads, self.cfg.head_dim
+        segments = [(k, v, visible_below(k.shape[2], lim))]
+        if k2.shape[1]:
+            k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
+            segments.append((k2, v2, visible_below(k2.shape[2], n2)))
+        return self(x, segments)
 
     def _fused(self, x):
         """The layer's weights for :func:`jaxdecode.kernels.decode_layer`, or None when this pass
-        does not run as one native call (no packed weights, too many rows, kernels off)."""
+        does not run as one native call (portable backend, no packed weights, too many rows)."""
         v = self.variables
-        if "packed" not in v or self.cfg.d % 16 or not kernels.fuses_rows(math.prod(x.shape[:-1])):
+        if not self.native or "packed" not in v or self.cfg.d % 16 or not kernels.fuses_rows(math.prod(x.shape[:-1])):
             return None
         p, pk = v["params"], v["packed"]
         return (p["ln1"]["scale"], p["ln1"]["bias"], pk["attn"]["qkv"]["kernel"], p["attn"]["qkv"]["bias"],
                 pk["attn"]["proj"]["kernel"], p["attn"]["proj"]["bias"], p["ln2"]["scale"], p["ln2"]["bias"],
                 pk["ff1"]["kernel"], p["ff1"]["bias"], pk["ff2"]["kernel"], p["ff2"]["bias"])
 
+    def _ff_residual(self, x):
+        return x + _dense(self.ff2, jax.nn.gelu(_dense(self.ff1, self.ln2(x), self.native), approximate=False),
+                          self.native)
+
     def cached(self, x, k_cache, v_cache, length, span, in_place=True):
+        """Append the new positions ``x`` to the cache at each row's ``length``; attend over the
+        cache's first ``span`` positions (the portable path reads only those)."""
+        B, S, _ = x.shape
+        lim = jnp.broadcast_to(length[:, None], (B, S))
+        none = jnp.zeros((B * self.cfg.heads, 0, self.cfg.head_dim), k_cache.dtype)
+        n2 = jnp.zeros((B, S), jnp.int32)
         weights = self._fused(x)
         if weights is not None:
-            B, S, _ = x.shape
-            lim = jnp.broadcast_to(length[:, None], (B, S))
-            none = jnp.zeros((B * self.cfg.heads, 0, self.cfg.head_dim), k_cache.dtype)
-            n2 = jnp.zeros((B, S), jnp.int32)
             if in_place:  # the new keys and values are written into the cache by the call itself
                 return kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS,
                                             write="cache")
             x, k, v = kernels.decode_layer(x, weights, k_cache, v_cache, lim, none, none, n2, eps=LN_EPS)
-            return x, kernels.write_rows(k_cache, k, length), kernels.write_rows(v_cache, v, length)
-        a, k_cache, v_cache = self.attn.cached(self.ln1(x), k_cache, v_cache, length, span)
-        x = x + a
-        return x + self._ff(x, decode=True), k_cache, v_cache
+        elif self.native:  # the native attention reads the cache in place, new positions included
+            q, k, v = self.attn.heads(self.ln1(x))
+            k_cache, v_cache = write_rows(k_cache, k, length), write_rows(v_cache, v, length)
+            seen = length[:, None] + 1 + jnp.arange(S)[None, :]  # query s sees up to its own position
+            out = kernels.attention(q, k_cache, v_cache, seen, none, none, n2, 1.0 / math.sqrt(q.shape[3]))
+            return self._ff_residual(x + self.attn.merge(out)), k_cache, v_cache
+        else:
+            x, (k, v) = self.decode(x, k_cache[:, :, :span], v_cache[:, :, :span], lim, none, none, n2)
+        return x, write_rows(k_cache, k, length), write_rows(v_cache, v, length)
 
     def cached_kv(self, x, k_cache, v_cache, length):
         """Only what the cache needs from this layer: its keys and values of ``x``, written."""
-        _, k, v = self.attn._heads(self.ln1(x), decode=True)
-        return kernels.write_rows(k_cache, k, length), kernels.write_rows(v_cache, v, length)
+        _, k, v = self.attn.heads(self.ln1(x))
+        return write_rows(k_cache, k, length), write_rows(v_cache, v, length)
 
     def chunked(self, x, k_main, v_main, main_len, k_loc, v_loc, i):
+        """One decode step (``x`` ``[B, 1, d]``) that reads the main cache and writes its keys into
+        the chunk buffer at index ``i`` (see :func:`chunk_step`)."""
+        B = x.shape[0]
+        lim = main_len[:, None]
+        n2 = jnp.full((B, 1), i, jnp.int32)
         weights = self._fused(x)
         if weights is not None:
-            B = x.shape[0]
-            return kernels.decode_layer(x, weights, k_main, v_main, main_len[:, None], k_loc, v_loc,
-                                        jnp.full((B, 1), i, jnp.int32), eps=LN_EPS, write="buffer")
-        a, k_loc, v_loc = self.attn.chunked(self.ln1(x), k_main, v_main, main_len, k_loc, v_loc, i)
-        x = x + a
-        return x + self._ff(x, decode=True), k_loc, v_loc
+            return kernels.decode_layer(x, weights, k_main, v_main, lim, k_loc, v_loc, n2, eps=LN_EPS,
+                                        write="buffer")
+        if self.native:
+            q, k, v = self.attn.heads(self.ln1(x))
+            H, D = q.shape[1], q.shape[3]
+            k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, D), (0, i, 0))
+            v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, D), (0, i, 0))
+            out = kernels.attention(q, k_main, v_main, lim, k_loc, v_loc, n2 + 1, 1.0 / math.sqrt(D))
+            return self._ff_residual(x + self.attn.merge(out)), k_loc, v_loc
+        y, (k, v) = self.decode(x, k_main, v_main, lim, k_loc, v_loc, n2)
+        H, D = k.shape[1], k.shape[3]
+        k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, D).astype(k_loc.dtype), (0, i, 0))
+        v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, D).astype(v_loc.dtype), (0, i, 0))
+        return y, k_loc, v_loc
 
 
 class CharLM(nn.Module):
-    """The Flax module; use the functions below rather than calling it directly."""
+    """The Flax module; use the functions below rather than calling it directly. ``native``
+    selects the backend of the decode paths (see :mod:`jaxdecode.kernels`); the training forward
+    is the same on both."""
 
     cfg: ModelConfig
+    native: bool = False
 
     def setup(self):
         c = self.cfg
         self.tok = nn.Embed(c.V, c.d, embedding_init=_init(0.02), name="tok")
         self.pos = nn.Embed(c.T, c.d, embedding_init=_init(0.02), name="pos")
-        self.blocks = [Block(c, name=f"block_{i}") for i in range(c.L)]
+        self.blocks = [Block(c, self.native, name=f"block_{i}") for i in range(c.L)]
         self.ln = nn.LayerNorm(epsilon=LN_EPS, name="ln")
 
     def __call__(self, tokens, return_hidden=False, return_kv=False):
@@ -247,6 +286,7 @@ class CharLM(nn.Module):
         return out if len(out) > 1 else logits
 
     def cached(self, tokens, cache: KVCache, span: int, in_place: bool = True, cache_only: bool = False):
+        """Returns ``(logits [B, S, V], hidden [B, S, d], cache)`` (None, None with ``cache_only``)."""
         S = tokens.shape[1]
         positions = cache.length[:, None] + jnp.arange(S)[None, :]
         h = self.tok(tokens) + self.pos(jnp.minimum(positions, self.cfg.T - 1))
@@ -258,9 +298,11 @@ class CharLM(nn.Module):
                 h, kc, vc = block.cached(h, kc, vc, cache.length, span, in_place)
             ks.append(kc)
             vs.append(vc)
-        logits = None if cache_only else self.tok.attend(self.ln(h))
-        return logits, KVCache(tuple(ks), tuple(vs), cache.length + S)
-
+        cache = KVCache(tuple(ks), tuple(vs), cache.length + S)
+        if cache_only:
+            return None, None, cache
+        h = self.ln(h)
+        return self.tok.attend(h), h, cache
 
     def chunked(self, token, cache: KVCache, local: KVCache, i):
         positions = jnp.minimum(cache.length + i, self.cfg.T - 1)[:, None]
@@ -270,8 +312,8 @@ class CharLM(nn.Module):
             h, kl, vl = block.chunked(h, kc, vc, cache.length, kl, vl, i)
             ks.append(kl)
             vs.append(vl)
-        logits = self.tok.attend(self.ln(h))[:, 0]
-        return logits, KVCache(tuple(ks), tuple(vs), local.length)
+        h = self.ln(h)[:, 0]
+        return self.tok.attend(h), h, KVCache(tuple(ks), tuple(vs), local.length)
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -299,46 +341,52 @@ def empty_cache(cfg: ModelConfig, batch: int, capacity: int | None = None, dtype
 
 
 def prefill(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-            capacity: int | None = None, packed=None):
+            capacity: int | None = None, packed=None, *, native: bool = False, return_hidden: bool = False):
     """Run right-padded prompts ``tokens`` ``[B, P]`` (row b real up to ``lengths[b]``).
 
-    Returns the next-token logits after each prompt ``[B, V]`` and a cache holding the prompts.
-    Requires ``P <= T``; padding past a row's length is causal-masked away and later overwritten.
-    ``packed`` (:func:`pack_params`): when the ``B * P`` positions are few enough, the prompts go
-    through :func:`extend` on an empty cache, one native call per layer on CPU.
+    Returns the next-token logits after each prompt ``[B, V]`` (and, with ``return_hidden``, the
+    final hidden state there ``[B, d]``) and a cache holding the prompts. Requires ``P <= T``;
+    padding past a row's length is causal-masked away and later overwritten. ``native``: the
+    backend (see :mod:`jaxdecode.kernels`); with it and ``packed`` (:func:`pack_params`), when the
+    ``B * P`` positions are few enough, the prompts go through :func:`extend` on an empty cache,
+    one native call per layer.
     """
-    lengths, capacity, native = _prefill_setup(cfg, tokens, lengths, capacity, packed)
+    lengths, capacity, fused = _prefill_setup(cfg, tokens, lengths, capacity, packed, native)
     B, P = tokens.shape
-    if native:
-        logits, cache = extend(params, cfg, empty_cache(cfg, B, capacity), tokens, capacity, packed)
-        last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-        return last, cache._replace(length=lengths)
-    logits, kvs = CharLM(cfg).apply({"params": params}, tokens, return_kv=True)
-    pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
-    ks = tuple(jnp.pad(k, pad) for k, _ in kvs)
-    vs = tuple(jnp.pad(v, pad) for _, v in kvs)
-    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, KVCache(ks, vs, lengths)
+    last_of = lambda a: jnp.take_along_axis(a, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    if fused:
+        logits, hidden, cache = extend(params, cfg, empty_cache(cfg, B, capacity), tokens, capacity, packed,
+                                       native=True, return_hidden=True)
+        cache = cache._replace(length=lengths)
+    else:
+        logits, hidden, kvs = CharLM(cfg, native).apply({"params": params}, tokens, return_hidden=True,
+                                                         return_kv=True)
+        pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
+        cache = KVCache(tuple(jnp.pad(k, pad) for k, _ in kvs), tuple(jnp.pad(v, pad) for _, v in kvs), lengths)
+    if return_hidden:
+        return last_of(logits), last_of(hidden), cache
+    return last_of(logits), cache
 
 
 def prefill_cache(params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
-                  capacity: int | None = None, packed=None) -> KVCache:
+                  capacity: int | None = None, packed=None, *, native: bool = False) -> KVCache:
     """:func:`prefill` for a caller that needs only the cache (it feeds the prompt's last token
     itself, as speculative decoding does). On the native path this skips the last layer's
     attention and feed-forward and the head: about a fifth of the work."""
-    lengths, capacity, native = _prefill_setup(cfg, tokens, lengths, capacity, packed)
-    if native:
+    lengths, capacity, fused = _prefill_setup(cfg, tokens, lengths, capacity, packed, native)
+    if fused:
         variables = {"params": params, "packed": packed}
         empty = empty_cache(cfg, tokens.shape[0], capacity)
-        _, cache = CharLM(cfg).apply(variables, tokens, empty, capacity, True, True, method=CharLM.cached)
+        _, _, cache = CharLM(cfg, True).apply(variables, tokens, empty, capacity, True, True,
+                                              method=CharLM.cached)
         return cache._replace(length=lengths)
-    return prefill(params, cfg, tokens, lengths, capacity, packed)[1]
+    return prefill(params, cfg, tokens, lengths, capacity, packed, native=native)[1]
 
 
-def _prefill_setup(cfg: ModelConfig, tokens, lengths, capacity, packed):
+def _prefill_setup(cfg: ModelConfig, tokens, lengths, capacity, packed, native):
     """Checks shared by the prefills; returns a copy of ``lengths`` (the cache must not alias
-    the caller's array), the capacity, and whether the prompts go through the native layers
-    (``packed`` weights and few enough positions in all)."""
+    the caller's array), the capacity, and whether the prompts go through the fused native layers
+    (native backend, ``packed`` weights and few enough positions in all)."""
     lengths = jnp.array(lengths, jnp.int32)
     chex.assert_rank(tokens, 2)
     chex.assert_shape(lengths, (tokens.shape[0],))
@@ -346,9 +394,9 @@ def _prefill_setup(cfg: ModelConfig, tokens, lengths, capacity, packed):
     if P > cfg.T:
         raise ValueError(f"prefill: padded prompt width {P} exceeds the model window T={cfg.T}")
     capacity = cfg.T if capacity is None else capacity
-    native = (packed is not None and B * P <= kernels.PREFILL_MAX_ROWS and kernels.fuses_rows(B * P)
-              and capacity >= P)
-    return lengths, capacity, native
+    fused = (native and packed is not None and B * P <= kernels.PREFILL_MAX_ROWS
+             and kernels.fuses_rows(B * P) and capacity >= P)
+    return lengths, capacity, fused
 
 
 def pack_params(params):
@@ -390,30 +438,33 @@ def packed_params(params):
 
 
 def extend(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, span: int | None = None,
-           packed=None, in_place: bool = True):
-    """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions.
+           packed=None, in_place: bool = True, *, native: bool = False, return_hidden: bool = False):
+    """Append ``tokens`` ``[B, S]`` to every row; logits ``[B, S, V]`` at the new positions (and with
+    ``return_hidden`` the final hidden states ``[B, S, d]``), and the cache.
 
     ``span`` (static) bounds the attended cache prefix: it must be at least
     ``max(cache.length) + S`` and at most the capacity. Attending only over the filled span is
     what keeps a decode step cheap when the cache is mostly empty. The caller guarantees every
-    row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``packed``
-    (:func:`pack_params` of ``params``, computed once outside the loop) lets a pass of a few
-    rows (``B * S``, see :func:`jaxdecode.kernels.fuses_rows`) run each layer as one native call
-    on CPU (:func:`jaxdecode.kernels.decode_layer`). That call writes the new keys and values
-    into the cache itself, which saves a copy when the caller's loop carries the cache as it is;
-    ``in_place=False`` leaves the write to XLA, for a caller that rebuilds the cache each step
-    (beam search reorders it), where writing in place would cost a copy instead.
+    row stays within ``T`` positions (beyond that, use :func:`window_logits`). ``native``: the
+    backend. ``packed`` (:func:`pack_params` of ``params``, computed once outside the loop) lets
+    a native pass of a few rows (``B * S``, see :func:`jaxdecode.kernels.fuses_rows`) run each
+    layer as one call (:func:`jaxdecode.kernels.decode_layer`). That call writes the new keys and
+    values into the cache itself, which saves a copy when the caller's loop carries the cache as
+    it is; ``in_place=False`` leaves the write to XLA, for a caller that rebuilds the cache each
+    step (beam search reorders it), where writing in place would cost a copy instead.
     """
     span = cache.capacity if span is None else span
     variables = {"params": params} if packed is None else {"params": params, "packed": packed}
-    return CharLM(cfg).apply(variables, tokens, cache, span, in_place, method=CharLM.cached)
+    logits, hidden, cache = CharLM(cfg, native).apply(variables, tokens, cache, span, in_place,
+                                                      method=CharLM.cached)
+    return (logits, hidden, cache) if return_hidden else (logits, cache)
 
 
 def step(params, cfg: ModelConfig, cache: KVCache, token: jax.Array, span: int | None = None,
-         packed=None, in_place: bool = True):
+         packed=None, in_place: bool = True, *, native: bool = False):
     """Append one token per row (``[B]``); returns next-token logits ``[B, V]`` and the cache.
-    ``packed``, ``in_place``: as for :func:`extend`."""
-    logits, cache = extend(params, cfg, cache, token[:, None], span, packed, in_place)
+    ``packed``, ``in_place``, ``native``: as for :func:`extend`."""
+    logits, cache = extend(params, cfg, cache, token[:, None], span, packed, in_place, native=native)
     return logits[:, 0], cache
 
 
@@ -423,18 +474,21 @@ def empty_local(cfg: ModelConfig, batch: int, chunk: int, dtype=jnp.float32) -> 
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
-def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, packed=None):
+def chunk_step(params, cfg: ModelConfig, cache: KVCache, local: KVCache, i, token, packed=None, *,
+               native: bool = False):
     """Decode step ``i`` of a chunk: the main ``cache`` is read, never written.
 
     A decode loop that writes each new key into a large loop-carried cache and reads it back in
     the same iteration makes XLA copy the cache every step. Here the keys of the current chunk go
     into a small ``local`` buffer ``[B * H, chunk, hd]`` at index ``i`` (the same for every row);
     attention covers the whole main cache (valid below ``cache.length``) and the local buffer up
-    to ``i``, so the caller sizes the cache to what it wants attended (see ``grow_cache``). :func:`merge_chunk` appends the buffer to the cache after
-    the chunk. Returns logits ``[B, V]`` and the updated buffer. ``packed``: as for :func:`extend`.
+    to ``i``, so the caller sizes the cache to what it wants attended (see ``grow_cache``).
+    :func:`merge_chunk` appends the buffer to the cache after the chunk. Returns logits ``[B, V]``,
+    the final hidden state ``[B, d]`` and the updated buffer. ``packed``, ``native``: as for
+    :func:`extend`.
     """
     variables = {"params": params} if packed is None else {"params": params, "packed": packed}
-    return CharLM(cfg).apply(variables, token, cache, local, i, method=CharLM.chunked)
+    return CharLM(cfg, native).apply(variables, token, cache, local, i, method=CharLM.chunked)
 
 
 def grow_cache(cache: KVCache, capacity: int) -> KVCache:
@@ -452,13 +506,15 @@ def merge_chunk(cache: KVCache, local: KVCache, steps) -> KVCache:
     """Append the first ``steps`` entries of a chunk buffer to every row of the cache."""
     B, H = cache.k[0].shape[:2]
     unfold = lambda n: n.reshape(B, H, *n.shape[1:])
-    ks = tuple(kernels.write_rows(c, unfold(n), cache.length) for c, n in zip(cache.k, local.k))
-    vs = tuple(kernels.write_rows(c, unfold(n), cache.length) for c, n in zip(cache.v, local.v))
+    ks = tuple(write_rows(c, unfold(n), cache.length) for c, n in zip(cache.k, local.k))
+    vs = tuple(write_rows(c, unfold(n), cache.length) for c, n in zip(cache.v, local.v))
     return KVCache(ks, vs, cache.length + steps)
 
 
-def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Array):
-    """The book's exact next-token logits for rows of any length: a forward over the last T.
+def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Array,
+                  return_hidden: bool = False):
+    """The book's exact next-token logits for rows of any length: a forward over the last T
+    (with ``return_hidden``, also the final hidden state there ``[B, d]``).
 
     ``history`` ``[B, N]`` holds each row's tokens left-aligned, ``lengths`` ``[B]`` how many are
     real. Row b sees ``history[b, max(0, len-T):len]`` numbered from position 0.
@@ -471,6 +527,7 @@ def window_logits(params, cfg: ModelConfig, history: jax.Array, lengths: jax.Arr
         return jax.lax.dynamic_slice(row, (s,), (W,))
 
     windows = jax.vmap(take)(history, start)
-    logits = forward(params, cfg, windows)
+    logits, hidden = forward(params, cfg, windows, return_hidden=True)
     idx = jnp.clip(lengths - start - 1, 0, W - 1)
-    return jnp.take_along_axis(logits, idx[:, None, None], axis=1)[:, 0]
+    at = lambda a: jnp.take_along_axis(a, idx[:, None, None], axis=1)[:, 0]
+    return (at(logits), at(hidden)) if return_hidden else at(logits)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model as M
+from .models.base import DecodingModel
 
 WIDTH_BUCKET = 64
 WINDOW_BATCH = 64
@@ -25,37 +25,52 @@ WINDOW_BATCH = 64
 class Score:
     prompt: str
     text: str
-    logprobs: np.ndarray  # [len(text)] natural-log probability of each character of text
+    logprobs: np.ndarray  # [tokens of text] natural-log probability of each token of text
 
     @property
     def mean_logprob(self) -> float:
-        """Mean log-probability per character (nats); the book's score."""
+        """Mean log-probability per token (per character for the character model; nats): the book's score."""
         return float(np.mean(self.logprobs)) if len(self.logprobs) else float("nan")
 
     @property
     def probabilities(self) -> np.ndarray:
-        """The probability the model gave each character."""
+        """The probability the model gave each token."""
         return np.exp(self.logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _token_logprobs(params, tokens, *, cfg):
-    """[B, W] tokens -> [B, W-1] log p(tokens[:, t+1] | tokens[:, :t+1]) for W <= T + 1."""
-    logits = M.forward(params, cfg, tokens[:, :-1])
+@functools.partial(jax.jit, static_argnames=("model",))
+def _token_logprobs(params, tokens, *, model: DecodingModel):
+    """[B, W] tokens -> [B, W-1] log p(tokens[:, t+1] | tokens[:, :t+1]) for W <= T + 1: one pass
+    of the whole rows through an empty cache."""
+    B, W = tokens.shape
+    logits, _, _ = model.extend(params, model.empty_cache(B, W - 1), tokens[:, :-1])
     lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _window_logprobs(params, windows, targets, *, cfg):
+@functools.partial(jax.jit, static_argnames=("model",))
+def _window_logprobs(params, windows, targets, *, model: DecodingModel):
     """[N, T] windows (each the T tokens before its target) -> [N] log-probabilities."""
-    lp = jax.nn.log_softmax(M.forward(params, cfg, windows)[:, -1], axis=-1)
+    N, T = windows.shape
+    logits, _ = model.window(params, windows, jnp.full((N,), T, jnp.int32))
+    lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
 
 
-def token_logprobs(params, cfg: M.ModelConfig, sequences: Sequence[np.ndarray], starts: Sequence[int]):
-    """For each token sequence, the log-probability of every token from index ``start`` on."""
-    T = cfg.T
+def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray], starts: Sequence[int]):
+    """For each token sequence, the log-probability under ``model`` of every token from index
+    ``start`` on (past the window ``T``, each from the ``T`` tokens before it)."""
+    T = model.T
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(starts)} starts for {len(sequences)} sequences")
+    for i, s in enumerate(sequences):
+        s = np.asarray(s)
+        if s.ndim != 1 or len(s) < 2:
+            raise ValueError(f"sequence {i}: give at least two tokens (a context and a token to score)")
+        if s.min() < 0 or s.max() >= model.V:
+            raise ValueError(f"sequence {i}: token ids must lie in [0, {model.V}), got min {s.min()} max {s.max()}")
+        if not 1 <= starts[i] < len(s):
+            raise ValueError(f"sequence {i}: scoring starts at index {starts[i]}; it must lie in [1, {len(s)})")
     out = []
     # positions t <= T: one forward over the first min(len, T + 1) tokens, batched and bucketed
     heads = [np.asarray(s[:T + 1], np.int32) for s in sequences]
@@ -65,7 +80,7 @@ def token_logprobs(params, cfg: M.ModelConfig, sequences: Sequence[np.ndarray], 
     batch = np.zeros((Bb, W), np.int32)
     for i, h in enumerate(heads):
         batch[i, :len(h)] = h
-    first = np.asarray(_token_logprobs(params, jnp.asarray(batch), cfg=cfg))
+    first = np.asarray(_token_logprobs(params, jnp.asarray(batch), model=model))
     # positions t > T: the book's window of the T tokens before t
     windows, targets, owner = [], [], []
     for i, s in enumerate(sequences):
@@ -80,7 +95,7 @@ def token_logprobs(params, cfg: M.ModelConfig, sequences: Sequence[np.ndarray], 
         part = windows[j:j + WINDOW_BATCH]
         w[:len(part)] = np.stack(part)
         tg[:len(part)] = targets[j:j + WINDOW_BATCH]
-        late[j:j + len(part)] = np.asarray(_window_logprobs(params, jnp.asarray(w), jnp.asarray(tg), cfg=cfg))[:len(part)]
+        late[j:j + len(part)] = np.asarray(_window_logprobs(params, jnp.asarray(w), jnp.asarray(tg), model=model))[:len(part)]
     owner = np.asarray(owner)
     for i, s in enumerate(sequences):
         start = starts[i]
@@ -101,7 +116,8 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None) 
     for p, t in zip(prompts, texts):
         if not t:
             raise ValueError("the text to score is empty")
-        seqs.append(np.concatenate([lm.vocab.encode(p), lm.vocab.encode(t)]))
-        starts.append(len(p))
-    lps = token_logprobs(lm.params, lm.cfg, seqs, starts)
+        prompt = lm.vocab.encode(p)
+        seqs.append(np.concatenate([prompt, lm.vocab.encode(t)]))
+        starts.append(len(prompt))
+    lps = token_logprobs(lm.decoder, lm.params, seqs, starts)
     return [Score(prompt=p, text=t, logprobs=lp) for p, t, lp in zip(prompts, texts, lps)]

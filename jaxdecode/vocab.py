@@ -1,4 +1,7 @@
-"""Character vocabulary: encode text to token ids and back, with errors that name the problem."""
+"""Vocabularies: encode text to token ids and back, with errors that name the problem.
+
+:class:`Vocab` has one character per token (the reference model's); :class:`TokenVocab` has string
+tokens of any length, matched greedily (longest first)."""
 
 from __future__ import annotations
 
@@ -48,3 +51,91 @@ class Vocab:
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise ValueError(f"token ids must lie in [0, {len(self)}), got min {ids.min()} max {ids.max()}")
         return "".join(self.chars[i] for i in ids.tolist())
+
+
+class UncoveredTextError(UnknownCharacterError):
+    """Raised when no token of a :class:`TokenVocab` matches the text at some position."""
+
+    def __init__(self, text: str, uncovered: list[tuple[int, str]]):
+        self.uncovered = uncovered
+        self.unknown = [(i + j, c) for i, piece in uncovered for j, c in enumerate(piece)]
+        shown = ", ".join(f"{piece!r} at position {i}" for i, piece in uncovered[:10])
+        more = f" (and {len(uncovered) - 10} more)" if len(uncovered) > 10 else ""
+        ValueError.__init__(self, f"no token of the vocabulary covers {shown}{more}")
+
+
+class TokenVocab:
+    """A vocabulary of string tokens of any length (``"t"``, ``"th"``, ``"the"``, ...), token id =
+    index in ``tokens``.
+
+    :meth:`encode` splits text by greedy longest match: at each position the longest token that
+    matches there (so with ``"t"``, ``"th"`` and ``"the"``, ``"these"`` starts with ``"the"``).
+    :meth:`decode` concatenates. Decoding then encoding gives back the text, not always the same
+    ids (``["t", "h"]`` decodes to ``"th"``, which encodes as ``["th"]``).
+
+    ``chars`` is the same tuple as ``tokens`` (``chars[i]`` is the text of token ``i`` for a
+    :class:`Vocab` and a :class:`TokenVocab` alike), so code that prints or compares a
+    vocabulary's ``chars`` works with both.
+    """
+
+    def __init__(self, tokens: Sequence[str]):
+        if isinstance(tokens, str):
+            raise TypeError("TokenVocab takes a sequence of token strings; for one character per "
+                            "token use Vocab(chars)")
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("vocabulary is empty")
+        for i, t in enumerate(tokens):
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"token {i} must be a non-empty string, got {t!r}")
+        if len(set(tokens)) != len(tokens):
+            dup = sorted({t for t in tokens if tokens.count(t) > 1})
+            raise ValueError(f"vocabulary repeats tokens: {dup!r}")
+        self.tokens = tokens
+        self.stoi = {t: i for i, t in enumerate(tokens)}
+        self._longest = max(len(t) for t in tokens)
+        self._lengths = sorted({len(t) for t in tokens}, reverse=True)
+
+    @property
+    def chars(self) -> tuple[str, ...]:
+        return self.tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenVocab({len(self)} tokens, up to {self._longest} characters)"
+
+    def _match(self, text: str, i: int) -> int | None:
+        """The id of the longest token that matches ``text`` at ``i``, or None."""
+        for n in self._lengths:
+            tid = self.stoi.get(text[i:i + n])
+            if tid is not None:
+                return tid
+        return None
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int32) of ``text`` by greedy longest match; raises :class:`UncoveredTextError`
+        naming each stretch of text (and its position) where no token matches."""
+        ids: list[int] = []
+        uncovered: list[tuple[int, str]] = []
+        i = 0
+        while i < len(text):
+            tid = self._match(text, i)
+            if tid is not None:
+                ids.append(tid)
+                i += len(self.tokens[tid])
+                continue
+            start = i
+            while i < len(text) and self._match(text, i) is None:
+                i += 1
+            uncovered.append((start, text[start:i]))
+        if uncovered:
+            raise UncoveredTextError(text, uncovered)
+        return np.asarray(ids, np.int32)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise ValueError(f"token ids must lie in [0, {len(self)}), got min {ids.min()} max {ids.max()}")
+        return "".join(self.tokens[i] for i in ids.tolist())

@@ -63,10 +63,10 @@ def main():
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [lm.vocab.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
         t = time.perf_counter()
-        beam.beam_search(lm.params, lm.cfg, prompts, n, k)
+        beam.beam_search(lm.decoder, lm.params, prompts, n, k)
         first = time.perf_counter() - t
         t = time.perf_counter()
-        beam.beam_search(lm.params, lm.cfg, prompts, n, k)
+        beam.beam_search(lm.decoder, lm.params, prompts, n, k)
         warm = time.perf_counter() - t
         rate = B * n / warm
         rows.append({"row": "jaxdecode beam_search", "batch": B, "chars_per_s": rate,

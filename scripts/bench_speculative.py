@@ -87,12 +87,12 @@ def main(argv=None) -> int:
     for B in batches:
         prompts = [prompt] * B
         configs = {("plain", None, None): lambda key, prompts=prompts: sampling.sample_tokens(
-            lm.params, lm.cfg, prompts, args.n, key)}
+            lm.decoder, lm.params, prompts, args.n, key)}
         for kind, draft in drafts.items():
             for gamma in gammas:
                 configs[("speculative", kind, gamma)] = (
                     lambda key, draft=draft, gamma=gamma, prompts=prompts: SP.speculative_tokens(
-                        lm.params, lm.cfg, prompts, args.n, key, draft=draft, gamma=gamma))
+                        lm.decoder, lm.params, prompts, args.n, key, draft=draft, gamma=gamma))
         # Compile everything first, then time in rounds (every configuration and key once per
         # round, the fastest round of each counts): a slow phase of a shared machine then hits
         # all rows alike.

@@ -4,7 +4,18 @@ from pathlib import Path
 import jax
 import pytest
 
+# The native CPU layer is required in the tests: a failed build fails them instead of silently
+# testing the portable path twice. Loop tests run on both backends (the `backend` fixture).
+os.environ.setdefault("JAXDECODE_KERNELS", "1")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+BACKENDS = ("native", "portable")
+
+
+@pytest.fixture(params=BACKENDS, scope="session")
+def backend(request):
+    """Each backend in turn: the native CPU layer, then the portable jax.numpy path."""
+    return request.param
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,8 +34,8 @@ def corpus_path():
 
 
 @pytest.fixture(scope="session")
-def tiny_lm():
-    """A small random-weight model (V=12, T=16) with a readable vocabulary."""
+def tiny_lm(backend):
+    """A small random-weight model (V=12, T=16) with a readable vocabulary, on each backend."""
     from jaxdecode.checkpoint import LanguageModel
     from jaxdecode.model import ModelConfig, init_params
     from jaxdecode.vocab import Vocab
@@ -33,4 +44,4 @@ def tiny_lm():
     params = init_params(cfg, jax.random.PRNGKey(42))
     # sharper than the 0.02 init so that distributions are far from uniform
     params = jax.tree_util.tree_map(lambda a: a * 3.0, params)
-    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={})
+    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={}, backend=backend)

@@ -10,6 +10,7 @@ import pytest
 from jaxdecode import beam as BS
 from jaxdecode import model as M
 from jaxdecode import sampling as S
+from jaxdecode.models import FunctionModel, decoder_for
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -62,9 +63,9 @@ PROMPTS = [np.array([1, 2, 3]), np.array([4]), np.arange(10) % 12, np.array([7, 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_beam_equals_plain_beam(tiny_lm, k):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     for n in (6, 22):  # 6 stays in the cache; 22 runs past T=16 for every prompt: the window mode
-        res = BS.beam_search(params, cfg, PROMPTS, n, k, chunk=8)
+        res = BS.beam_search(model, params, PROMPTS, n, k, chunk=8)
         for i, p in enumerate(PROMPTS):
             tokens, score = _plain_beam(params, cfg, p, n, k)
             h = res.best(i)
@@ -75,9 +76,9 @@ def test_beam_equals_plain_beam(tiny_lm, k):
 
 
 def test_prompt_longer_than_T(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     prompts = [np.arange(20) % cfg.V, np.array([3, 1]), np.array([9])]  # all in the window mode
-    res = BS.beam_search(params, cfg, prompts, 5, 2, chunk=8)
+    res = BS.beam_search(model, params, prompts, 5, 2, chunk=8)
     for i, p in enumerate(prompts):
         tokens, score = _plain_beam(params, cfg, p, 5, 2)
         assert res.best(i).tokens.tolist() == tokens
@@ -85,18 +86,18 @@ def test_prompt_longer_than_T(tiny_lm):
 
 
 def test_k1_is_greedy(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     n = 22  # past T
-    res = BS.beam_search(params, cfg, PROMPTS, n, 1, chunk=8)
-    greedy = S.sample_tokens(params, cfg, PROMPTS, n, jax.random.PRNGKey(0), greedy=True, chunk=8)
+    res = BS.beam_search(model, params, PROMPTS, n, 1, chunk=8)
+    greedy = S.sample_tokens(model, params, PROMPTS, n, jax.random.PRNGKey(0), greedy=True, chunk=8)
     for i in range(len(PROMPTS)):
         assert res.best(i).tokens.tolist() == greedy.tokens[i].tolist()
         assert res.best(i).logprob == pytest.approx(float(greedy.model_logprobs[i].sum()), abs=1e-4)
 
 
 def test_n_best_sorted_and_distinct(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
-    res = BS.beam_search(params, cfg, PROMPTS, 6, 5, n_best=4, chunk=8)
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
+    res = BS.beam_search(model, params, PROMPTS, 6, 5, n_best=4, chunk=8)
     for i, hyps in enumerate(res.hypotheses):
         assert len(hyps) == 4
         scores = [h.score for h in hyps]
@@ -109,9 +110,9 @@ def test_rule_scores_processed_distribution(tiny_lm):
     """With top-k 1 as the rule, every beam but the greedy path is removed: score 0, greedy text."""
     from jaxdecode import rules
 
-    cfg, params = tiny_lm.cfg, tiny_lm.params
-    res = BS.beam_search(params, cfg, PROMPTS, 6, 2, n_best=2, rule=rules.top_k(1), chunk=8)
-    greedy = BS.beam_search(params, cfg, PROMPTS, 6, 1, chunk=8)  # k = 1 is greedy (above)
+    params, model = tiny_lm.params, tiny_lm.decoder
+    res = BS.beam_search(model, params, PROMPTS, 6, 2, n_best=2, rule=rules.top_k(1), chunk=8)
+    greedy = BS.beam_search(model, params, PROMPTS, 6, 1, chunk=8)  # k = 1 is greedy (above)
     for i in range(len(PROMPTS)):
         assert len(res.hypotheses[i]) == 1  # the other beam has probability 0
         h = res.best(i)
@@ -124,14 +125,14 @@ def test_rule_scores_processed_distribution(tiny_lm):
 
 
 @pytest.fixture(scope="module")
-def v4_model():
+def v4_model(backend):
     cfg = M.ModelConfig(V=4, T=16, d=16, L=1, heads=2)
     params = jax.jit(M.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(4))
-    return cfg, jax.tree_util.tree_map(lambda a: a * 6.0, params)  # far from uniform
+    return cfg, jax.tree_util.tree_map(lambda a: a * 6.0, params), decoder_for(cfg, backend)  # far from uniform
 
 
 def test_full_width_beam_is_exact_search(v4_model):
-    cfg, params = v4_model
+    cfg, params, model = v4_model
     prompt, n = np.array([1, 3, 0]), 6
     # every one of the 4**6 continuations, scored with one forward each
     seqs = np.array(list(itertools.product(range(cfg.V), repeat=n)), np.int32)  # [4096, 6]
@@ -149,24 +150,24 @@ def test_full_width_beam_is_exact_search(v4_model):
         greedy.append(int(np.argmax(lp[row, pos[t]])))
     assert greedy != mode
 
-    res = BS.beam_search(params, cfg, [prompt], n, cfg.V ** n, chunk=8)
+    res = BS.beam_search(model, params, [prompt], n, cfg.V ** n, chunk=8)
     assert res.best().tokens.tolist() == mode
     assert res.best().score == pytest.approx(mode_lp, abs=1e-4)
 
-    tokens, logprob, nodes = BS.mode_search(params, cfg, prompt, n, batch=8)  # bound: greedy
+    tokens, logprob, nodes = BS.mode_search(model, params, prompt, n, batch=8)  # bound: greedy
     assert tokens.tolist() == mode
     assert logprob == pytest.approx(mode_lp, abs=1e-4)
     assert 0 < nodes < sum(cfg.V ** d for d in range(n))  # fewer than all prefixes
 
-    small = BS.beam_search(params, cfg, [prompt], n, 2, chunk=8).best()
+    small = BS.beam_search(model, params, [prompt], n, 2, chunk=8).best()
     assert small.logprob <= mode_lp + 1e-5
-    assert BS.mode_search(params, cfg, prompt, n, batch=8, lower_bound=small.logprob)[0].tolist() == mode
+    assert BS.mode_search(model, params, prompt, n, batch=8, lower_bound=small.logprob)[0].tolist() == mode
 
 
 def test_mode_search_budget(v4_model):
-    cfg, params = v4_model
+    cfg, params, model = v4_model
     with pytest.raises(BS.SearchBudgetExceeded, match="node budget of 2 "):
-        BS.mode_search(params, cfg, np.array([1, 3, 0]), 6, node_budget=2, batch=1)
+        BS.mode_search(model, params, np.array([1, 3, 0]), 6, node_budget=2, batch=1)
 
 
 # ----------------------------------------------------------------------------- end tokens and length penalty
@@ -177,16 +178,17 @@ CHAIN = np.log(np.array([
     [0.04, 0.06, 0.90],  # after b
     [0.50, 0.30, 0.20],  # after END (matters only when END does not end)
 ]))
-CHAIN_CFG = M.ModelConfig(V=3, T=16, d=1, L=1, heads=1)
 
 
-def _chain_logits(history, lengths):
-    last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)[:, 0]
-    return jnp.asarray(CHAIN, jnp.float32)[last]
+def _chain_logits(params, tokens):  # [B, t] -> [B, t, V]: each position's next token
+    return jnp.asarray(CHAIN, jnp.float32)[tokens]
+
+
+CHAIN_MODEL = FunctionModel(_chain_logits, V=3, T=16)
 
 
 def _chain(n, k, **kw):
-    return BS.beam_search(None, CHAIN_CFG, [np.array([0])], n, k, logits_fn=_chain_logits, chunk=4, **kw)
+    return BS.beam_search(CHAIN_MODEL, None, [np.array([0])], n, k, chunk=4, **kw)
 
 
 def test_end_token_and_length_penalty_change_the_winner():
@@ -218,8 +220,8 @@ def test_end_token_and_length_penalty_change_the_winner():
     # ... and with alpha = 1 it does not: -.904 / (7/6) = -.775 < -.693
     assert _chain(3, 2, end_tokens=[[END]], length_penalty=1.0).best().tokens.tolist() == [END]
     # alpha is traced: one value per row in one batch
-    r = BS.beam_search(None, CHAIN_CFG, [np.array([0])] * 3, 3, 2, end_tokens=[[END]],
-                       length_penalty=[0.0, 2.0, 1.0], logits_fn=_chain_logits, chunk=4)
+    r = BS.beam_search(CHAIN_MODEL, None, [np.array([0])] * 3, 3, 2, end_tokens=[[END]],
+                       length_penalty=[0.0, 2.0, 1.0], chunk=4)
     assert [h[0].tokens.tolist() for h in r.hypotheses] == [[END], [b, END], [END]]
 
 
@@ -259,45 +261,45 @@ def test_shipped_checkpoint_matches_plain_beam():
 
 
 def test_compile_once_per_bucket(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
-    BS.beam_search(params, cfg, PROMPTS, 5, 2, chunk=8)
+    params, model = tiny_lm.params, tiny_lm.decoder
+    BS.beam_search(model, params, PROMPTS, 5, 2, chunk=8)
     before = (BS._beam_cache_chunk._cache_size(), BS._beam_prefill._cache_size())
     # other prompt lengths (one bucket of 16), batch sizes (bucket 4), n and alpha
-    BS.beam_search(params, cfg, [np.array([5, 6, 7, 8, 9, 10, 11]), np.array([1, 1]), np.array([3])], 5, 2,
+    BS.beam_search(model, params, [np.array([5, 6, 7, 8, 9, 10, 11]), np.array([1, 1]), np.array([3])], 5, 2,
                    chunk=8)
-    BS.beam_search(params, cfg, [np.array([2]), np.array([3] * 5)] * 2, 6, 2, chunk=8, length_penalty=0.6)
+    BS.beam_search(model, params, [np.array([2]), np.array([3] * 5)] * 2, 6, 2, chunk=8, length_penalty=0.6)
     after = (BS._beam_cache_chunk._cache_size(), BS._beam_prefill._cache_size())
     assert after == before
 
 
 def test_bad_input(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     p = [np.array([1])]
     with pytest.raises(ValueError, match="beam width k"):
-        BS.beam_search(params, cfg, p, 3, 0)
+        BS.beam_search(model, params, p, 3, 0)
     with pytest.raises(ValueError, match="n_best=3 exceeds the beam width k=2"):
-        BS.beam_search(params, cfg, p, 3, 2, n_best=3)
+        BS.beam_search(model, params, p, 3, 2, n_best=3)
     with pytest.raises(ValueError, match=">= 0"):
-        BS.beam_search(params, cfg, p, -1, 2)
+        BS.beam_search(model, params, p, -1, 2)
     with pytest.raises(ValueError, match="at least one token"):
-        BS.beam_search(params, cfg, [np.array([], np.int32)], 3, 2)
+        BS.beam_search(model, params, [np.array([], np.int32)], 3, 2)
     with pytest.raises(ValueError, match="no prompts"):
-        BS.beam_search(params, cfg, [], 3, 2)
+        BS.beam_search(model, params, [], 3, 2)
     with pytest.raises(ValueError, match="end token"):
-        BS.beam_search(params, cfg, p, 3, 2, end_tokens=[[]])
+        BS.beam_search(model, params, p, 3, 2, end_tokens=[[]])
     with pytest.raises(ValueError, match="empty"):
         BS.beam_generate(tiny_lm, "", 3, 2)
     with pytest.raises(ValueError, match="beam width k"):
         BS.beam_generate(tiny_lm, "ab", 3, 0)
     with pytest.raises(ValueError, match="'Z' at position 1"):
         BS.beam_generate(tiny_lm, "aZ", 3, 2)
-    assert BS.beam_search(params, cfg, p, 0, 2).best().tokens.tolist() == []
+    assert BS.beam_search(model, params, p, 0, 2).best().tokens.tolist() == []
 
 
 def test_beam_generate_text(tiny_lm):
     texts = ["ab", "c d", "hi.\n", "e"]
     out = BS.beam_generate(tiny_lm, texts, 6, 5, n_best=2, chunk=8)
-    res = BS.beam_search(tiny_lm.params, tiny_lm.cfg, [tiny_lm.vocab.encode(t) for t in texts], 6, 5,
+    res = BS.beam_search(tiny_lm.decoder, tiny_lm.params, [tiny_lm.vocab.encode(t) for t in texts], 6, 5,
                          n_best=2, chunk=8)
     assert len(out) == 4 and all(len(hyps) == 2 for hyps in out)
     for prompt, hyps, want in zip(texts, out, res.hypotheses):

@@ -174,3 +174,82 @@ def test_study_decoders(tiny_ckpt, tmp_path):
     assert all(len(r["text"]) == 8 for r in res["rows"])
     with pytest.raises(ValueError, match="does not occur"):
         decoders.compare(lm, corpus.read_text(), prompt="zzz", n=8)
+
+
+# ----------------------------------------------------------------------------- rule flags, cache
+
+
+# the flags of `generate` that are not rules
+NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--seed", "--ckpt", "--stop", "--greedy", "--json", "--stream",
+                  "--beam", "--length-penalty", "--n-best", "--speculative", "--gamma", "--ngram-order",
+                  "--ngram-backoff", "--data"}
+
+
+def _generate_parser():
+    from jaxdecode.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["generate"]
+
+
+def test_every_rule_has_a_flag_and_every_flag_a_rule(capsys):
+    import re
+
+    from jaxdecode import rules
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text))
+    assert flags - NON_RULE_FLAGS == {spec.flag for spec in rules.REGISTRY}
+    by_dest = {a.dest: a for a in _generate_parser()._actions if a.option_strings}
+    for spec in rules.REGISTRY:
+        action = by_dest[spec.name]
+        assert action.option_strings == [spec.flag]
+        assert action.type is spec.type and action.default is None and action.help == spec.help
+        assert " ".join(spec.help.split()) in " ".join(help_text.split())
+    assert {d for d, a in by_dest.items() if not set(a.option_strings) & NON_RULE_FLAGS} == set(rules.RULES)
+
+
+def test_rule_flags_convert_and_reach_make_rule():
+    from jaxdecode import cli, rules
+
+    parser = _generate_parser()
+    args = parser.parse_args(["abc", "--no-repeat-ngram", "3", "--top-k", "5", "--temperature", "0.5"])
+    settings = cli._settings(args)
+    assert settings == {"no_repeat_ngram": 3, "temperature": 0.5, "top_k": 5}
+    assert type(settings["no_repeat_ngram"]) is int and type(settings["top_k"]) is int
+    assert [type(r) for r in rules.make_rule(**settings).rules] == [
+        rules.NoRepeatNGram, rules.Temperature, rules.TopK]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["abc", "--top-k", "2.5"])  # argparse: invalid int value
+
+
+def _record_jax_config(monkeypatch):
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    return calls
+
+
+def test_empty_cache_variable_turns_the_compilation_cache_off(monkeypatch):
+    from jaxdecode import cli, paths
+
+    monkeypatch.setenv("JAXDECODE_CACHE", "")
+    assert paths.cache_root() is None and paths.cache_dir("xla") is None
+    calls = _record_jax_config(monkeypatch)
+    cli._enable_compilation_cache()
+    assert "jax_compilation_cache_dir" not in dict(calls)
+
+
+def test_compilation_cache_lives_under_the_cache_root(monkeypatch, tmp_path):
+    from jaxdecode import cli, paths
+
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
+    assert paths.cache_dir("xla") == tmp_path / "xla"
+    calls = _record_jax_config(monkeypatch)
+    cli._enable_compilation_cache()
+    assert dict(calls)["jax_compilation_cache_dir"] == str(tmp_path / "xla")
+    assert (tmp_path / "xla").is_dir()

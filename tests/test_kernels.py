@@ -1,4 +1,9 @@
-"""The native decode-attention kernel against its jax.numpy definition."""
+"""The native CPU layer against the model's own (portable) code: there is no third copy.
+
+The references below only call the model's functions (:func:`jaxdecode.model.attend`,
+:meth:`jaxdecode.model.Block.decode`) with the kernels' argument layout. The native layer is
+required here (no skips): a failed build fails these tests.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +13,33 @@ import pytest
 from jaxdecode import kernels
 from jaxdecode import model as M
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="native kernels off (JAXDECODE_KERNELS=0) or not buildable (no C++ compiler?)")
+
+
+def test_native_layer_is_available():
+    native, why = kernels.select("native")
+    assert native and kernels.available(), why
+
+
+def reference_attention(q, k, v, lim, k2, v2, n2, scale):
+    """The model's attention over the cache (up to ``lim``) and the buffer (up to ``n2``)."""
+    B, H, _, D = q.shape
+    k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
+    return M.attend(q, [(k, v, M.visible_below(k.shape[2], lim)), (k2, v2, M.visible_below(k2.shape[2], n2))],
+                    scale)
+
+
+def reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5):
+    """The model's decoder layer (``Block.decode``, portable) on the kernel's weight tuple."""
+    assert eps == M.LN_EPS
+    g1, be1, wqkv, bqkv, wo, bo, g2, be2, w1, b1, w2, b2 = weights
+    dense = lambda w, b: {"kernel": kernels.unpack(w), "bias": b}
+    params = {"ln1": {"scale": g1, "bias": be1}, "ln2": {"scale": g2, "bias": be2},
+              "attn": {"qkv": dense(wqkv, bqkv), "proj": dense(wo, bo)},
+              "ff1": dense(w1, b1), "ff2": dense(w2, b2)}
+    d, H = x.shape[2], k.shape[1]
+    cfg = M.ModelConfig(V=1, T=1, d=d, L=1, heads=H)
+    y, (kn, vn) = M.Block(cfg).apply({"params": params}, x, k, v, lim, k2, v2, n2, method=M.Block.decode)
+    return y, kn, vn
 
 
 def problem(rng, B, H, S, D, C, L, full=False):
@@ -22,7 +53,6 @@ def problem(rng, B, H, S, D, C, L, full=False):
             f(B * H, L, D), f(B * H, L, D), jnp.asarray(n2, jnp.int32))
 
 
-@needs_kernel
 @pytest.mark.parametrize("B,H,S,D,C,L", [
     (1, 4, 1, 64, 40, 8),     # a decode step at batch 1
     (3, 2, 5, 16, 33, 0),     # several queries per row (a verify pass), no second buffer
@@ -35,11 +65,10 @@ def test_kernel_matches_reference(B, H, S, D, C, L):
     rng = np.random.default_rng(B * 1000 + D)
     args = problem(rng, B, H, S, D, C, L)
     got = jax.jit(lambda *a: kernels.attention(*a, scale=0.3))(*args)
-    want = kernels.reference_attention(*args, scale=0.3)
+    want = reference_attention(*args, scale=0.3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
-@needs_kernel
 def test_kernel_extreme_scores_and_empty_queries():
     """Large score gaps (exp underflow) stay exact; a query that sees nothing gives zeros."""
     rng = np.random.default_rng(0)
@@ -47,14 +76,13 @@ def test_kernel_extreme_scores_and_empty_queries():
     q = q * 40.0  # scores spread over hundreds of nats
     got = kernels.attention(q, k, v, lim, k2, v2, n2, scale=1.0)
     # scores of a few hundred carry float32 rounding of ~1e-4 nats in either implementation
-    np.testing.assert_allclose(got, kernels.reference_attention(q, k, v, lim, k2, v2, n2, 1.0),
+    np.testing.assert_allclose(got, reference_attention(q, k, v, lim, k2, v2, n2, 1.0),
                                rtol=1e-3, atol=3e-4)
     zero = jnp.zeros_like(lim)
     out = jax.jit(lambda *a: kernels.attention(*a, scale=1.0))(q, k, v, zero, k2, v2, zero)
     assert np.all(np.asarray(out) == 0.0)
 
 
-@needs_kernel
 def test_kernel_ignores_positions_past_the_limits():
     """Garbage (even NaN) beyond each row's limit never reaches the output."""
     rng = np.random.default_rng(1)
@@ -65,11 +93,10 @@ def test_kernel_ignores_positions_past_the_limits():
     n2_rows = jnp.repeat(n2[:, 0], 2)[:, None, None]
     poisoned2 = lambda a: jnp.where(pos2 >= n2_rows, jnp.nan, a)
     got = kernels.attention(q, poisoned(k), poisoned(v), lim, poisoned2(k2), poisoned2(v2), n2, scale=0.2)
-    np.testing.assert_allclose(got, kernels.reference_attention(q, k, v, lim, k2, v2, n2, 0.2),
+    np.testing.assert_allclose(got, reference_attention(q, k, v, lim, k2, v2, n2, 0.2),
                                rtol=1e-5, atol=2e-6)
 
 
-@needs_kernel
 def test_cached_decoding_with_kernel_matches_forward():
     """extend() (kernel attention over the cache) against a full forward, ragged rows."""
     cfg = M.ModelConfig(V=11, T=24, d=32, L=2, heads=4)
@@ -77,16 +104,17 @@ def test_cached_decoding_with_kernel_matches_forward():
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, cfg.V, size=(3, 20)).astype(np.int32)
     lengths = np.array([5, 9, 7], np.int32)
-    _, cache = M.prefill(params, cfg, jnp.asarray(tokens[:, :9]), lengths)
+    _, cache = M.prefill(params, cfg, jnp.asarray(tokens[:, :9]), lengths, native=True)
     S = 4
     new = np.stack([tokens[b, lengths[b]:lengths[b] + S] for b in range(3)])
-    got, _ = M.extend(params, cfg, cache, jnp.asarray(new))
+    ext = jax.jit(lambda c, t: M.extend(params, cfg, c, t, native=True))
+    assert "jaxdecode_decode_attention" in ext.lower(cache, jnp.asarray(new)).as_text()
+    got, _ = ext(cache, jnp.asarray(new))
     for b in range(3):
         full = M.forward(params, cfg, jnp.asarray(tokens[b:b + 1, :lengths[b] + S]))
         np.testing.assert_allclose(got[b], full[0, lengths[b]:], rtol=1e-4, atol=1e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("M,K,N", [(1, 256, 768), (2, 256, 1024), (1, 1024, 256), (2, 12, 16), (1, 256, 80), (3, 256, 768), (5, 300, 1024), (8, 1024, 256)])
 def test_dense_matches_matmul(M, K, N, monkeypatch):
     monkeypatch.setattr(kernels, "DENSE_MAX_ROWS", 16)  # exercise the kernel beyond its default use
@@ -100,7 +128,6 @@ def test_dense_matches_matmul(M, K, N, monkeypatch):
                                rtol=1e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 13, 15])  # every tile: 8, 5-7, 4, 3, 2, 1
 def test_packed_dense_matches_matmul(M):
     rng = np.random.default_rng(M)
@@ -113,7 +140,6 @@ def test_packed_dense_matches_matmul(M):
                                rtol=1e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("S", [3, 4, 5, 7])
 def test_extend_with_packed_weights(S):
     """A verify-sized pass with packed weights gives the logits of the ordinary pass."""
@@ -124,18 +150,17 @@ def test_extend_with_packed_weights(S):
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.V, size=(1, 16)), jnp.int32)
     _, cache = M.prefill(params, cfg, tokens[:, :8], jnp.array([8], jnp.int32))
     want, _ = M.extend(params, cfg, cache, tokens[:, 8:8 + S])
-    got, _ = jax.jit(lambda p, c, t, pk: M.extend(p, cfg, c, t, packed=pk))(params, cache, tokens[:, 8:8 + S], packed)
+    got, _ = jax.jit(lambda p, c, t, pk: M.extend(p, cfg, c, t, packed=pk, native=True))(params, cache, tokens[:, 8:8 + S], packed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
 def test_kernels_under_vmap():
     """vmap over a leading axis (the kernels run once per element) agrees with the reference."""
     rng = np.random.default_rng(7)
     args = [jnp.stack([a, a * 0.5 + 0.1]) if a.dtype == jnp.float32 else jnp.stack([a, a])
             for a in problem(rng, 2, 2, 1, 16, 10, 3, full=True)]
     got = jax.vmap(lambda *a: kernels.attention(*a, scale=0.5))(*args)
-    want = jax.vmap(lambda *a: kernels.reference_attention(*a, 0.5))(*args)
+    want = jax.vmap(lambda *a: reference_attention(*a, 0.5))(*args)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     x = jnp.asarray(rng.normal(size=(3, 1, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
@@ -155,7 +180,6 @@ def layer_problem(rng, B, S, H, D, C, L):
     return f(B, S, d), weights, f(B, H, C, D), f(B, H, C, D), lim, f(B * H, L, D), f(B * H, L, D), n2
 
 
-@needs_kernel
 @pytest.mark.parametrize("B,S,H,D,C,L", [
     (1, 1, 4, 64, 40, 8),    # a decode step at batch 1 (the shipped model's shape)
     (1, 3, 2, 32, 20, 0),    # a verify pass: several new positions, no chunk buffer
@@ -169,13 +193,12 @@ def test_decode_layer_matches_reference(B, S, H, D, C, L):
     rng = np.random.default_rng(B * 100 + S * 10 + D)
     x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
     got = jax.jit(lambda *a: kernels.decode_layer(a[0], a[1:13], *a[13:], eps=1e-5))(x, *weights, k, v, lim, k2, v2, n2)
-    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    want = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("B,S,H,D,C,L", [
     (1, 4, 4, 64, 170, 0),   # a verify pass of 4 positions: two pairs of queries
     (2, 3, 2, 24, 20, 5),    # a pair and a single query; head size 24
@@ -190,12 +213,11 @@ def test_decode_layer_queries_with_shared_limits(B, S, H, D, C, L):
     lim = jnp.broadcast_to(lim[:, :1], (B, S))
     n2 = jnp.broadcast_to(n2[:, :1], (B, S))
     got = kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5)
-    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    want = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("B,S,H,D,C,L", [
     (70, 1, 4, 64, 40, 5),   # one query per row: heads attended together; 16-row blocks and a rest
     (9, 1, 3, 32, 25, 0),    # three heads, a single block and a ragged one
@@ -210,12 +232,11 @@ def test_decode_layer_schedules_match_reference(B, S, H, D, C, L, schedule):
     rng = np.random.default_rng(B * 10 + S + H)
     x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
     got = kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5, schedule=schedule)
-    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    want = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("B,S,schedule", [(2, 3, "phases"), (70, 1, "pipeline"), (20, 2, "pipeline")])
 def test_decode_layer_writes_in_place(B, S, schedule):
     """write="cache" / "buffer": the call returns the cache (buffer) with the new keys and values
@@ -225,7 +246,7 @@ def test_decode_layer_writes_in_place(B, S, schedule):
     x, weights, k, v, lim, k2, v2, n2 = layer_problem(rng, B, S, H, D, C, L)
     lim = jnp.broadcast_to(jnp.asarray(rng.integers(0, C - S + 1, size=(B, 1)), jnp.int32), (B, S))
     n2 = jnp.broadcast_to(jnp.asarray(rng.integers(0, L - S + 1, size=(B, 1)), jnp.int32), (B, S))
-    y, kn, vn = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    y, kn, vn = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
 
     def placed(buf, new, at):
         buf, new = np.array(buf).reshape(B, H, -1, D), np.asarray(new)
@@ -248,7 +269,6 @@ def test_decode_layer_writes_in_place(B, S, schedule):
     np.testing.assert_allclose(np.asarray(gv).reshape(B, H, L, D), placed(v2, vn, n2[:, 0]), rtol=2e-5, atol=2e-5)
 
 
-@needs_kernel
 def test_decode_layer_ignores_positions_past_the_limits():
     rng = np.random.default_rng(4)
     B, S, H, D, C, L = 3, 2, 2, 32, 24, 6
@@ -260,12 +280,11 @@ def test_decode_layer_ignores_positions_past_the_limits():
     pos2 = jnp.arange(L)[None, :, None]
     poison2 = lambda a: jnp.where(pos2 >= seen2, jnp.nan, a)
     got = kernels.decode_layer(x, weights, poison(k), poison(v), lim, poison2(k2), poison2(v2), n2, eps=1e-5)
-    want = kernels.reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
+    want = reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, 1e-5)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("d,heads", [(32, 2), (128, 4)])
 def test_fused_decode_matches_module_path(d, heads):
     """extend() and chunk_step() with packed weights (one native call per layer) against the
@@ -276,7 +295,7 @@ def test_fused_decode_matches_module_path(d, heads):
     rng = np.random.default_rng(d)
     tokens = jnp.asarray(rng.integers(0, cfg.V, size=(3, 30)), jnp.int32)
     _, cache = M.prefill(params, cfg, tokens[:, :9], jnp.array([5, 9, 7], jnp.int32), capacity=40)
-    ext = jax.jit(lambda c, t, pk: M.extend(params, cfg, c, t, packed=pk))
+    ext = jax.jit(lambda c, t, pk: M.extend(params, cfg, c, t, packed=pk, native=True))
     assert "jaxdecode_decode_layer" in ext.lower(cache, tokens[:, 20:22], packed).as_text()
     want, want_cache = M.extend(params, cfg, cache, tokens[:, 20:22])
     got, got_cache = ext(cache, tokens[:, 20:22], packed)
@@ -284,16 +303,15 @@ def test_fused_decode_matches_module_path(d, heads):
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     local = want_local = M.empty_local(cfg, 3, 4)
-    step = jax.jit(lambda loc, i, t: M.chunk_step(params, cfg, cache, loc, i, t, packed))
+    step = jax.jit(lambda loc, i, t: M.chunk_step(params, cfg, cache, loc, i, t, packed, native=True))
     for i in range(3):
-        want, want_local = M.chunk_step(params, cfg, cache, want_local, i, tokens[:, 25 + i])
-        got, local = step(local, i, tokens[:, 25 + i])
+        want, _, want_local = M.chunk_step(params, cfg, cache, want_local, i, tokens[:, 25 + i])
+        got, _, local = step(local, i, tokens[:, 25 + i])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(local.k + local.v, want_local.k + want_local.v):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@needs_kernel
 def test_decode_layer_under_vmap():
     rng = np.random.default_rng(9)
     probs = [layer_problem(np.random.default_rng(i), 2, 1, 2, 16, 8, 2) for i in range(2)]
@@ -302,12 +320,11 @@ def test_decode_layer_under_vmap():
     ks = jnp.stack([k, probs[1][2]])
     got = jax.vmap(lambda x, k: kernels.decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5)[0])(xs, ks)
     for i in range(2):
-        want = kernels.reference_decode_layer(xs[i], weights, ks[i], v, lim, k2, v2, n2, 1e-5)[0]
+        want = reference_decode_layer(xs[i], weights, ks[i], v, lim, k2, v2, n2, 1e-5)[0]
         np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)
     del rng
 
 
-@needs_kernel
 def test_prefill_with_packed_weights():
     """Short prompts go through the fused layers on an empty cache: same logits and cache."""
     cfg = M.ModelConfig(V=11, T=24, d=32, L=2, heads=2)
@@ -315,7 +332,7 @@ def test_prefill_with_packed_weights():
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.V, size=(2, 16)), jnp.int32)
     lengths = jnp.array([16, 5], jnp.int32)
     want, want_cache = M.prefill(params, cfg, tokens, lengths, capacity=24)
-    got, cache = jax.jit(lambda p, pk: M.prefill(p, cfg, tokens, lengths, capacity=24, packed=pk))(
+    got, cache = jax.jit(lambda p, pk: M.prefill(p, cfg, tokens, lengths, capacity=24, packed=pk, native=True))(
         params, M.pack_params(params))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert cache.length.tolist() == [16, 5]
@@ -334,7 +351,8 @@ def test_prefill_cache_is_prefills_cache(packed):
     lengths = jnp.array([16, 5], jnp.int32)
     _, want = M.prefill(params, cfg, tokens, lengths, capacity=24)
     pk = M.pack_params(params) if packed else None
-    cache = jax.jit(lambda p, pk: M.prefill_cache(p, cfg, tokens, lengths, capacity=24, packed=pk))(params, pk)
+    cache = jax.jit(lambda p, pk: M.prefill_cache(p, cfg, tokens, lengths, capacity=24, packed=pk,
+                                                  native=packed))(params, pk)
     assert cache.length.tolist() == [16, 5] and cache.capacity == 24
     for b, n in enumerate(lengths.tolist()):  # positions past a row's length are never read
         for a, w in zip(cache.k + cache.v, want.k + want.v):
@@ -358,3 +376,25 @@ def test_kernels_mode_is_checked(monkeypatch):
     monkeypatch.setenv("JAXDECODE_KERNELS", "sometimes")
     with pytest.raises(kernels.KernelError, match="JAXDECODE_KERNELS must be"):
         kernels._mode()
+
+
+def test_required_native_layer_without_a_compiler_is_one_line(monkeypatch, tmp_path):
+    """JAXDECODE_KERNELS=1 where nothing can be built: a one-line KernelError naming why."""
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels, "_library", kernels._library.__wrapped__)  # no cached answer
+    with pytest.raises(kernels.KernelError) as e:
+        kernels.select("1")
+    assert "\n" not in str(e.value) and "unavailable" in str(e.value)
+    native, why = kernels.select("auto")
+    assert not native and why.startswith("portable: the native CPU layer could not be built")
+
+
+def test_other_backends_never_build(monkeypatch):
+    """Off the CPU backend the portable path is chosen without building anything."""
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels, "build", lambda *a, **k: pytest.fail("tried to build C++ on a GPU"))
+    assert kernels.select("auto") == (False, "portable: JAX runs on gpu (the native layer is for the CPU only)")
+    with pytest.raises(kernels.KernelError, match="needs the CPU backend"):
+        kernels.select("native")

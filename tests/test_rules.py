@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxdecode import rules as R
+from jaxdecode.rules import base as RB
 
 B, W = 4, 40  # rows, widest vocabulary
 EXAMPLES = settings(max_examples=40, deadline=None)
@@ -413,10 +414,10 @@ def test_descending_rank_is_the_stable_sort_order(x):
     -inf included), which is what makes its cumulative sums those of the sorted row."""
     order = np.argsort(-np.where(x == 0, 0.0, x), axis=-1, kind="stable")
     want = np.argsort(order, axis=-1)
-    np.testing.assert_array_equal(R._descending_rank(jnp.asarray(x)), want)
+    np.testing.assert_array_equal(RB._descending_rank(jnp.asarray(x)), want)
 
 
-@pytest.mark.parametrize("V", [R.PAIRWISE_RANK_MAX_V, R.PAIRWISE_RANK_MAX_V + 1])
+@pytest.mark.parametrize("V", [RB.PAIRWISE_RANK_MAX_V, RB.PAIRWISE_RANK_MAX_V + 1])
 def test_top_p_on_both_sides_of_the_pairwise_limit(V):
     """Up to PAIRWISE_RANK_MAX_V tokens top-p ranks by comparing pairs, beyond by sorting; both
     give the reference's kept set (logits rounded so that ties occur)."""
@@ -551,3 +552,54 @@ def test_invalid_per_row_value_is_named():
         R.top_k(True)
     with pytest.raises(R.RuleError, match="chain: argument 1"):
         R.chain(R.top_k(1), 0.5)
+
+
+# ----------------------------------------------------------------------------- registry and make_rule
+
+
+def _valid(spec):
+    """A setting every registered rule accepts: 2 for integer settings, else 0.5."""
+    return 2 if spec.type is int else 0.5
+
+
+def test_registry_names_its_factories_in_application_order():
+    assert list(R.RULES) == [spec.name for spec in R.REGISTRY] == list(R.RULE_ORDER)
+    for spec in R.REGISTRY:
+        assert spec.factory is getattr(R, spec.name), spec.name
+        assert spec.kind in R.KINDS and spec.type in (int, float) and spec.help
+        assert spec.flag == "--" + spec.name.replace("_", "-")
+    kinds = [R.KINDS.index(spec.kind) for spec in R.REGISTRY]
+    assert kinds == sorted(kinds)  # penalties, then temperature, then the truncations
+    assert R.RULE_ORDER.index("temperature") < R.RULE_ORDER.index("top_k")
+    assert R.RULE_ORDER.index("repetition_penalty") < R.RULE_ORDER.index("temperature")
+
+
+def test_make_rule_applies_rules_in_registry_order():
+    r = R.make_rule(top_k=5, temperature=0.5)
+    assert [type(x) for x in r.rules] == [R.Temperature, R.TopK]
+    # every rule at once, given in reverse: the chain follows the registry
+    settings = {spec.name: _valid(spec) for spec in reversed(R.REGISTRY)}
+    r = R.make_rule(**settings)
+    assert [type(x) for x in r.rules] == [type(spec.factory(_valid(spec))) for spec in R.REGISTRY]
+    # one rule alone is not wrapped in a chain; None settings are skipped
+    assert isinstance(R.make_rule(top_p=0.9, min_p=None), R.TopP)
+    assert R.make_rule() is None and R.make_rule(top_k=None) is None
+
+
+def test_make_rule_order_shows_in_its_output():
+    # min-p after temperature: the threshold is taken on the tempered distribution
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    got = _apply(R.make_rule(min_p=0.2, temperature=3.0), logits)
+    want = _apply(R.chain(R.temperature(3.0), R.min_p(0.2)), logits)
+    other = _apply(R.chain(R.min_p(0.2), R.temperature(3.0)), logits)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    assert np.isfinite(got).sum() == 4 and np.isfinite(other).sum() == 3  # the orders differ here
+
+
+def test_make_rule_errors():
+    with pytest.raises(R.RuleError, match="unknown decoding setting.*top_q"):
+        R.make_rule(top_q=0.5, temperature=0.7)
+    with pytest.raises(R.RuleError, match="^top_p: p must"):
+        R.make_rule(top_p=1.5)
+    with pytest.raises(R.RuleError, match="no_repeat_ngram"):
+        R.make_rule(no_repeat_ngram=1.5)

@@ -47,28 +47,28 @@ def _plain_loop(params, cfg, prompt, n, key=None, row_id=0, rule=None, greedy=Fa
 
 @pytest.mark.parametrize("n", [5, 40])  # 40 runs past T=16: the exact window mode
 def test_greedy_equals_plain_loop(tiny_lm, n):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     prompts = [np.array([1, 2, 3]), np.array([4]), np.arange(10) % cfg.V]
-    res = S.sample_tokens(params, cfg, prompts, n, jax.random.PRNGKey(0), greedy=True, chunk=8)
+    res = S.sample_tokens(model, params, prompts, n, jax.random.PRNGKey(0), greedy=True, chunk=8)
     for i, p in enumerate(prompts):
         assert res.tokens[i, :n].tolist() == _plain_loop(params, cfg, p, n, greedy=True)
     assert (res.counts == n).all()
 
 
 def test_sampling_equals_plain_loop_with_same_keys(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     key = jax.random.PRNGKey(7)
     prompts = [np.array([1, 2, 3]), np.array([5, 5]), np.arange(20) % cfg.V]  # last is longer than T
     n = 24
-    res = S.sample_tokens(params, cfg, prompts, n, key, chunk=8)
+    res = S.sample_tokens(model, params, prompts, n, key, chunk=8)
     for i, p in enumerate(prompts):
         assert res.tokens[i].tolist() == _plain_loop(params, cfg, p, n, key=key, row_id=i)
 
 
 def test_logprobs_are_model_logprobs(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     p = np.array([1, 2, 3])
-    res = S.sample_tokens(params, cfg, [p], 10, jax.random.PRNGKey(1))
+    res = S.sample_tokens(model, params, [p], 10, jax.random.PRNGKey(1))
     ids = np.concatenate([p, res.tokens[0]])
     lp = jax.nn.log_softmax(M.forward(params, cfg, jnp.asarray(ids[None]))[0], axis=-1)
     want = np.asarray(lp)[np.arange(2, 12), ids[3:13]]
@@ -78,28 +78,28 @@ def test_logprobs_are_model_logprobs(tiny_lm):
 
 
 def test_batch_invariance(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.V, size=rng.integers(1, 14)) for _ in range(16)]
     key = jax.random.PRNGKey(3)
-    together = S.sample_tokens(params, cfg, prompts, 20, key)
+    together = S.sample_tokens(model, params, prompts, 20, key)
     for i in [0, 5, 11, 15]:
-        alone = S.sample_tokens(params, cfg, [prompts[i]], 20, key, row_ids=[i])
+        alone = S.sample_tokens(model, params, [prompts[i]], 20, key, row_ids=[i])
         assert alone.tokens[0].tolist() == together.tokens[i].tolist()
     # a sub-batch in another order and batch bucket
     idx = [9, 2, 14]
-    some = S.sample_tokens(params, cfg, [prompts[i] for i in idx], 20, key, row_ids=idx)
+    some = S.sample_tokens(model, params, [prompts[i] for i in idx], 20, key, row_ids=idx)
     for j, i in enumerate(idx):
         assert some.tokens[j].tolist() == together.tokens[i].tolist()
 
 
 def test_stop_sequences(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     key = jax.random.PRNGKey(0)
     prompts = [np.array([1, 2]), np.array([3])]
-    free = S.sample_tokens(params, cfg, prompts, 30, key)
+    free = S.sample_tokens(model, params, prompts, 30, key)
     stop = free.tokens[0, 5:7]  # a pair that row 0 produces at steps 5-6
-    res = S.sample_tokens(params, cfg, prompts, 30, key, stops=[stop])
+    res = S.sample_tokens(model, params, prompts, 30, key, stops=[stop])
     first = next(t for t in range(1, 30) if free.tokens[0, t - 1:t + 1].tolist() == stop.tolist())
     assert res.counts[0] == first + 1 and res.stopped[0]
     assert res.tokens[0, :first + 1].tolist() == free.tokens[0, :first + 1].tolist()
@@ -109,46 +109,52 @@ def test_stop_sequences(tiny_lm):
 
 
 def test_compile_once_per_bucket(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     rng = np.random.default_rng(1)
     key = jax.random.PRNGKey(0)
-    S.sample_tokens(params, cfg, [np.array([1])] * 3, 8, key, chunk=8)  # warm the (4, 16) bucket
+    S.sample_tokens(model, params, [np.array([1])] * 3, 8, key, chunk=8)  # warm the (4, 16) bucket
     before = (S._cache_chunk._cache_size(), S._prefill._cache_size())
     for _ in range(4):
         B = int(rng.integers(3, 5))  # batch bucket 4
         prompts = [rng.integers(0, cfg.V, size=rng.integers(1, 8)) for _ in range(B)]
-        S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(int(rng.integers(100))), chunk=8)
+        S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(int(rng.integers(100))), chunk=8)
     assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
 
 
-def test_one_chunk_unless_streaming(monkeypatch):
+def test_one_chunk_unless_streaming(monkeypatch, backend):
     """Without a streaming callback or stop strings a few rows run the request in one chunk (one
-    host round trip instead of one per 64 steps); the text does not depend on the chunking."""
-    from jaxdecode import kernels
+    host round trip instead of one per 64 steps) where the cache is allocated once; the text does
+    not depend on the chunking."""
+    from jaxdecode.models import decoder_for
 
     cfg = M.ModelConfig(V=9, T=256, d=16, L=1, heads=2)
+    model = decoder_for(cfg, backend)
     params = M.init_params(cfg, jax.random.PRNGKey(2))
     prompts = [np.array([1, 2, 3]), np.array([4])]
     calls = []
     real = S._cache_chunk
     monkeypatch.setattr(S, "_cache_chunk", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
     key = jax.random.PRNGKey(4)
-    whole = S.sample_tokens(params, cfg, prompts, 150, key)
-    assert calls == ([256] if kernels.reads_only_filled() else [64, 64, 64])
+    whole = S.sample_tokens(model, params, prompts, 150, key)
+    assert calls == ([256] if backend == "native" else [64, 64, 64])
     calls.clear()
     streamed = []
-    parts = S.sample_tokens(params, cfg, prompts, 150, key, on_chunk=lambda t, e: streamed.append(t.shape[1]))
+    parts = S.sample_tokens(model, params, prompts, 150, key, on_chunk=lambda t, e: streamed.append(t.shape[1]))
     assert calls == [64, 64, 64] and streamed == [64, 64, 22]
     np.testing.assert_array_equal(whole.tokens, parts.tokens)
     np.testing.assert_allclose(whole.model_logprobs, parts.model_logprobs, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_input(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     with pytest.raises(ValueError, match=">= 0"):
-        S.sample_tokens(params, cfg, [np.array([1])], -1, jax.random.PRNGKey(0))
+        S.sample_tokens(model, params, [np.array([1])], -1, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="at least one token"):
-        S.sample_tokens(params, cfg, [np.array([], np.int32)], 3, jax.random.PRNGKey(0))
+        S.sample_tokens(model, params, [np.array([], np.int32)], 3, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must lie in \[0, 12\), got min -3 max 15"):
+        S.sample_tokens(model, params, [np.array([15, -3])], 3, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="row_ids must have one id per prompt"):
+        S.sample_tokens(model, params, [np.array([1])], 3, jax.random.PRNGKey(0), row_ids=[0, 1])
     with pytest.raises(ValueError, match="empty"):
         S.generate(tiny_lm, "", 3)
     with pytest.raises(ValueError, match="'Z' at position 1"):
@@ -173,14 +179,14 @@ EXACT_CASES = {
 @pytest.mark.parametrize("case", sorted(EXACT_CASES))
 def test_sampling_matches_exact_distribution(tiny_lm, case):
     """Empirical frequencies of 3-token continuations against the enumerated distribution."""
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     rule = EXACT_CASES[case]()
     prompt = np.array([1, 2, 3, 1], np.int32)
     probs = exact.exact_distribution(exact.model_next_logits(params, cfg), prompt, 3, rule=rule, V=cfg.V)
     rows, rounds = 2048, 8
     counts = Counter()
     for r in range(rounds):
-        res = S.sample_tokens(params, cfg, [prompt] * rows, 3, jax.random.PRNGKey(11 + r), rule=rule)
+        res = S.sample_tokens(model, params, [prompt] * rows, 3, jax.random.PRNGKey(11 + r), rule=rule)
         counts.update(map(tuple, res.tokens.tolist()))
     assert sum(counts.values()) == rows * rounds
     assert exact.chisquare_pvalue(counts, probs) > 1e-3
@@ -190,64 +196,64 @@ def test_sampling_matches_exact_distribution(tiny_lm, case):
 
 
 def test_one_trace_whatever_the_rule_values(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     prompts = [np.array([1, 2]), np.array([3, 4, 5])]
     make = lambda t, p, f: rules.chain(rules.frequency_penalty(f), rules.temperature(t), rules.top_p(p))
-    S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(0), rule=make(1.0, 0.9, 0.1), chunk=8)
+    S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(0), rule=make(1.0, 0.9, 0.1), chunk=8)
     before = S._cache_chunk._cache_size()
     for t, p, f in [(0.5, 0.3, 0.0), (2.0, 1.0, 1.5), (0.0, 0.7, 0.2)]:
-        S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(1), rule=make(t, p, f), chunk=8)
+        S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(1), rule=make(t, p, f), chunk=8)
     # per-row settings: one value per prompt
     per_row = make(jnp.array([0.7, 1.3]), jnp.array([0.5, 0.95]), jnp.array([0.0, 0.3]))
-    S.sample_tokens(params, cfg, prompts, 8, jax.random.PRNGKey(1), rule=per_row, chunk=8)
+    S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(1), rule=per_row, chunk=8)
     assert S._cache_chunk._cache_size() == before
 
 
 def test_per_row_settings_match_separate_runs(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     prompts = [np.array([1, 2]), np.array([3, 4, 5])]
     key = jax.random.PRNGKey(5)
-    both = S.sample_tokens(params, cfg, prompts, 12, key, rule=rules.top_p(jnp.array([0.3, 0.9])))
+    both = S.sample_tokens(model, params, prompts, 12, key, rule=rules.top_p(jnp.array([0.3, 0.9])))
     for i, p in enumerate([0.3, 0.9]):
-        one = S.sample_tokens(params, cfg, [prompts[i]], 12, key, rule=rules.top_p(p), row_ids=[i])
+        one = S.sample_tokens(model, params, [prompts[i]], 12, key, rule=rules.top_p(p), row_ids=[i])
         assert one.tokens[0].tolist() == both.tokens[i].tolist()
 
 
 def test_temperature_zero_is_greedy(tiny_lm):
-    cfg, params = tiny_lm.cfg, tiny_lm.params
+    params, model = tiny_lm.params, tiny_lm.decoder
     prompts = [np.array([1, 2]), np.array([7])]
-    g = S.sample_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(0), greedy=True)
-    t0 = S.sample_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(9), rule=rules.temperature(0.0))
+    g = S.sample_tokens(model, params, prompts, 20, jax.random.PRNGKey(0), greedy=True)
+    t0 = S.sample_tokens(model, params, prompts, 20, jax.random.PRNGKey(9), rule=rules.temperature(0.0))
     assert g.tokens.tolist() == t0.tokens.tolist()
     np.testing.assert_allclose(t0.sample_logprobs, 0.0, atol=1e-6)
 
 
 def test_make_rule_order_and_errors():
-    r = S.make_rule(top_p=0.9, temperature=0.7, repetition_penalty=1.2)
+    r = rules.make_rule(top_p=0.9, temperature=0.7, repetition_penalty=1.2)
     assert [type(x).__name__ for x in r.rules] == ["RepetitionPenalty", "Temperature", "TopP"]
-    assert S.make_rule() is None
+    assert rules.make_rule() is None
     with pytest.raises(rules.RuleError, match="top_p"):
-        S.make_rule(top_p=1.5)
+        rules.make_rule(top_p=1.5)
     with pytest.raises(rules.RuleError, match="unknown"):
-        S.make_rule(top_q=0.5)
+        rules.make_rule(top_q=0.5)
 
 
 # ----------------------------------------------------------------------------- shipped checkpoint
 
 
 @pytest.fixture(scope="module")
-def shipped():
+def shipped(backend):
     from jaxdecode import checkpoint
 
     try:
-        return checkpoint.load()
+        return checkpoint.load(backend=backend)
     except checkpoint.CheckpointError as e:
         pytest.skip(str(e))
 
 
 def test_shipped_greedy_300_equals_book_loop(shipped):
     """300 greedy characters with the cache == the book's loop (a full forward per character)."""
-    cfg, params = shipped.cfg, shipped.params
+    cfg, params, model = shipped.cfg, shipped.params, shipped.decoder
     prompt = shipped.vocab.encode("KATHARINA:\nMoved! in good time: ")
     f = jax.jit(lambda p, x, i: jnp.argmax(M.forward(p, cfg, x)[0, i]))
     ids = list(prompt)
@@ -256,5 +262,5 @@ def test_shipped_greedy_300_equals_book_loop(shipped):
         x = np.zeros((1, width), np.int32)
         x[0, :len(ids)] = ids
         ids.append(int(f(params, jnp.asarray(x), len(ids) - 1)))
-    res = S.sample_tokens(params, cfg, [prompt], 300, jax.random.PRNGKey(0), greedy=True)
+    res = S.sample_tokens(model, params, [prompt], 300, jax.random.PRNGKey(0), greedy=True)
     assert res.tokens[0].tolist() == ids[len(prompt):]

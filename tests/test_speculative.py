@@ -11,8 +11,10 @@ from jaxdecode import model as M
 from jaxdecode import rules
 from jaxdecode import sampling as S
 from jaxdecode import speculative as SP
+from jaxdecode.speculative import loop as SPL
 from jaxdecode.exact import chisquare_pvalue, exact_distribution, model_next_logits
 from jaxdecode.model import ModelConfig, init_params
+from jaxdecode.models import decoder_for
 
 P_MIN = 1e-3  # chi-square p-value below which a fixed-seed sample counts as a mismatch
 
@@ -40,15 +42,19 @@ TOP_P = (1.0, 0.8)  # top-p 1 keeps every token: plain sampling, with the same c
 
 
 @pytest.fixture(scope="module")
-def exact_model():
+def exact_want():
     params = random_params(EXACT_CFG, 0, 1.0)
     next_logits = model_next_logits(params, EXACT_CFG)
-    want = {p: exact_distribution(next_logits, EXACT_PROMPT, 3, rule=rules.top_p(p), V=EXACT_CFG.V)
+    return {p: exact_distribution(next_logits, EXACT_PROMPT, 3, rule=rules.top_p(p), V=EXACT_CFG.V)
             for p in TOP_P}
-    return params, EXACT_CFG, want
 
 
-def make_drafts(params, cfg: ModelConfig, seed: int = 1):
+@pytest.fixture(scope="module")
+def exact_model(exact_want, backend):
+    return random_params(EXACT_CFG, 0, 1.0), EXACT_CFG, exact_want, decoder_for(EXACT_CFG, backend)
+
+
+def make_drafts(params, cfg: ModelConfig, seed: int = 1, backend: str = "portable"):
     V = cfg.V
     rng = np.random.default_rng(seed)
     text = rng.integers(0, V, 3000)
@@ -57,30 +63,31 @@ def make_drafts(params, cfg: ModelConfig, seed: int = 1):
         "ngram": SP.NGramDraft.from_tokens(text, V, n=3),
         "backoff": SP.NGramDraft.from_tokens(text, V, n=4, backoff=2.0),
         "distilled": SP.NGramDraft.distill(params, cfg, text[:1000], n=4),
-        "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), dcfg),
+        "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), decoder_for(dcfg, backend)),
         "lookup": SP.PromptLookupDraft(2),
     }
 
 
 @pytest.fixture(scope="module")
-def exact_drafts(exact_model):
-    params, cfg, _ = exact_model
-    return make_drafts(params, cfg)
+def exact_drafts(exact_model, backend):
+    params, cfg, _, _ = exact_model
+    return make_drafts(params, cfg, backend=backend)
 
 
 @pytest.fixture(scope="module")
-def small_lm():
+def small_lm(backend):
     """A random model shaped like conftest's ``tiny_lm`` (V=12, T=16), with one layer."""
     from jaxdecode.checkpoint import LanguageModel
     from jaxdecode.vocab import Vocab
 
     cfg = ModelConfig(V=12, T=16, d=16, L=1, heads=2)
-    return LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={})
+    return LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={},
+                         backend=backend)
 
 
 @pytest.fixture(scope="module")
 def small_drafts(small_lm):
-    return make_drafts(small_lm.params, small_lm.cfg, seed=2)
+    return make_drafts(small_lm.params, small_lm.cfg, seed=2, backend=small_lm.decoder.backend)
 
 
 # ----------------------------------------------------------------------------- the acceptance rule
@@ -279,7 +286,7 @@ def test_bad_soft_counts(soft, message):
                                        (60, 7), (60, 12), (40, 1)])
 def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
     """Row i is the forward pass over the window the docstring names, ending at token i - 1."""
-    params, cfg, _ = exact_model
+    params, cfg, _, _ = exact_model
     T = cfg.T
     tokens = np.random.default_rng(N).integers(0, cfg.V, N)
     got = SP.target_predictions(params, cfg, tokens, stride=stride, batch=3)
@@ -295,7 +302,7 @@ def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
 
 
 def test_target_predictions_bad_settings(exact_model):
-    params, cfg, _ = exact_model
+    params, cfg, _, _ = exact_model
     with pytest.raises(ValueError, match="stride"):
         SP.target_predictions(params, cfg, np.arange(5), stride=cfg.T + 1)
     with pytest.raises(ValueError, match="token ids"):
@@ -305,7 +312,7 @@ def test_target_predictions_bad_settings(exact_model):
 def test_distilled_table_averages_the_targets_predictions(exact_model):
     """A context's row is the mean prediction after it (nearly no backoff); with backoff, the
     table overlaps the target's predictions on new text more than counting does."""
-    params, cfg, _ = exact_model
+    params, cfg, _, _ = exact_model
     tokens = np.random.default_rng(5).integers(0, cfg.V, 2000)
     d = SP.NGramDraft.distill(params, cfg, tokens, n=2, backoff=1e-6)
     pred = SP.target_predictions(params, cfg, tokens)
@@ -369,7 +376,7 @@ def test_prompt_lookup_proposals():
 
 def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
     """Built once per (weights, text, settings), written atomically, read back identical; a
-    damaged file is rebuilt with a warning."""
+    damaged file is rebuilt with a warning; with caching off, built without any file."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc de.\nfghi a " * 680)  # 10,200 characters, the least a corpus may have
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "cache"))
@@ -393,6 +400,13 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="rebuilding"):
         rebuilt = SP.make_draft("distilled", small_lm, corpus, n=3)
     np.testing.assert_array_equal(np.asarray(rebuilt.logits), np.asarray(first.logits))
+    # caching off ($JAXDECODE_CACHE empty): the same table, and no file written anywhere
+    monkeypatch.setenv("JAXDECODE_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    before = sorted(tmp_path.rglob("*"))
+    off = SP.make_draft("distilled", small_lm, corpus, n=3)
+    assert sorted(tmp_path.rglob("*")) == before
+    np.testing.assert_array_equal(np.asarray(off.logits), np.asarray(first.logits))
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -402,10 +416,10 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["ngram", "distilled", "model", "lookup"])
 def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kind, gamma):
     """Each row of a big batch is one draw; the first 3 tokens follow the processed target."""
-    params, cfg, want = exact_model
+    params, cfg, want, model = exact_model
     prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
     for p in TOP_P:
-        res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(11), draft=exact_drafts[kind],
+        res = SP.speculative_tokens(model, params, prompts, 3, jax.random.PRNGKey(11), draft=exact_drafts[kind],
                                     gamma=gamma, rule=rules.top_p(p))
         codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
         counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
@@ -418,10 +432,10 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
 
 def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
     """The interpolated n-gram draft (a table walked through its transitions) is exact too."""
-    params, cfg, want = exact_model
+    params, cfg, want, model = exact_model
     prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
     p = TOP_P[1]
-    res = SP.speculative_tokens(params, cfg, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts["backoff"],
+    res = SP.speculative_tokens(model, params, prompts, 3, jax.random.PRNGKey(12), draft=exact_drafts["backoff"],
                                 gamma=4, rule=rules.top_p(p))
     codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
     counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
@@ -438,12 +452,12 @@ def ragged_prompts(V, sizes, seed=0):
 
 @pytest.mark.parametrize("kind", ["ngram", "backoff", "distilled", "model", "lookup"])
 def test_greedy_speculative_equals_greedy(small_lm, small_drafts, kind):
-    cfg, params = small_lm.cfg, small_lm.params
+    cfg, params, model = small_lm.cfg, small_lm.params, small_lm.decoder
     prompts = ragged_prompts(cfg.V, [1, 6, 3, 2, 5])
     prompts[2] = np.array([3, 4, 3], np.int32)
     n, gamma = 6, 3
-    want = S.sample_tokens(params, cfg, prompts, n, jax.random.PRNGKey(0), greedy=True)
-    got = SP.speculative_tokens(params, cfg, prompts, n, jax.random.PRNGKey(5), draft=small_drafts[kind],
+    want = S.sample_tokens(model, params, prompts, n, jax.random.PRNGKey(0), greedy=True)
+    got = SP.speculative_tokens(model, params, prompts, n, jax.random.PRNGKey(5), draft=small_drafts[kind],
                                 gamma=gamma, greedy=True)
     assert got.tokens.tolist() == want.tokens.tolist()
     np.testing.assert_allclose(got.model_logprobs, want.model_logprobs, atol=1e-4)
@@ -465,13 +479,13 @@ def test_generate_api(small_lm, small_drafts):
 
 
 def test_batch_invariance(small_lm, small_drafts):
-    cfg, params = small_lm.cfg, small_lm.params
+    cfg, params, model = small_lm.cfg, small_lm.params, small_lm.decoder
     prompts = ragged_prompts(cfg.V, [2, 5, 1, 4, 3, 5, 2], seed=3)
     key = jax.random.PRNGKey(7)
     kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(5)}
-    together = SP.speculative_tokens(params, cfg, prompts, 8, key, **kw)
+    together = SP.speculative_tokens(model, params, prompts, 8, key, **kw)
     for i in [0, 4, 6]:
-        alone = SP.speculative_tokens(params, cfg, [prompts[i]], 8, key, row_ids=[i], **kw)
+        alone = SP.speculative_tokens(model, params, [prompts[i]], 8, key, row_ids=[i], **kw)
         assert alone.tokens[0].tolist() == together.tokens[i].tolist()
         assert alone.stats[0] == together.stats[i]
     # the high-level API: sample j of prompt i is row i * num_samples + j
@@ -488,19 +502,18 @@ def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segme
     tables start at a later iteration."""
     cfg = ModelConfig(V=12, T=2 * S.SPAN_BUCKET, d=16, L=1, heads=2)
     params = random_params(cfg, 5, 1.0)
-    if segments == "many":
-        monkeypatch.setattr(SP.kernels, "reads_only_filled", lambda: False)
+    model = decoder_for(cfg, "native" if segments == "one" else "portable")  # portable: growing spans
     lens = [S.SPAN_BUCKET - 6, S.SPAN_BUCKET - 12, S.SPAN_BUCKET - 3]  # every row crosses the bucket
     prompts = ragged_prompts(cfg.V, lens, seed=4)
     kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(6)}
-    segment, calls = SP._segment, []
-    monkeypatch.setattr(SP, "_segment", lambda *a, **k: calls.append(k["span"]) or segment(*a, **k))
+    segment, calls = SPL._segment, []
+    monkeypatch.setattr(SPL, "_segment", lambda *a, **k: calls.append(k["span"]) or segment(*a, **k))
     runs = []
-    for table_max in (SP.NOISE_TABLE_MAX, 0):
-        monkeypatch.setattr(SP, "NOISE_TABLE_MAX", table_max)
+    for table_max in (SPL.NOISE_TABLE_MAX, 0):
+        monkeypatch.setattr(SPL, "NOISE_TABLE_MAX", table_max)
         segment.clear_cache()  # the table is chosen when the loop is traced
         calls.clear()
-        runs.append(SP.speculative_tokens(params, cfg, prompts, 20, jax.random.PRNGKey(11), **kw))
+        runs.append(SP.speculative_tokens(model, params, prompts, 20, jax.random.PRNGKey(11), **kw))
     segment.clear_cache()
     assert len(calls) == (1 if segments == "one" else 2), calls
     (a, b) = runs
@@ -517,17 +530,97 @@ def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segme
                                   rules.chain(rules.top_p(0.9), rules.presence_penalty(0.5))])
 def test_stateful_rules_are_refused(small_lm, small_drafts, rule):
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
-        SP.speculative_tokens(small_lm.params, small_lm.cfg, [np.array([1, 2])], 3, jax.random.PRNGKey(0),
+        SP.speculative_tokens(small_lm.decoder, small_lm.params, [np.array([1, 2])], 3, jax.random.PRNGKey(0),
                               draft=small_drafts["ngram"], rule=rule)
 
 
 def test_requests_past_the_window_are_refused(small_lm, small_drafts):
     cfg = small_lm.cfg  # T = 16
     with pytest.raises(ValueError, match="model window T=16"):
-        SP.speculative_tokens(small_lm.params, cfg, [np.arange(5) % cfg.V], 8, jax.random.PRNGKey(0),
+        SP.speculative_tokens(small_lm.decoder, small_lm.params, [np.arange(5) % cfg.V], 8, jax.random.PRNGKey(0),
                               draft=small_drafts["lookup"], gamma=4)  # 5 + 8 + 5 = 18 > 16
     with pytest.raises(ValueError, match="gamma"):
-        SP.speculative_tokens(small_lm.params, cfg, [np.array([1])], 3, jax.random.PRNGKey(0),
+        SP.speculative_tokens(small_lm.decoder, small_lm.params, [np.array([1])], 3, jax.random.PRNGKey(0),
                               draft=small_drafts["lookup"], gamma=0)
     with pytest.raises(ValueError, match="draft kind"):
         SP.make_draft("nope", small_lm)
+
+
+# ----------------------------------------------------------------------------- the package
+
+
+def test_draft_registry():
+    """make_draft knows exactly the registered drafts; an unknown name is refused, naming them."""
+    assert list(SP.DRAFTS) == ["ngram", "distilled", "draft", "lookup"]
+    assert all(isinstance(d, str) and d for d in SP.DRAFTS.values())
+    with pytest.raises(ValueError, match="unknown draft kind 'nope'") as e:
+        SP.make_draft("nope", None)
+    for name in SP.DRAFTS:
+        assert repr(name) in str(e.value)
+    with pytest.raises(ValueError, match="already registered"):
+        SP.register_draft("lookup", "again")(lambda lm, data_path=None, **kw: None)
+    assert isinstance(SP.make_draft("lookup", None, n=2), SP.PromptLookupDraft)
+    with pytest.raises(ValueError, match="backoff applies to the n-gram drafts only"):
+        SP.make_draft("lookup", None, backoff=2.0)
+
+
+def test_the_loop_reads_no_files():
+    """The loop module computes only: it opens no file and imports neither the corpus reader,
+    the checkpoint loader, the cache paths nor pathlib."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(SPL.__file__).read_text(encoding="utf-8"))
+    banned = {"pathlib", "jaxdecode.data", "jaxdecode.checkpoint", "jaxdecode.paths", "io", "os", "shutil",
+              "tempfile"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            # resolve relative imports: loop.py is jaxdecode.speculative.loop
+            base = ["jaxdecode", "speculative"][:max(0, 2 - (node.level - 1))] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = {module} | {f"{module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Name) and node.id == "open":
+            raise AssertionError(f"loop.py uses open() at line {node.lineno}")
+        else:
+            continue
+        for name in names:
+            assert not any(name == b or name.startswith(b + ".") for b in banned), (name, node.lineno)
+
+
+# ----------------------------------------------------------------------------- stop strings, streaming
+
+
+def test_stop_strings_and_streaming(small_lm, small_drafts, backend):
+    """A row ends after its first stop string (also one that straddles two host round trips),
+    with the tokens of the run without stops; streamed pieces add up to the outputs."""
+    from jaxdecode.checkpoint import LanguageModel
+
+    cfg = ModelConfig(V=12, T=64, d=16, L=1, heads=2)
+    lm = LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=small_lm.vocab, meta={}, backend=backend)
+    params, model = lm.params, lm.decoder
+    prompts = ragged_prompts(model.V, [2, 5, 1, 4], seed=5)
+    kw = {"draft": small_drafts["ngram"], "gamma": 2, "rule": rules.top_k(6)}
+    key = jax.random.PRNGKey(21)
+    free = SP.speculative_tokens(model, params, prompts, 40, key, **kw)
+    assert free.counts.tolist() == [40] * 4 and not free.stopped.any()
+    stop = free.tokens[0, 30:32]  # row 0 produces it late: after at least one round trip
+    first = lambda row: next((e for e in range(2, 41) if row[e - 2:e].tolist() == stop.tolist()), None)
+    pieces = [[] for _ in prompts]
+
+    def on_chunk(tokens, emitted):
+        for r in range(len(prompts)):
+            pieces[r] += tokens[r][emitted[r]].tolist()
+
+    res = SP.speculative_tokens(model, params, prompts, 40, key, stops=[stop], on_chunk=on_chunk, **kw)
+    for r in range(len(prompts)):
+        end = first(free.tokens[r])
+        assert res.counts[r] == (end if end else 40) and res.stopped[r] == (end is not None)
+        assert res.tokens[r, :res.counts[r]].tolist() == free.tokens[r, :res.counts[r]].tolist()
+        assert pieces[r] == res.tokens[r, :res.counts[r]].tolist()
+    assert res.stopped[0] and res.counts[0] <= 32
+    # the text level
+    text = lm.vocab.decode(prompts[0])
+    gens = SP.speculative_generate(lm, text, 40, key=key, stop=lm.vocab.decode(stop), **kw)
+    assert gens[0].finish_reason == "stop" and gens[0].tokens.tolist() == res.tokens[0, :res.counts[0]].tolist()

@@ -65,7 +65,7 @@ def beam_curse_study(lm, prompts: Sequence[str], n: int, ks: Sequence[int] = (1,
         raise ValueError("give at least one beam width")
     prompts = list(prompts)
     encoded = [lm.vocab.encode(p) for p in prompts]
-    beams = {k: beam_search(lm.params, lm.cfg, encoded, n, k) for k in ks}
+    beams = {k: beam_search(lm.decoder, lm.params, encoded, n, k) for k in ks}
 
     rows = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
@@ -76,7 +76,7 @@ def beam_curse_study(lm, prompts: Sequence[str], n: int, ks: Sequence[int] = (1,
         try:
             # the best beam is a known continuation: nothing below it can be the mode
             lower = max(h.logprob for h in best.values())
-            tokens, logprob, nodes = mode_search(lm.params, lm.cfg, ids, n, node_budget, lower_bound=lower)
+            tokens, logprob, nodes = mode_search(lm.decoder, lm.params, ids, n, node_budget, lower_bound=lower)
             row.update(mode=lm.vocab.decode(tokens), mode_logprob=float(logprob), nodes_expanded=nodes)
         except SearchBudgetExceeded:
             tokens = None

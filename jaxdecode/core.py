@@ -1,0 +1,199 @@
+"""What every decoding loop shares: request checks, bucketing, padding, row ids, rule padding,
+stop strings and result types. The loops (:mod:`.sampling`, :mod:`.beam`, :mod:`.speculative`)
+build their batches here and talk to the model only through :mod:`jaxdecode.models.base`.
+
+Shapes are bucketed so that new prompts do not recompile: the batch is padded to a power of two
+(dummy rows, discarded), the prompt width to a multiple of :data:`PROMPT_BUCKET`, and the KV cache
+to multiples of :data:`SPAN_BUCKET` positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPAN_BUCKET = 128
+PROMPT_BUCKET = 16
+DUMMY_ROW_ID = 2**30  # dummy (padding) rows are named from here on, apart from any real row
+
+
+def batch_bucket(b: int) -> int:
+    """The smallest power of two >= ``b``."""
+    return 1 << max(0, (b - 1).bit_length())
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def check_int(name: str, value, low: int) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A checked, bucketed batch of token prompts (``Bb`` rows, ``B`` of them real)."""
+
+    B: int
+    Bb: int
+    lens: np.ndarray  # [B] int32 prompt lengths
+    prompt: np.ndarray  # [Bb, Pb] int32 right-padded prompts (Pb a multiple of PROMPT_BUCKET)
+    recent: np.ndarray  # [Bb, T] int32 the last T tokens of each prompt, left-aligned
+    length: np.ndarray  # [Bb] int32 prompt lengths, 1 for dummy rows
+    row_ids: np.ndarray  # [Bb] uint32 the rows' names for the PRNG
+
+    @property
+    def Pmax(self) -> int:
+        return int(self.lens.max())
+
+    @property
+    def Pb(self) -> int:
+        return self.prompt.shape[1]
+
+
+def make_batch(prompts, n: int, V: int, T: int, row_ids: Sequence[int] | None = None) -> Batch:
+    """Check a request (prompts as token arrays of any lengths >= 1, or one ``[B, P]`` array; ``n``
+    new tokens; token ids in ``[0, V)``; one row id per prompt) and pad it to its buckets."""
+    check_int("the number of new tokens n", n, 0)
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        rows = list(prompts.astype(np.int32))
+    else:
+        rows = [np.asarray(p).reshape(-1) for p in prompts]
+    B = len(rows)
+    if B == 0:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(rows):
+        if p.size == 0:
+            raise ValueError("every prompt needs at least one token")
+        if not np.issubdtype(p.dtype, np.integer):
+            raise ValueError(f"prompt {i}: token ids must be integers, got dtype {p.dtype}")
+        if p.min() < 0 or p.max() >= V:
+            raise ValueError(f"prompt {i}: token ids must lie in [0, {V}), got min {p.min()} max {p.max()}")
+    lens = np.array([len(p) for p in rows], np.int32)
+    ids = np.arange(B) if row_ids is None else np.asarray(row_ids)
+    if ids.shape != (B,):
+        raise ValueError(f"row_ids must have one id per prompt ({B}), got shape {ids.shape}")
+    Bb = batch_bucket(B)
+    Pb = round_up(int(lens.max()), PROMPT_BUCKET)
+    prompt = np.zeros((Bb, Pb), np.int32)
+    recent = np.zeros((Bb, T), np.int32)
+    length = np.ones((Bb,), np.int32)
+    for i, p in enumerate(rows):
+        prompt[i, :len(p)] = p
+        last = p[-T:]
+        recent[i, :len(last)] = last
+        length[i] = len(p)
+    row_ids_b = np.concatenate([ids, np.arange(B, Bb) + DUMMY_ROW_ID]).astype(np.uint32)
+    return Batch(B, Bb, lens, prompt, recent, length, row_ids_b)
+
+
+def pad_rule(rule, B: int, Bb: int):
+    """Broadcast every numeric setting of ``rule`` to one value per (bucketed) row."""
+    if rule is None:
+        return None
+
+    def fix(a):
+        a = jnp.asarray(a)
+        if a.ndim == 0:
+            return jnp.broadcast_to(a, (Bb,))
+        if a.shape[0] != B:
+            raise ValueError(f"a per-row rule setting has {a.shape[0]} values for {B} rows")
+        return jnp.concatenate([a, jnp.broadcast_to(a[:1], (Bb - B,) + a.shape[1:])])
+
+    return jax.tree_util.tree_map(fix, rule)
+
+
+def encode_stops(stops: Sequence[np.ndarray]):
+    """Stop sequences right-aligned in ``[n_stops, S]`` (``S`` a multiple of 8, -2 in front) and
+    their lengths; ``(None, None)`` without stops."""
+    if not stops:
+        return None, None
+    S = round_up(max(len(s) for s in stops), 8)
+    n = batch_bucket(len(stops))
+    arr = np.full((n, S), -2, np.int32)
+    lens = np.zeros((n,), np.int32)
+    for i, s in enumerate(stops):
+        if len(s) == 0:
+            raise ValueError("a stop string must not be empty")
+        arr[i, S - len(s):] = s
+        lens[i] = len(s)
+    return jnp.asarray(arr), jnp.asarray(lens)
+
+
+def stop_hit(tail, stops, stop_lens):
+    """[B] bool: the tail ``[B, S]`` ends with one of the stop sequences (right-aligned in ``stops``)."""
+    S = stops.shape[1]
+    pos = jnp.arange(S)[None, :]  # [1, S]
+    relevant = pos >= (S - stop_lens)[:, None]  # [n_stops, S]
+    match = (tail[:, None, :] == stops[None]) | ~relevant[None]  # [B, n_stops, S]
+    return jnp.any(jnp.all(match, axis=-1) & (stop_lens > 0)[None], axis=-1)
+
+
+def push_recent(recent, length, token, T):
+    """Append ``token`` to each row's last-T buffer (shifting once it is full)."""
+    B = recent.shape[0]
+    full = length >= T
+    shifted = jnp.concatenate([recent[:, 1:], token[:, None]], axis=1)
+    written = recent.at[jnp.arange(B), jnp.minimum(length, T - 1)].set(token)
+    return jnp.where(full[:, None], shifted, written)
+
+
+def encode_prompts(lm, prompts: str | Sequence[str], num_samples: int):
+    """Check and encode text prompts; returns the prompt list and one token row per sample
+    (prompt-major: sample ``j`` of prompt ``i`` is row ``i * num_samples + j``)."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    check_int("num_samples", num_samples, 1)
+    for p in prompts:
+        if not isinstance(p, str):
+            raise ValueError(f"a prompt must be a string, got {type(p).__name__}")
+        if not p:
+            raise ValueError("the prompt is empty: give at least one character")
+    encoded = [lm.vocab.encode(p) for p in prompts]
+    return prompts, [e for e in encoded for _ in range(num_samples)]
+
+
+def text_streamer(lm, on_text):
+    """``on_text(row, new_text)`` as a loop's ``on_chunk(tokens [B, c], emitted [B, c])``, or None."""
+    if on_text is None:
+        return None
+
+    def on_chunk(tokens, emitted):
+        for r in range(tokens.shape[0]):
+            if emitted[r].any():
+                on_text(r, lm.vocab.decode(tokens[r][emitted[r]]))
+
+    return on_chunk
+
+
+def encode_stop_strings(lm, stop: str | Sequence[str] | None) -> list[np.ndarray]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not s:
+            raise ValueError("a stop string must not be empty")
+    return [lm.vocab.encode(s) for s in stops]
+
+
+@dataclasses.dataclass
+class Generation:
+    """One generated continuation."""
+
+    prompt: str
+    text: str
+    tokens: np.ndarray  # [n] int32
+    model_logprobs: np.ndarray  # [n] float32, unmodified model log-probability of each token
+    sample_logprobs: np.ndarray  # [n] float32, under the processed distribution sampled from
+    finish_reason: str  # "length" or "stop"
+
+    @property
+    def mean_logprob(self) -> float:
+        """The model's mean log-probability per generated token (nats)."""
+        return float(np.mean(self.model_logprobs)) if len(self.model_logprobs) else float("nan")

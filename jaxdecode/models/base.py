@@ -1,0 +1,194 @@
+"""The decoding-model interface: the only thing a decoding loop knows about a model.
+
+A decoding model is a small, immutable, hashable object (it is a static argument of the loops'
+jitted programs, so everything it decides, the backend included, is part of what jit compiles).
+Its parameters travel separately as a pytree. Its cache is a pytree too, opaque to the loops: they
+create it, pass it back, reorder it for beams and truncate it for speculative rollback, only
+through the methods below, so a paged cache can replace a dense one without touching a loop.
+
+Shapes: ``B`` rows, ``S`` new tokens per row, ``V`` vocabulary, ``d`` hidden width.
+
+``prefill(params, tokens [B, P], lengths [B], capacity) -> (logits [B, V], hidden [B, d], cache)``
+    right-padded prompts (row ``b`` real up to ``lengths[b]``, ``P <= T``); the logits and final
+    hidden state after each prompt's last token.
+``extend(params, cache, tokens [B, S], span=None) -> (logits [B, S, V], hidden [B, S, d], cache)``
+    append ``S`` tokens per row at each row's own length. ``span`` (static) promises that no row
+    attends past that many positions; rows must stay within ``T``.
+``window(params, history [B, N], lengths [B]) -> (logits [B, V], hidden [B, d])``
+    the exact next-token prediction for rows of any length, ``history`` left-aligned: a model with
+    window ``T`` sees the last ``T`` tokens (past ``T`` the loops use this instead of the cache).
+``empty_cache(batch, capacity)``, ``reorder(cache, rows [B'], span=None)`` (row ``i`` becomes row
+``rows[i]``: beams), ``truncate(cache, lengths [B])`` (forget positions at or past ``lengths``:
+speculative rollback), ``grow(cache, capacity)``, ``capacity(cache)``, ``lengths(cache)``.
+
+``hidden`` is the last layer's output after the final LayerNorm (Hugging Face's
+``hidden_states[-1]``), or None for a model that has none; contrastive search needs it.
+
+Optional, with defaults here: ``prepare(params, rows)`` turns parameters into what a loop whose
+passes have ``rows`` rows passes to the methods (a backend may pack weights once per request);
+``chunk_begin / chunk_step / chunk_end`` run a chunk of single-token decode steps, letting the
+model keep the chunk's new keys apart from a large read-only cache (a loop that writes into a
+loop-carried cache and reads it back in one iteration makes XLA copy it every step);
+``reads_only_filled`` says whether attending over a mostly empty cache costs nothing extra (then a
+loop allocates the cache once per request instead of growing it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class DecodingModel:
+    """Base class of decoding models (see the module docstring for the contract)."""
+
+    V: int  # vocabulary size
+    T: int  # window: positions the model sees; past it the loops call ``window``
+    reads_only_filled: bool = False
+    backend: str = "portable"  # what `jaxdecode info` reports
+
+    # --- the model
+    def empty_cache(self, batch: int, capacity: int):
+        raise NotImplementedError
+
+    def prefill(self, params, tokens, lengths, capacity: int):
+        raise NotImplementedError
+
+    def extend(self, params, cache, tokens, span: int | None = None, in_place: bool = True):
+        """``in_place`` is a hint: True when the caller carries the cache as it is from pass to
+        pass, False when it rebuilds it every pass (beam search reorders it)."""
+        raise NotImplementedError
+
+    def window(self, params, history, lengths):
+        raise NotImplementedError
+
+    def prefill_cache(self, params, tokens, lengths, capacity: int):
+        """Only the cache of :meth:`prefill` (a caller that feeds the last token itself)."""
+        return self.prefill(params, tokens, lengths, capacity)[2]
+
+    # --- the cache (defaults for a cache with a ``length`` field and batch-first leaves)
+    def lengths(self, cache):
+        return cache.length
+
+    def truncate(self, cache, lengths):
+        return cache._replace(length=jnp.asarray(lengths, jnp.int32))
+
+    def reorder(self, cache, rows, span: int | None = None):
+        return jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), cache)
+
+    def capacity(self, cache) -> int:
+        raise NotImplementedError
+
+    def grow(self, cache, capacity: int):
+        raise NotImplementedError
+
+    # --- decoding hints
+    def prepare(self, params, rows: int):
+        return params
+
+    def chunk_begin(self, params, cache, batch: int, chunk: int):
+        return cache
+
+    def chunk_step(self, params, cache, run, i, token):
+        """Step ``i`` of a chunk: ``token`` ``[B]`` -> ``(logits [B, V], hidden [B, d], run)``."""
+        logits, hidden, run = self.extend(params, run, token[:, None])
+        return logits[:, 0], None if hidden is None else hidden[:, 0], run
+
+    def chunk_end(self, cache, run, steps):
+        """The cache after a chunk of ``steps`` steps."""
+        return run
+
+
+def _split(out):
+    """A logits function's output: logits, or (logits, hidden)."""
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+class TokenCache(NamedTuple):
+    """The cache of :class:`FunctionModel`: every row's tokens so far."""
+
+    tokens: jax.Array  # [B, capacity] int32, left-aligned, real up to length
+    length: jax.Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionModel(DecodingModel):
+    """Decode your own model: any JAX function ``logits_fn(params, tokens [B, t]) -> logits [B, t, V]``
+    (or ``(logits, hidden [B, t, d])``) with no cache of its own.
+
+    ``logits_fn`` must be causal (position ``t``'s output depends only on tokens ``0..t``) and
+    number positions from 0 at the first token it is given. ``T`` is its window: past ``T``
+    tokens it is given each row's last ``T`` (as the reference model's forward does). The "cache"
+    keeps the tokens; every pass runs the function over the filled span, so a step costs a whole
+    forward: fine for small models, tests and studies, and every loop runs on it unchanged.
+    """
+
+    logits_fn: Callable[..., Any]
+    V: int
+    T: int = 1024
+
+    def __post_init__(self):
+        for name in ("V", "T"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FunctionModel: {name} must be a positive integer, got {value!r}")
+
+    def empty_cache(self, batch, capacity):
+        return TokenCache(jnp.zeros((batch, capacity), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    def capacity(self, cache):
+        return cache.tokens.shape[1]
+
+    def grow(self, cache, capacity):
+        pad = capacity - cache.tokens.shape[1]
+        if pad < 0:
+            raise ValueError(f"grow: capacity {capacity} is below the current {cache.tokens.shape[1]}")
+        return cache if pad == 0 else cache._replace(tokens=jnp.pad(cache.tokens, ((0, 0), (0, pad))))
+
+    def prefill(self, params, tokens, lengths, capacity):
+        B, P = tokens.shape
+        lengths = jnp.asarray(lengths, jnp.int32)
+        logits, hidden = _split(self.logits_fn(params, tokens))
+        at = jnp.maximum(lengths - 1, 0)[:, None, None]
+        last = lambda a: None if a is None else jnp.take_along_axis(a, at, axis=1)[:, 0]
+        cache = TokenCache(jnp.pad(tokens.astype(jnp.int32), ((0, 0), (0, capacity - P))), lengths)
+        return last(logits), last(hidden), cache
+
+    def extend(self, params, cache, tokens, span=None, in_place=True):
+        B, S = tokens.shape
+        # rows stay within T on the cache path: the function never sees more than T tokens
+        span = min(self.capacity(cache) if span is None else span, self.T)
+        put = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))
+        history = put(cache.tokens, tokens.astype(jnp.int32), cache.length)
+        logits, hidden = _split(self.logits_fn(params, history[:, :span]))
+        idx = jnp.clip(cache.length[:, None] + jnp.arange(S)[None, :], 0, span - 1)  # [B, S]
+        take = lambda a: None if a is None else jnp.take_along_axis(a, idx[:, :, None], axis=1)
+        return take(logits), take(hidden), TokenCache(history, cache.length + S)
+
+    def window(self, params, history, lengths):
+        N = history.shape[1]
+        W = min(N, self.T)
+        start = jnp.clip(lengths - W, 0, N - W)
+        windows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (W,)))(history, start)
+        logits, hidden = _split(self.logits_fn(params, windows))
+        idx = jnp.clip(lengths - start - 1, 0, W - 1)[:, None, None]
+        at = lambda a: None if a is None else jnp.take_along_axis(a, idx, axis=1)[:, 0]
+        return at(logits), at(hidden)
+
+
+def as_decoding_model(model, *, V: int | None = None, T: int = 1024) -> DecodingModel:
+    """``model`` if it is a :class:`DecodingModel`, else a :class:`FunctionModel` around the
+    function ``model`` (``V`` required)."""
+    if isinstance(model, DecodingModel):
+        return model
+    if callable(model):
+        if V is None:
+            raise ValueError("a logits function needs its vocabulary size V")
+        return FunctionModel(model, V, T)
+    raise TypeError(f"expected a DecodingModel or a logits function, got {type(model).__name__}")

@@ -1,0 +1,420 @@
+"""The speculative decoding loop: a few jitted ``lax.while_loop`` segments over the whole batch,
+their statistics and results, and the entry points :func:`speculative_tokens` (token arrays) and
+:func:`speculative_generate` (text).
+
+This module computes only: it takes a ready :class:`~jaxdecode.speculative.drafts.Draft` and
+reads no files (drafts that need the corpus or a checkpoint are built by
+:func:`jaxdecode.speculative.make_draft`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import (
+    SPAN_BUCKET,
+    Generation,
+    batch_bucket,
+    check_int,
+    encode_prompts,
+    encode_stop_strings,
+    make_batch,
+    pad_rule,
+    round_up,
+    text_streamer,
+)
+from ..models.base import DecodingModel
+from ..rules import processed_logprobs
+from .acceptance import _accept, _take, iteration_noise, row_keys
+
+if TYPE_CHECKING:
+    from .drafts import Draft
+
+
+def _logprobs(logits):
+    """``log_softmax`` that keeps ``-inf`` entries (removed tokens) at ``-inf`` without NaN."""
+    return processed_logprobs(logits)
+
+
+class SpecState(NamedTuple):
+    """The loop carry."""
+
+    cache: Any  # the target's cache: the context without its last (pending) token
+    pending: jax.Array  # [B] int32 the context's last token
+    context: jax.Array  # [B] int32 context length: prompt + generated
+    draft: Any  # the draft's state
+    tokens: jax.Array  # [B, N] int32 generated tokens (valid up to count, then garbage)
+    model_logprobs: jax.Array  # [B, N] float32 under the unmodified target
+    sample_logprobs: jax.Array  # [B, N] float32 under the processed target
+    count: jax.Array  # [B] int32 tokens generated (may overshoot n by up to gamma)
+    passes: jax.Array  # [B] int32 target passes
+    examined: jax.Array  # [B] int32 proposals that met the acceptance test
+    accepted: jax.Array  # [B] int32 proposals accepted
+    iteration: jax.Array  # [] int32
+
+
+NOISE_TABLE_MAX = 1 << 20  # uniforms: a segment draws its noise up front when it needs at most this many
+
+
+def _stateless(rule, V: int) -> None:
+    if rule is None:
+        return
+    state = jax.eval_shape(lambda r: r.init(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                                            V, 1), rule)
+    if jax.tree_util.tree_leaves(state):
+        raise ValueError(
+            f"{type(rule).__name__}: rules that keep state (repetition/frequency/presence "
+            "penalties, no-repeat n-grams) are not supported with speculative decoding; use "
+            "stateless rules (temperature, top-k, top-p, min-p, ...)")
+
+
+def _processor(rule, B: int, V: int):
+    if rule is None:
+        return lambda logits: logits
+    state = rule.init(jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32), V, 1)
+    return lambda logits: rule.apply(logits, state)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "gamma", "span", "greedy"),
+                   donate_argnames=("state",))
+def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter_end, *,
+             model: DecodingModel, gamma: int, span: int, greedy: bool) -> SpecState:
+    """Iterate while some row is unfinished, every unfinished row fits in ``span`` and the
+    iteration is below ``iter_end`` (a host round trip for streaming and stop strings)."""
+    B = state.pending.shape[0]
+    V = model.V
+    rows = jnp.arange(B)
+    keys = row_keys(key, row_ids)
+    process = _processor(rule, B, V)
+    process_all = jax.vmap(process, in_axes=1, out_axes=1)  # over the positions of [B, S, V]
+
+    # A row makes at least one token a pass, so this segment runs at most n passes. When their
+    # noise is small, draw it all here, in one vectorized call: each iteration then slices its
+    # row of the table instead of running the generator (a loop of a few dozen tiny operations,
+    # which costs more than the numbers themselves). Same values either way.
+    n_max = state.tokens.shape[1]  # static, and at least n
+    table = None
+    if not greedy and B * n_max * (2 * gamma + 1) <= NOISE_TABLE_MAX:
+        its = state.iteration + jnp.arange(n_max, dtype=jnp.int32)
+        table = jax.vmap(lambda i: iteration_noise(keys, i, gamma), out_axes=1)(its)  # [B, n_max, ..]
+
+    def noise_at(st):
+        if greedy:
+            return None
+        if table is None:
+            return iteration_noise(keys, st.iteration, gamma)
+        k = jnp.minimum(st.iteration - state.iteration, n_max - 1)
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 1, False), table)
+
+    def cond(st):
+        active = st.count < n
+        need = jnp.max(jnp.where(active, st.context + gamma, 0))
+        return jnp.any(active) & (need <= span) & (st.iteration < iter_end)
+
+    def body(st):
+        active = st.count < n
+        noise = noise_at(st)
+        drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
+                                                 process, span)
+        fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
+        logits, _, cache = model.extend(params, st.cache, fed, span)  # [B, gamma+1, V]
+        processed = process_all(logits)
+        sample_lp = _logprobs(processed)
+        if greedy:
+            n_acc, nxt = _accept(processed, None, drafts, None, True)
+        elif q_logits is None:  # a deterministic draft: q is a point mass on each proposal
+            n_acc, nxt = _accept(jnp.exp(sample_lp), jax.nn.one_hot(drafts, V), drafts, noise, False)
+        else:
+            n_acc, nxt = _accept(jnp.exp(sample_lp), jnp.exp(_logprobs(q_logits)), drafts, noise,
+                                 False)
+        new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        new = new.at[rows, n_acc].set(nxt)  # [B, gamma+1] valid up to n_acc
+        write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
+        # finished rows write past n only (the buffer has room), and are cut off on the host
+        tokens = write(st.tokens, new, st.count)
+        mlp = write(st.model_logprobs, _take(_logprobs(logits), new), st.count)
+        slp = write(st.sample_logprobs, _take(sample_lp, new), st.count)
+        # roll back: keep the pending token and the accepted proposals
+        cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
+        dstate = draft.commit(dstate, drafts, n_acc, nxt, active)
+        on = active.astype(jnp.int32)
+        return SpecState(
+            cache=cache,
+            pending=jnp.where(active, nxt, st.pending),
+            context=st.context + on * (n_acc + 1),
+            draft=dstate,
+            tokens=tokens, model_logprobs=mlp, sample_logprobs=slp,
+            count=st.count + on * (n_acc + 1),
+            passes=st.passes + on,
+            examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
+            accepted=st.accepted + on * n_acc,
+            iteration=st.iteration + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "capacity", "width", "N"))
+def _start(params, draft: Draft, prompt, length, count, *, model, capacity, width, N):
+    """The loop's first state: the prompts (but their last tokens) prefilled into the target's
+    cache, the draft's state, empty outputs. One call: every dispatch costs host time."""
+    B = prompt.shape[0]
+    cache = model.prefill_cache(params, prompt[:, :width], length - 1, capacity)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return SpecState(
+        cache=cache,
+        pending=jnp.take_along_axis(prompt, (length - 1)[:, None], axis=1)[:, 0],
+        context=length,
+        draft=draft.init(prompt, length, capacity),
+        tokens=jnp.zeros((B, N), jnp.int32),
+        model_logprobs=jnp.zeros((B, N), jnp.float32),
+        sample_logprobs=jnp.zeros((B, N), jnp.float32),
+        count=count, passes=zeros, examined=zeros, accepted=zeros, iteration=jnp.int32(0))
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counts of one row (or summed over rows) of a speculative run."""
+
+    gamma: int
+    passes: int  # target passes (one extend of gamma + 1 positions each)
+    proposed: int  # draft tokens proposed: gamma per pass
+    examined: int  # proposals that met the acceptance test (up to and including the first rejection)
+    accepted: int  # proposals accepted
+    generated: int  # tokens produced, including the overshoot cut off at n
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: the share of examined proposals that were accepted."""
+        return self.accepted / self.examined if self.examined else float("nan")
+
+    @property
+    def chars_per_pass(self) -> float:
+        return self.generated / self.passes if self.passes else float("nan")
+
+    @property
+    def predicted_chars_per_pass(self) -> float:
+        """``(1 - alpha^(gamma+1)) / (1 - alpha)``: tokens per pass if acceptances were i.i.d."""
+        return predicted_chars_per_pass(self.acceptance_rate, self.gamma)
+
+    @classmethod
+    def total(cls, stats: Sequence[SpeculativeStats]) -> SpeculativeStats:
+        stats = list(stats)
+        if len({s.gamma for s in stats}) != 1:
+            raise ValueError("SpeculativeStats.total: the stats have different gammas")
+        return cls(stats[0].gamma, *(sum(getattr(s, f) for s in stats)
+                                     for f in ("passes", "proposed", "examined", "accepted", "generated")))
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, chars_per_pass=self.chars_per_pass,
+                 predicted_chars_per_pass=self.predicted_chars_per_pass)
+        return d
+
+
+def predicted_chars_per_pass(alpha: float, gamma: int) -> float:
+    """Expected tokens per target pass for i.i.d. acceptances at rate ``alpha`` (Leviathan et al.)."""
+    if math.isnan(alpha):
+        return float("nan")
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclasses.dataclass
+class SpeculativeResult:
+    tokens: np.ndarray  # [B, n] int32 (garbage past a row's count)
+    model_logprobs: np.ndarray  # [B, n] float32
+    sample_logprobs: np.ndarray  # [B, n] float32
+    stats: list  # [B] SpeculativeStats
+    counts: np.ndarray = None  # [B] int32 tokens of each row's output (n unless it stopped)
+    stopped: np.ndarray = None  # [B] bool: the row produced a stop string
+
+
+def _batch_bucket(b: int) -> int:
+    """Powers of two up to 1024 rows, then multiples of 1024 (big batches waste little)."""
+    return batch_bucket(b) if b <= 1024 else round_up(b, 1024)
+
+
+def check_request(model: DecodingModel, max_prompt: int, n: int, gamma: int) -> None:
+    """Raise ValueError unless prompt + n + gamma + 1 fits in the model window."""
+    need = max_prompt + n + gamma + 1
+    if need > model.T:
+        raise ValueError(
+            f"speculative decoding: the prompt ({max_prompt}) plus n ({n}) plus gamma + 1 "
+            f"({gamma + 1}) is {need} positions, more than the model window T={model.T}; the cache "
+            f"is exact only within the window: shorten the request or use plain sampling")
+
+
+STREAM_ITERATIONS = 16  # target passes between host round trips when streaming or checking stops
+NO_LIMIT = np.int32(2**31 - 1)
+
+
+def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.Array, *,
+                       draft: Draft, gamma: int = 4, rule=None, greedy: bool = False,
+                       row_ids: Sequence[int] | None = None, stops: Sequence[np.ndarray] = (),
+                       on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> SpeculativeResult:
+    """Generate ``n`` tokens after each prompt (token arrays, or one ``[B, P]`` array) by
+    speculative sampling from the target ``model`` (a :class:`jaxdecode.models.DecodingModel`,
+    e.g. ``lm.decoder``) with ``params``, proposed by ``draft``.
+
+    ``rule`` (stateless) processes both the target's and the draft's logits; the output has the
+    processed target's distribution. ``row_ids`` (default ``0..B-1``) name the rows for the PRNG.
+    ``stops``: token sequences that end a row once generated (the row's text is cut after the
+    first one; its other tokens are exactly those of the run without stops). ``on_chunk(tokens
+    [B, c], emitted [B, c])`` streams new tokens every few target passes. With either, the loop
+    returns to the host every ``STREAM_ITERATIONS`` passes; the tokens do not change.
+    """
+    gamma = check_int("gamma", gamma, 1)
+    batch = make_batch(prompts, n, model.V, model.T, row_ids)
+    B, Pmax, T = batch.B, batch.Pmax, model.T
+    _stateless(rule, model.V)
+    check_request(model, Pmax, n, gamma)
+    draft.check(model, Pmax + n + gamma + 1)
+    stops = [np.asarray(x, np.int32).reshape(-1) for x in stops]
+    if any(len(x) == 0 for x in stops):
+        raise ValueError("a stop string must not be empty")
+    if n == 0:
+        e = np.zeros((B, 0), np.int32)
+        zero = SpeculativeStats(gamma, 0, 0, 0, 0, 0)
+        return SpeculativeResult(e, e.astype(np.float32), e.astype(np.float32),
+                                 [dataclasses.replace(zero) for _ in range(B)], np.zeros(B, np.int32),
+                                 np.zeros(B, bool))
+
+    Bb = _batch_bucket(B)
+    prompt = np.zeros((Bb, batch.Pb), np.int32)
+    prompt[:B] = batch.prompt[:B]
+    length = np.ones((Bb,), np.int32)
+    length[:B] = batch.lens
+    count = np.zeros((Bb,), np.int32)
+    count[B:] = n  # padding rows start finished
+    row_ids_b = np.concatenate([batch.row_ids[:B], np.arange(B, Bb) + 2**30]).astype(np.uint32)
+    rule_b = pad_rule(rule, B, Bb)
+    # room for every write of a finished row (at most 2 gamma + 2 past the window)
+    capacity = T + 2 * gamma + 2
+    N = round_up(n + 2 * gamma + 2, 64)
+
+    # A verify pass has Bb * (gamma + 1) rows: the model may prepare its weights for that once
+    params = model.prepare(params, Bb * (gamma + 1))
+    state = _start(params, draft, prompt, length, count, model=model, capacity=capacity,
+                   width=min(batch.Pb, T), N=N)
+    n_j = np.int32(n)  # numpy: a jnp scalar would cost a dispatch of its own
+    ids_j = row_ids_b
+    watch = bool(stops) or on_chunk is not None
+    sent = np.zeros(B, np.int32)  # tokens of each row streamed / checked so far
+    stop_at = np.full(B, -1, np.int32)  # where a row's first stop string ends, -1 = none yet
+    while True:
+        count_h, context_h, iteration = jax.device_get((state.count, state.context, state.iteration))
+        active = count_h < n
+        if not active.any():
+            break
+        if model.reads_only_filled:
+            # attention reads each row only up to its length: one segment over the whole window
+            # (unfinished rows stay within T, checked above)
+            span = T
+        else:  # finished rows may attend to garbage, which is never read back
+            span = min(T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
+        iter_end = np.int32(iteration + STREAM_ITERATIONS) if watch else NO_LIMIT
+        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, iter_end, model=model,
+                         gamma=gamma, span=span, greedy=greedy)
+        if watch:
+            state = _watch(state, B, n, stops, sent, stop_at, on_chunk)
+
+    # only what is returned comes back to the host (not the cache); cut on the host, since a
+    # slice on the device would compile once per (B, n)
+    tokens, mlp, slp, passes, examined, accepted, count = jax.device_get(
+        (state.tokens, state.model_logprobs, state.sample_logprobs, state.passes, state.examined,
+         state.accepted, state.count))
+    tokens, mlp, slp = tokens[:B, :n], mlp[:B, :n], slp[:B, :n]
+    counts = np.where(stop_at >= 0, stop_at, n).astype(np.int32)
+    stats = [SpeculativeStats(gamma, int(passes[b]), gamma * int(passes[b]), int(examined[b]),
+                              int(accepted[b]), int(min(count[b], counts[b]) if stop_at[b] >= 0 else count[b]))
+             for b in range(B)]
+    return SpeculativeResult(np.asarray(tokens, np.int32), np.asarray(mlp, np.float32),
+                             np.asarray(slp, np.float32), stats, counts, stop_at >= 0)
+
+
+def _watch(state: SpecState, B: int, n: int, stops, sent, stop_at, on_chunk) -> SpecState:
+    """After a segment: stream each row's new tokens, find stop strings in them (also across
+    segments), and finish the rows that produced one (``sent``, ``stop_at`` updated in place)."""
+    count, tokens = jax.device_get((state.count, state.tokens))
+    upto = np.minimum(count[:B], n)
+    for b in range(B):
+        if stop_at[b] >= 0:
+            upto[b] = sent[b]
+            continue
+        for x in stops:  # a stop may straddle the previous segment's end
+            seq = tokens[b, :upto[b]]
+            for end in range(max(len(x), sent[b] + 1), upto[b] + 1):
+                if np.array_equal(seq[end - len(x):end], x) and (stop_at[b] < 0 or end < stop_at[b]):
+                    stop_at[b] = end
+                    break
+        if stop_at[b] >= 0:
+            upto[b] = stop_at[b]
+    if on_chunk is not None:
+        width = int(max(1, (upto - sent).max()))
+        new = np.zeros((B, width), np.int32)
+        emitted = np.zeros((B, width), bool)
+        for b in range(B):
+            k = upto[b] - sent[b]
+            new[b, :k] = tokens[b, sent[b]:upto[b]]
+            emitted[b, :k] = True
+        if emitted.any():
+            on_chunk(new, emitted)
+    sent[:] = np.maximum(sent, upto)
+    done = np.flatnonzero(stop_at >= 0)
+    if len(done):  # a stopped row is finished: the loop leaves it alone from now on
+        state = state._replace(count=state.count.at[jnp.asarray(done)].max(n))
+    return state
+
+
+@dataclasses.dataclass
+class SpeculativeGeneration(Generation):
+    """A :class:`jaxdecode.sampling.Generation` with the speculative run's counts for its row."""
+
+    stats: SpeculativeStats = None
+
+
+def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
+                         seed: int = 0, key: jax.Array | None = None, rule=None, greedy: bool = False,
+                         num_samples: int = 1, stop: str | Sequence[str] | None = None,
+                         on_text: Callable[[int, str], None] | None = None) -> list[SpeculativeGeneration]:
+    """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
+
+    Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
+    ``i`` uses row id ``i * num_samples + j`` (as :func:`jaxdecode.sampling.generate`). Each
+    carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
+    ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.
+    """
+    prompts, rows = encode_prompts(lm, prompts, num_samples)
+    stop_tokens = encode_stop_strings(lm, stop)
+    key = jax.random.PRNGKey(seed) if key is None else key
+    res = speculative_tokens(lm.decoder, lm.params, rows, n, key, draft=draft, gamma=gamma, rule=rule,
+                             greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text))
+    out = []
+    for r in range(len(rows)):
+        c = res.counts[r]
+        out.append(SpeculativeGeneration(
+            prompt=prompts[r // num_samples], text=lm.vocab.decode(res.tokens[r, :c]), tokens=res.tokens[r, :c],
+            model_logprobs=res.model_logprobs[r, :c], sample_logprobs=res.sample_logprobs[r, :c],
+            finish_reason="stop" if res.stopped[r] else "length", stats=res.stats[r]))
+    return out
+
+
+__all__ = [
+    "NOISE_TABLE_MAX",
+    "SpeculativeGeneration",
+    "SpeculativeResult",
+    "SpeculativeStats",
+    "check_request",
+    "predicted_chars_per_pass",
+    "speculative_generate",
+    "speculative_tokens",
+]
