@@ -34,9 +34,8 @@ def corpus_path():
 
 
 @pytest.fixture(scope="session")
-def tiny_lm(backend):
-    """A small random-weight model (V=12, T=16) with a readable vocabulary, on each backend."""
-    from jaxdecode.checkpoint import LanguageModel
+def tiny_model():
+    """A small random-weight model (V=12, T=16) with a readable vocabulary: (cfg, params, vocab)."""
     from jaxdecode.model import ModelConfig, init_params
     from jaxdecode.vocab import Vocab
 
@@ -44,4 +43,13 @@ def tiny_lm(backend):
     params = init_params(cfg, jax.random.PRNGKey(42))
     # sharper than the 0.02 init so that distributions are far from uniform
     params = jax.tree_util.tree_map(lambda a: a * 3.0, params)
-    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={}, backend=backend)
+    return cfg, params, Vocab(" abcdefghi.\n")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model, backend):
+    """``tiny_model`` as a LanguageModel on each backend."""
+    from jaxdecode.checkpoint import LanguageModel
+
+    cfg, params, vocab = tiny_model
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)

@@ -239,6 +239,7 @@ def test_stop_string_and_early_end():
 # ----------------------------------------------------------------------------- the shipped model
 
 
+@pytest.mark.slow
 def test_shipped_checkpoint_matches_plain_beam():
     from jaxdecode.checkpoint import CheckpointError, default_checkpoint, load
 
@@ -311,6 +312,7 @@ def test_beam_generate_text(tiny_lm):
 # ----------------------------------------------------------------------------- the study
 
 
+@pytest.mark.slow
 def test_beam_curse_study(tiny_lm, tmp_path):
     from jaxdecode.studies import beam_curse
 

@@ -7,9 +7,10 @@ from jaxdecode.cli import main
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tiny_lm, tmp_path_factory):
+def tiny_ckpt(tiny_model, tmp_path_factory):
+    cfg, params, vocab = tiny_model
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    checkpoint.save(path, tiny_lm.params, tiny_lm.cfg, tiny_lm.vocab, meta={"note": "random weights"})
+    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
     return str(path)
 
 
@@ -123,6 +124,7 @@ def test_speculative_bad_input(tiny_ckpt, capsys, argv, message):
     assert err.startswith("jaxdecode: error:") and message in err
 
 
+@pytest.mark.slow
 def test_generate_speculative_distilled(tiny_ckpt, capsys, tmp_path, monkeypatch):
     """The distilled draft is built from --data with the model's vocabulary, cached, and greedy
     speculative decoding with it prints what greedy decoding prints."""
@@ -141,6 +143,7 @@ def test_generate_speculative_distilled(tiny_ckpt, capsys, tmp_path, monkeypatch
     assert len(list((tmp_path / "cache" / "drafts").glob("distilled-*.npz"))) == 1
 
 
+@pytest.mark.slow
 def test_generate_speculative_ngram_backoff_json(tiny_ckpt, capsys, monkeypatch):
     from jaxdecode import speculative
 
@@ -161,6 +164,7 @@ def test_generate_speculative_ngram_backoff_json(tiny_ckpt, capsys, monkeypatch)
     assert spec["outputs"][0]["text"] == json.loads(capsys.readouterr().out)["outputs"][0]["text"]
 
 
+@pytest.mark.slow
 def test_study_decoders(tiny_ckpt, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc def. ghi\n" * 2000, encoding="utf-8")

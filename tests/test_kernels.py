@@ -285,6 +285,7 @@ def test_decode_layer_ignores_positions_past_the_limits():
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d,heads", [(32, 2), (128, 4)])
 def test_fused_decode_matches_module_path(d, heads):
     """extend() and chunk_step() with packed weights (one native call per layer) against the

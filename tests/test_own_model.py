@@ -262,6 +262,7 @@ def test_toy_cache_matches_forward(mc):
     np.testing.assert_allclose(wh, ref_h[np.arange(4), at], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_multichar_loops_agree_cached_and_function(mc):
     """Every loop on the cached model (through the text-level functions) and on the function
     adapter of its forward (through the token-level loops); greedy and scoring past the window."""
@@ -299,6 +300,7 @@ def test_multichar_loops_agree_cached_and_function(mc):
                                atol=1e-4)
 
 
+@pytest.mark.slow
 def test_multichar_mode_search(mc):
     lm, model, fm = mc
     params = lm.params

@@ -409,6 +409,7 @@ def test_ties_with_the_kth_logit_are_kept():
 @settings(max_examples=40, deadline=None)
 @given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 70)),
                   elements=st.sampled_from([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.0, 3.0])))
+@pytest.mark.slow
 def test_descending_rank_is_the_stable_sort_order(x):
     """Top-p's pairwise ranking equals the inverse of a stable descending argsort (ties, -0.0 and
     -inf included), which is what makes its cumulative sums those of the sorted row."""

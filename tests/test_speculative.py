@@ -284,6 +284,7 @@ def test_bad_soft_counts(soft, message):
 
 @pytest.mark.parametrize("N, stride", [(1, None), (2, None), (12, None), (13, None), (14, 5),
                                        (60, 7), (60, 12), (40, 1)])
+@pytest.mark.slow
 def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
     """Row i is the forward pass over the window the docstring names, ending at token i - 1."""
     params, cfg, _, _ = exact_model
@@ -374,6 +375,7 @@ def test_prompt_lookup_proposals():
     assert tokens[1].tolist() == [2, 2, 2]  # context 1 2 3 4 2: "4 2" is new, repeat the last
 
 
+@pytest.mark.slow
 def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
     """Built once per (weights, text, settings), written atomically, read back identical; a
     damaged file is rebuilt with a warning; with caching off, built without any file."""
@@ -412,6 +414,7 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("kind", ["ngram", "distilled", "model", "lookup"])
 def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kind, gamma):
@@ -430,6 +433,7 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
         assert 0 < total.accepted <= total.examined <= total.proposed == gamma * total.passes
 
 
+@pytest.mark.slow
 def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
     """The interpolated n-gram draft (a table walked through its transitions) is exact too."""
     params, cfg, want, model = exact_model
@@ -494,6 +498,7 @@ def test_batch_invariance(small_lm, small_drafts):
     assert gens[0].text == small_lm.vocab.decode(together.tokens[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", ["one", "many"])
 def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segments):
     """A segment draws its iterations' noise in one call when that is small (NOISE_TABLE_MAX):

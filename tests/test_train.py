@@ -11,6 +11,7 @@ from jaxdecode.train import TrainConfig, held_out_loss, train
 TINY = {"d": 16, "L": 1, "heads": 2, "T": 32, "batch": 2, "steps": 6, "warmup": 1, "eval_every": 2, "eval_windows": 3}
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses(corpus_path, tmp_path):
     tc = TrainConfig(**TINY, seed=3)
     a = train(tmp_path / "a", tc, data_path=corpus_path, progress=False, log=lambda *_: None)
@@ -21,6 +22,7 @@ def test_same_seed_same_losses(corpus_path, tmp_path):
     assert c != a
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_curve(corpus_path, tmp_path):
     tc = TrainConfig(**TINY, seed=0)
     whole = train(tmp_path / "whole", tc, data_path=corpus_path, progress=False, log=lambda *_: None)
@@ -60,6 +62,7 @@ def test_corrupt_corpus_error(tmp_path, content, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_shipped_checkpoint_loss_matches_its_record(corpus_path):
     try:
         lm = checkpoint.load()
