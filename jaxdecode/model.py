@@ -84,16 +84,31 @@ def _init(std):
 
 def attend(q, segments, scale: float):
     """Softmax attention of ``q`` ``[B, H, S, D]`` over several ``(k, v, visible)`` segments at once
-    (one softmax over all of them), ``k, v`` ``[B, H, T, D]``, ``visible`` broadcastable to
-    ``[B, H, S, T]`` (bool). The model's one attention: the training forward attends over one
-    causal segment; a decode pass over the cache, a chunk buffer and its own new positions,
-    without concatenating (copying) the cache."""
-    scores = [jnp.where(ok, jnp.einsum("bhsd,bhtd->bhst", q, k) * scale, -jnp.inf) for k, _, ok in segments]
-    w = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    (one softmax over all of them), ``k, v`` ``[B, H, T, D]`` or flattened ``[B * H, T, D]``,
+    ``visible`` broadcastable to ``[B, H, S, T]`` (bool). The model's one attention: the training
+    forward attends over one causal segment; a decode pass over the cache, a chunk buffer and its
+    own new positions, without concatenating (copying) the cache. A flattened segment is read as
+    it is stored: reshaping a loop-carried buffer that is also updated makes XLA copy it."""
+    B, H, S, D = q.shape
+    qf = q.reshape(B * H, S, D)
+
+    def scores(k):
+        if k.ndim == 3:
+            return jnp.einsum("nsd,ntd->nst", qf, k).reshape(B, H, S, k.shape[1])
+        return jnp.einsum("bhsd,bhtd->bhst", q, k)
+
+    def mix(w, v):
+        if v.ndim == 3:
+            return jnp.einsum("nst,ntd->nsd", w.reshape(B * H, S, -1), v).reshape(B, H, S, D)
+        return jnp.einsum("bhst,bhtd->bhsd", w, v)
+
+    parts = [jnp.where(ok, scores(k) * scale, -jnp.inf) for k, _, ok in segments]
+    w = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1)
     out, at = 0.0, 0
-    for k, v, _ in segments:
-        out = out + jnp.einsum("bhst,bhtd->bhsd", w[..., at:at + k.shape[2]], v)
-        at += k.shape[2]
+    for part, (_, v, _) in zip(parts, segments):
+        T = part.shape[-1]
+        out = out + mix(w[..., at:at + T], v)
+        at += T
     return out
 
 
@@ -180,11 +195,9 @@ class Block(nn.Module):
         ``t < n2[b, s]`` of ``k2, v2`` ``[B * H, L, hd]`` and new positions ``0..s``. Returns the
         output and the new keys and values ``[B, H, S, hd]``. The portable code of
         :func:`jaxdecode.kernels.decode_layer`, which the native layer is tested against."""
-        B, H, D = x.shape[0], self.cfg.heads, self.cfg.head_dim
         segments = [(k, v, visible_below(k.shape[2], lim))]
         if k2.shape[1]:
-            k2, v2 = k2.reshape(B, H, -1, D), v2.reshape(B, H, -1, D)
-            segments.append((k2, v2, visible_below(k2.shape[2], n2)))
+            segments.append((k2, v2, visible_below(k2.shape[1], n2)))
         return self(x, segments)
 
     def _fused(self, x):
@@ -247,11 +260,16 @@ class Block(nn.Module):
             v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, D), (0, i, 0))
             out = kernels.attention(q, k_main, v_main, lim, k_loc, v_loc, n2 + 1, 1.0 / math.sqrt(D))
             return self._ff_residual(x + self.attn.merge(out)), k_loc, v_loc
-        y, (k, v) = self.decode(x, k_main, v_main, lim, k_loc, v_loc, n2)
-        H, D = k.shape[1], k.shape[3]
+        # portable: write the new keys first, then attend over the cache and the buffer up to and
+        # including them. Reading the buffer before writing it would make XLA copy the buffer
+        # (both the old and the new value would be live) every step.
+        q, k, v = self.attn.heads(self.ln1(x))
+        H, D = q.shape[1], q.shape[3]
         k_loc = jax.lax.dynamic_update_slice(k_loc, k.reshape(B * H, 1, D).astype(k_loc.dtype), (0, i, 0))
         v_loc = jax.lax.dynamic_update_slice(v_loc, v.reshape(B * H, 1, D).astype(v_loc.dtype), (0, i, 0))
-        return y, k_loc, v_loc
+        out = attend(q, [(k_main, v_main, visible_below(k_main.shape[2], lim)),
+                         (k_loc, v_loc, visible_below(k_loc.shape[1], n2 + 1))], 1.0 / math.sqrt(D))
+        return self._ff_residual(x + self.attn.merge(out)), k_loc, v_loc
 
 
 class CharLM(nn.Module):
