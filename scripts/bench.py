@@ -1,24 +1,37 @@
-"""Generation throughput against baselines and physical bounds, measured in one run.
+"""Generation throughput on both backends, beside Hugging Face ``generate`` and physical bounds,
+measured in one run.
 
-    python scripts/bench.py [--ckpt DIR] [--out docs/benchmarks.json] [--batches 1,16,64,256]
+    python scripts/bench.py [--ckpt DIR] [--out docs/bench_backends.json] [--batches 1,16,64,256]
+    python scripts/bench.py --quick       # a smoke run (n=40, batches 1,4, one round): ~1 minute
 
-Rows (characters per second, 300 new characters after a 32-character prompt, inside one window):
+Rows (characters per second, ``n`` = 300 new characters after a 32-character prompt, inside one
+window), on each backend of the loaded model (``checkpoint.load(backend="native")``, the C++ CPU
+layer, and ``lm.with_backend("portable")``, the ``jax.numpy`` path that GPU and TPU users run):
 
 - ``book loop``: the chapter's loop, a full forward over the whole text for every new character
   (jitted, the text padded to a multiple of 64 so that it compiles a handful of times), batch 1;
+  the training forward, the same on both backends;
 - ``python loop``: a Python loop over a jitted cached step (full-capacity cache, one dispatch per
-  character), the usual hand-written decode loop;
-- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9, and greedy with the
-  native CPU attention kernel switched off (the ``jax.numpy`` attention of other backends);
-- one row past the window (600 characters: the exact window mode after T).
+  character), the usual hand-written decode loop (``model.step(..., native=...)``; on the native
+  backend with packed weights);
+- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9;
+- one row past the window (580 characters: the exact window mode after T), top-p;
+- ``HF generate``: the same weights as a ``transformers`` model (``scripts/bench_hf.py``, run in
+  its own environment, ``--hf-python``), ``generate`` greedy and ``do_sample=True, top_p=0.9,
+  top_k=0``, the same number of new characters, with ``torch.set_num_threads(os.cpu_count())``
+  and with one thread (``--hf-threads``: on a shared machine torch's threads wait for each other
+  at every operation, and one thread can be faster). Before timing, its greedy text and
+  next-token logits are checked against jaxdecode's (both backends, the CLI and the training
+  forward).
 
 Each row is compared with its physical bound on this machine, the larger of FLOPs / measured
-matmul peak and bytes read per step (weights + the filled KV cache) / measured memory bandwidth.
-Compile time is measured separately (the first call in a fresh bucket minus a warm call). Every
-row is compiled first, then all rows are timed in turn, ``--rounds`` times (the fastest counts),
-so that slow phases of a shared machine hit all rows alike. The peak and the bandwidths are
-measured again in every round and the bounds use the best of them, so a slow moment of the
-machine cannot lower a bound.
+matmul peak and bytes read per step (weights + the filled KV cache) / measured memory bandwidth,
+and with the HF row of the same batch and the same decision rule (greedy or top-p). Compile time
+is measured separately (the first call in a fresh bucket minus a warm call). Every row is
+compiled (HF: warmed up) first, then all rows, HF's included, are timed in turn, ``--rounds``
+times (the fastest counts), so that slow phases of a shared machine hit all rows alike. The peak
+and the bandwidths are measured again in every round and the bounds use the best of them, so a
+slow moment of the machine cannot lower a bound.
 """
 
 from __future__ import annotations
@@ -28,7 +41,11 @@ import functools
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +56,9 @@ from jaxdecode import model as M
 from jaxdecode import sampling as S
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
+ROOT = Path(__file__).resolve().parent.parent
+HF_SCRIPT = Path(__file__).resolve().parent / "bench_hf.py"
+DEFAULT_HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
 
 
 def best_of(f, repeats=3):
@@ -155,21 +175,24 @@ def book_loop(lm, prompt_ids, n):
 
 
 def python_loop(lm, prompt_ids, n, B):
-    """A hand-written decode loop: one jitted cached step per character, dispatched from Python."""
+    """A hand-written decode loop: one jitted cached step per character, dispatched from Python,
+    on ``lm``'s backend (the native one with weights packed once, as its decoder does)."""
     cfg, params = lm.cfg, lm.params
+    native = lm.decoder.backend == "native"
+    packed = M.packed_params(params) if native and kernels.fuses_rows(B) else None
     tokens = jnp.asarray(np.tile(prompt_ids, (B, 1)))
     lengths = jnp.full((B,), len(prompt_ids), jnp.int32)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, cache, token):
-        logits, cache = M.step(params, cfg, cache, token)
+    def step(params, cache, token, packed):
+        logits, cache = M.step(params, cfg, cache, token, packed=packed, native=native)
         return jnp.argmax(logits, -1).astype(jnp.int32), cache
 
     def run():
-        logits, cache = M.prefill(params, cfg, tokens, lengths)
+        logits, cache = M.prefill(params, cfg, tokens, lengths, packed=packed, native=native)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         for _ in range(n - 1):
-            tok, cache = step(params, cache, tok)
+            tok, cache = step(params, cache, tok, packed)
         return tok
 
     run()
@@ -177,12 +200,13 @@ def python_loop(lm, prompt_ids, n, B):
 
 
 def jaxdecode_loop(lm, prompt_ids, n, B, rule=None, greedy=False):
-    """``sample_tokens``; returns a function that runs it and the compile time of its bucket."""
+    """``sample_tokens`` on ``lm``'s backend; returns a function that runs it and the compile time
+    of its bucket."""
     prompts = [prompt_ids] * B
     key = jax.random.PRNGKey(0)
 
     def run():
-        return S.sample_tokens(lm.params, lm.cfg, prompts, n, key, rule=rule, greedy=greedy).tokens
+        return S.sample_tokens(lm.decoder, lm.params, prompts, n, key, rule=rule, greedy=greedy).tokens
 
     t0 = time.perf_counter()
     run()
@@ -190,21 +214,84 @@ def jaxdecode_loop(lm, prompt_ids, n, B, rule=None, greedy=False):
     return run, max(0.0, first - best_of(run, 1))
 
 
-def timed_rounds(runs: dict, rounds: int) -> dict:
-    """The fastest of ``rounds`` timings of every run, taken in turn (one of each per round), so
-    that a slow phase of a shared machine affects all rows alike. The machine's peak and
-    bandwidths are measured again in every round: the bounds use the best of them."""
+def timed(run):
+    """A timer for a jaxdecode row: the seconds of one call of ``run``."""
+    def timer():
+        t = time.perf_counter()
+        jax.block_until_ready(run())
+        return time.perf_counter() - t
+    return timer
+
+
+class HF:
+    """``scripts/bench_hf.py --serve`` in its own environment: one ``generate`` per request, timed
+    there (the seconds of the call itself, without this process's round trip)."""
+
+    def __init__(self, python: str, n: int, ckpt: str | None):
+        cmd = [python, str(HF_SCRIPT), "--serve", "-n", str(n)] + (["--ckpt", ckpt] if ckpt else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     cwd=ROOT)
+        self.info = json.loads(self._answer())
+
+    def _answer(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench_hf.py --serve ended (exit code {self.proc.poll()})")
+        if line.startswith('{"error"'):
+            raise RuntimeError(f"bench_hf.py: {json.loads(line)['error']}")
+        return line
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def timer(self, B: int, mode: str, threads: int):
+        return lambda: float(self.ask(f"{B} {mode} threads={threads}"))
+
+    def check(self, reference: dict, atol: float = 1e-4) -> dict:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(reference, f)
+        try:
+            return json.loads(self.ask(f"check {f.name} {atol}"))
+        finally:
+            os.unlink(f.name)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def timed_rounds(timers: dict, rounds: int) -> dict:
+    """The fastest of ``rounds`` timings of every row, taken in turn (one of each per round, the
+    HF rows among them), so that a slow phase of a shared machine affects all rows alike. The
+    machine's peak and bandwidths are measured again in every round: the bounds use the best of
+    them."""
     best = {}
-    for _ in range(rounds):
+    for r in range(rounds):
+        t0 = time.perf_counter()
         measure_machine()
-        for name, run in runs.items():
-            t = time.perf_counter()
-            jax.block_until_ready(run())
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+        for name, timer in timers.items():
+            best[name] = min(best.get(name, float("inf")), timer())
+        print(f"# round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s", flush=True)
     return best
 
 
-def machine() -> dict:
+def git_state() -> dict:
+    """The commit the tree is at and whether it has uncommitted changes (read only)."""
+    try:
+        head = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT, check=True).stdout.strip()
+        return {"commit": head, "uncommitted_changes": bool(dirty)}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "uncommitted_changes": None}
+
+
+def machine(lms: dict) -> dict:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -214,9 +301,56 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
-            "jax": jax.__version__, "python": platform.python_version(),
-            "native_attention_kernel": kernels.reads_only_filled()}
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb, "platform": platform.platform(),
+            "jax_backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+            "backends": {"native": {"available": kernels.available(),
+                                    "why": lms["native"].decoder.why if "native" in lms else None},
+                         "portable": {"available": True, "why": lms["portable"].decoder.why}},
+            "load_average_at_start": os.getloadavg()}
+
+
+def reference(lms: dict, ids, n: int) -> dict:
+    """jaxdecode's greedy text and next-token logits after the prompt, for checking the HF model:
+    ``sample_tokens`` greedy and the prefill's logits on each backend, the training forward, and
+    the CLI (``jaxdecode generate PROMPT -n N --greedy``, default backend)."""
+    out = {"n": n, "greedy_text": {}, "logits": {}}
+    any_lm = lms["portable"]
+    for backend, lm in lms.items():
+        toks = S.sample_tokens(lm.decoder, lm.params, [ids], n, jax.random.PRNGKey(0), greedy=True).tokens[0]
+        out["greedy_text"][f"jaxdecode sample_tokens ({backend})"] = lm.vocab.decode(toks)
+        prepared = lm.decoder.prepare(lm.params, 1)
+        lengths = jnp.asarray([len(ids)], jnp.int32)
+        logits = lm.decoder.prefill(prepared, jnp.asarray([ids]), lengths, lm.cfg.T)[0]
+        out["logits"][f"jaxdecode prefill ({backend})"] = [float(v) for v in np.asarray(logits[0])]
+    forward = M.forward(any_lm.params, any_lm.cfg, jnp.asarray([ids]))[0, -1]
+    out["logits"]["jaxdecode forward"] = [float(v) for v in np.asarray(forward)]
+    cli = Path(sys.executable).parent / "jaxdecode"
+    if cli.exists():
+        cmd = [str(cli), "generate", PROMPT.replace("\n", "\\n"), "-n", str(n), "--greedy", "--json"]
+        if any_lm.path is not None:
+            cmd += ["--ckpt", str(any_lm.path)]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+        if res.returncode == 0:
+            out["greedy_text"]["jaxdecode CLI"] = json.loads(res.stdout)["outputs"][0]["text"]
+        else:
+            print(f"# jaxdecode CLI failed, left out of the check: {res.stderr.strip()[-200:]}", flush=True)
+    return out
+
+
+def describe_check(result: dict) -> list[str]:
+    verdict = "PASS" if result["ok"] else "FAIL"
+    lines = [f"# HF model check ({result['n']} greedy characters, logits atol {result['atol']:g}): {verdict}"]
+    for name, g in result["greedy"].items():
+        lines.append(f"#   greedy text vs {name}: "
+                     + ("identical" if g["equal"] else f"DIFFERS from character {g['first_difference']}"))
+    for name, v in result["logits"].items():
+        lines.append(f"#   next-token logits vs {name}: max |diff| {v['max_abs_diff']:.1e}, "
+                     f"same argmax: {v['same_argmax']}")
+    return lines
 
 
 def main():
@@ -226,67 +360,136 @@ def main():
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds (the fastest counts)")
+    ap.add_argument("--hf-python", default=str(DEFAULT_HF_PYTHON) if DEFAULT_HF_PYTHON.exists() else None,
+                    help="the Python of the environment that runs scripts/bench_hf.py (default: "
+                         ".venv-hf/bin/python if it exists); 'none' leaves the HF rows out")
+    ap.add_argument("--hf-threads", default=",".join(str(t) for t in dict.fromkeys((os.cpu_count(), 1))),
+                    help="torch thread counts to time HF at (default: os.cpu_count() and 1; on a machine "
+                         "whose cores other work also uses, one thread can be faster)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: n=40, batches 1,4, one round, no row past T")
     args = ap.parse_args()
+    if args.quick:
+        args.n, args.batches, args.rounds = 40, "1,4", 1
+    hf_python = None if args.hf_python in (None, "", "none") else args.hf_python
+    hf_threads = [int(t) for t in args.hf_threads.split(",")] if hf_python else []
+    started = time.perf_counter()
 
-    lm = checkpoint.load(args.ckpt)
-    cfg = lm.cfg
-    _native = kernels._load
-    ids = lm.vocab.encode(PROMPT)
+    portable = checkpoint.load(args.ckpt, backend="portable")
+    lms = {}
+    if kernels.available():
+        lms["native"] = portable.with_backend("native")
+    lms["portable"] = portable
+    cfg = portable.cfg
+    ids = portable.vocab.encode(PROMPT)
     n = args.n
-    info = machine()
-    print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['backend']}), "
-          f"native attention kernel: {info['native_attention_kernel']}")
+    info = machine(lms)
+    info["git"] = git_state()
+    print(f"# {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['jax_backend']}); backends: "
+          + ", ".join(f"{b}: {lm.decoder.why}" for b, lm in lms.items()), flush=True)
+    if "native" not in lms:
+        print("# the native layer is unavailable here: native rows left out", flush=True)
+    dirty = " with uncommitted changes" if info["git"]["uncommitted_changes"] else ""
+    print(f"# tree at {info['git']['commit']}{dirty}", flush=True)
+
+    hf, check = None, None
+    if hf_python:
+        hf = HF(hf_python, n, args.ckpt)
+        info["hf"] = {k: v for k, v in hf.info.items() if k != "ready"}
+        print(f"# HF: torch {hf.info['torch']}, transformers {hf.info['transformers']}, "
+              f"{hf.info['threads']} threads", flush=True)
+        check = hf.check(reference(lms, ids, n))
+        print("\n".join(describe_check(check)), flush=True)
+
     ctx = len(ids) + n / 2
-    rows = []
-
-    def add(name, B, rate, compile_s=None, bound_fn=None):
-        peak = matmul_peak()
-        b = bound(cfg, B, ctx, peak) if bound_fn is None else bound_fn(peak)
-        rows.append({"row": name, "batch": B, "chars_per_s": rate, "bound_chars_per_s": b,
-                     "fraction_of_bound": rate / b, "compile_s": compile_s})
-        c = f"{compile_s:.1f}" if compile_s is not None else ""
-        print(f"| {name:<28} | {B:>5} | {rate:>10,.0f} | {b:>10,.0f} | {rate / b:>6.0%} | {c:>6} |", flush=True)
-
     batches = [int(b) for b in args.batches.split(",")]
     long_n = cfg.T + 100 - len(ids)
-    window = f"jaxdecode top-p, {long_n} chars (past T)"
-    # (row, batch) -> (run, characters per run, compile seconds, bound)
-    entries = {("book loop (full forward)", 1): (book_loop(lm, ids, n), n, None,
-                                                 lambda peak: book_bound(cfg, len(ids), n, peak))}
+    top_p = rules.top_p(0.9)
+    # (row, backend, batch) -> {timer, chars, compile_s, bound (None: the cached-decode bound), mode}
+    entries = {}
+
+    def entry(name, backend, B, timer, chars, mode, compile_s=None, bound_fn=None, threads=None):
+        entries[(name, backend, B)] = {"timer": timer, "chars": chars, "compile_s": compile_s,
+                                       "bound": bound_fn, "mode": mode, "threads": threads}
+
+    t0 = time.perf_counter()
+    entry("book loop (full forward)", "either", 1, timed(book_loop(portable, ids, n)), n, "greedy",
+          bound_fn=lambda peak: book_bound(cfg, len(ids), n, peak))
     for B in batches:
-        entries[("python loop, cached step", B)] = (python_loop(lm, ids, n, B), B * n, None, None)
-        run, comp = jaxdecode_loop(lm, ids, n, B, greedy=True)
-        entries[("jaxdecode greedy", B)] = (run, B * n, comp, None)
-        run, comp = jaxdecode_loop(lm, ids, n, B, rule=rules.top_p(0.9))
-        entries[("jaxdecode top-p 0.9", B)] = (run, B * n, comp, None)
-    run, comp = jaxdecode_loop(lm, ids, long_n, 1, rule=rules.top_p(0.9))
-    entries[(window, 1)] = (run, long_n, comp, lambda peak: window_bound(cfg, len(ids), long_n, peak))
-    best = timed_rounds({k: e[0] for k, e in entries.items()}, args.rounds)
+        for backend, lm in lms.items():
+            entry("python loop, cached step", backend, B, timed(python_loop(lm, ids, n, B)), B * n, "greedy")
+            run, comp = jaxdecode_loop(lm, ids, n, B, greedy=True)
+            entry("jaxdecode greedy", backend, B, timed(run), B * n, "greedy", comp)
+            run, comp = jaxdecode_loop(lm, ids, n, B, rule=top_p)
+            entry("jaxdecode top-p 0.9", backend, B, timed(run), B * n, "top-p", comp)
+        if hf is not None:
+            for mode, name in (("greedy", "HF generate greedy"), ("top-p", "HF generate top-p 0.9")):
+                for th in hf_threads:
+                    hf.timer(B, mode, th)()  # warm-up
+                    entry(f"{name}, {th} thread{'s' if th > 1 else ''}", "torch", B, hf.timer(B, mode, th),
+                          B * n, mode, threads=th)
+    if not args.quick:
+        window = f"jaxdecode top-p, {long_n} chars (past T)"
+        for backend, lm in lms.items():
+            run, comp = jaxdecode_loop(lm, ids, long_n, 1, rule=top_p)
+            entry(window, backend, 1, timed(run), long_n, "top-p", comp,
+                  lambda peak: window_bound(cfg, len(ids), long_n, peak))
+    print(f"# compiled and warmed up in {time.perf_counter() - t0:.0f} s; timing {len(entries)} rows, "
+          f"{args.rounds} round(s)", flush=True)
+    best = timed_rounds({k: e["timer"] for k, e in entries.items()}, args.rounds)
+    if hf is not None:
+        hf.close()
+    info["load_average_at_end"] = os.getloadavg()
+
     bws = {f"{mb} MB": memory_bandwidth(mb << 20) for mb in SIZES_MB}
-    print(f"# best of {len(_PEAK)} measurements: matmul peak {matmul_peak() / 1e9:.0f} GFLOP/s; read "
+    peak = matmul_peak()
+    rows = []
+    for (name, backend, B), e in entries.items():
+        rate = e["chars"] / best[(name, backend, B)]
+        b = bound(cfg, B, ctx, peak) if e["bound"] is None else e["bound"](peak)
+        rows.append({"row": name, "backend": backend, "batch": B, "mode": e["mode"], "threads": e["threads"],
+                     "chars": e["chars"],
+                     "seconds": best[(name, backend, B)], "chars_per_s": rate, "bound_chars_per_s": b,
+                     "fraction_of_bound": rate / b, "compile_s": e["compile_s"]})
+    # the ratio to HF's row of the same batch and decision rule, for each torch thread count
+    hf_rate = {(r["mode"], r["batch"], r["threads"]): r["chars_per_s"]
+               for r in rows if r["backend"] == "torch"}
+    for r in rows:
+        same_work = r["chars"] == r["batch"] * n and r["backend"] != "torch"
+        r["vs_hf"] = {th: r["chars_per_s"] / hf_rate[(r["mode"], r["batch"], th)]
+                      for th in hf_threads if same_work and (r["mode"], r["batch"], th) in hf_rate}
+
+    print(f"# best of {len(_PEAK)} measurements: matmul peak {peak / 1e9:.0f} GFLOP/s; read "
           "bandwidth by working set: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bws.items()))
-    print("| row | batch | chars/s | bound | of bound | compile s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for (name, B), (_, chars, comp, b) in entries.items():
-        add(name, B, chars / best[(name, B)], comp, b)
-    if kernels.reads_only_filled():  # the same loops with the jax.numpy attention, timed apart
-        kernels._load = lambda: False
-        jax.clear_caches()
-        plain = {B: jaxdecode_loop(lm, ids, n, B, greedy=True) for B in batches}
-        best = timed_rounds({B: run for B, (run, _) in plain.items()}, args.rounds)
-        for B, (_, comp) in plain.items():
-            add("jaxdecode greedy, jnp attention", B, B * n / best[B], comp)
-        kernels._load = _native
-        jax.clear_caches()
+    print(f"# {n} characters after the prompt; fastest of {args.rounds} round(s)")
+    vs = [f"vs HF {th}t" for th in hf_threads]
+    print("| row | backend | batch | chars/s | bound | of bound | " + " | ".join(vs + ["compile s"]) + " |")
+    print("|---|---|---:|---:|---:|---:|" + "---:|" * (len(vs) + 1))
+    for r in rows:
+        c = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else ""
+        v = [f"{r['vs_hf'][th]:.1f}x" if th in r["vs_hf"] else "" for th in hf_threads]
+        print(f"| {r['row']} | {r['backend']} | {r['batch']} | {r['chars_per_s']:,.0f} | "
+              f"{r['bound_chars_per_s']:,.0f} | {r['fraction_of_bound']:.1%} | " + " | ".join(v + [c]) + " |")
     book = next(r["chars_per_s"] for r in rows if r["row"].startswith("book loop"))
-    speedup = next(r["chars_per_s"] for r in rows if r["row"] == "jaxdecode greedy" and r["batch"] == 1) / book
-    print(f"# batch-1 greedy: {speedup:.0f}x the book loop")
+    for backend in lms:
+        g1 = next((r["chars_per_s"] for r in rows
+                   if r["row"] == "jaxdecode greedy" and r["backend"] == backend and r["batch"] == 1), None)
+        if g1:
+            print(f"# batch-1 greedy, {backend}: {g1 / book:.0f}x the book loop")
+    if check is not None:
+        print("\n".join(describe_check(check)))
+    elapsed = time.perf_counter() - started
+    print(f"# the whole run took {elapsed:.0f} s; load average at start "
+          f"{info['load_average_at_start'][0]:.2f}, at end {info['load_average_at_end'][0]:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": info, "matmul_peak_flops": matmul_peak(), "read_bandwidth": bws,
-                       "measurements": {"matmul_peak_flops": _PEAK,
-                                        "read_bandwidth": {f"{s >> 20} MB": v for s, v in _BANDWIDTH.items()}},
-                       "checkpoint": str(lm.path), "n": n, "prompt": PROMPT, "rows": rows}, f, indent=2)
+            json.dump({"machine": info, "command": " ".join(["python", "scripts/bench.py", *sys.argv[1:]]),
+                       "wall_s": elapsed, "matmul_peak_flops": peak, "read_bandwidth": bws,
+                       "measurements": {
+                           "matmul_peak_flops": _PEAK,
+                           "read_bandwidth": {f"{s >> 20} MB": v for s, v in _BANDWIDTH.items()}},
+                       "checkpoint": str(portable.path), "n": n, "prompt": PROMPT, "rounds": args.rounds,
+                       "hf_threads": hf_threads, "hf_check": check, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
