@@ -50,6 +50,12 @@ def exact_want():
 
 
 @pytest.fixture(scope="module")
+def exact_params():
+    """The exactness target's parameters and shape (backend-free: for the distillation tests)."""
+    return random_params(EXACT_CFG, 0, 1.0), EXACT_CFG
+
+
+@pytest.fixture(scope="module")
 def exact_model(exact_want, backend):
     return random_params(EXACT_CFG, 0, 1.0), EXACT_CFG, exact_want, decoder_for(EXACT_CFG, backend)
 
@@ -285,9 +291,9 @@ def test_bad_soft_counts(soft, message):
 @pytest.mark.parametrize("N, stride", [(1, None), (2, None), (12, None), (13, None), (14, 5),
                                        (60, 7), (60, 12), (40, 1)])
 @pytest.mark.slow
-def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
+def test_target_predictions_match_the_forward_pass(exact_params, N, stride):
     """Row i is the forward pass over the window the docstring names, ending at token i - 1."""
-    params, cfg, _, _ = exact_model
+    params, cfg = exact_params
     T = cfg.T
     tokens = np.random.default_rng(N).integers(0, cfg.V, N)
     got = SP.target_predictions(params, cfg, tokens, stride=stride, batch=3)
@@ -302,18 +308,18 @@ def test_target_predictions_match_the_forward_pass(exact_model, N, stride):
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 
-def test_target_predictions_bad_settings(exact_model):
-    params, cfg, _, _ = exact_model
+def test_target_predictions_bad_settings(exact_params):
+    params, cfg = exact_params
     with pytest.raises(ValueError, match="stride"):
         SP.target_predictions(params, cfg, np.arange(5), stride=cfg.T + 1)
     with pytest.raises(ValueError, match="token ids"):
         SP.target_predictions(params, cfg, np.array([0, cfg.V]))
 
 
-def test_distilled_table_averages_the_targets_predictions(exact_model):
+def test_distilled_table_averages_the_targets_predictions(exact_params):
     """A context's row is the mean prediction after it (nearly no backoff); with backoff, the
     table overlaps the target's predictions on new text more than counting does."""
-    params, cfg, _, _ = exact_model
+    params, cfg = exact_params
     tokens = np.random.default_rng(5).integers(0, cfg.V, 2000)
     d = SP.NGramDraft.distill(params, cfg, tokens, n=2, backoff=1e-6)
     pred = SP.target_predictions(params, cfg, tokens)
@@ -415,7 +421,7 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("backend, gamma", [("native", 1), ("native", 4), ("portable", 4)], scope="module")
 @pytest.mark.parametrize("kind", ["ngram", "distilled", "model", "lookup"])
 def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kind, gamma):
     """Each row of a big batch is one draw; the first 3 tokens follow the processed target."""
@@ -499,6 +505,7 @@ def test_batch_invariance(small_lm, small_drafts):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], scope="module")  # the test picks each segment's backend itself
 @pytest.mark.parametrize("segments", ["one", "many"])
 def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segments):
     """A segment draws its iterations' noise in one call when that is small (NOISE_TABLE_MAX):
