@@ -176,6 +176,8 @@ def cmd_generate(args):
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
     rule = make_rule(**settings)  # validates before anything is loaded or traced
+    if args.contrastive is not None:
+        return _generate_contrastive(args, prompt, settings)
     if args.beam is not None:
         if args.speculative is not None:
             raise UsageError("--beam and --speculative cannot be combined")
@@ -206,6 +208,45 @@ def cmd_generate(args):
         print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per character", file=sys.stderr)
         return
     _print_samples(outs)
+
+
+def _contrastive_setting(text: str) -> tuple[int, float]:
+    """``K,ALPHA`` of --contrastive."""
+    try:
+        k, alpha = text.split(",")
+        return int(k), float(alpha)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K,ALPHA such as 4,0.6, got {text!r}") from None
+
+
+def _generate_contrastive(args, prompt, settings):
+    from .contrastive import contrastive_generate
+
+    k, alpha = args.contrastive
+    clash = [f for f, on in (("--beam", args.beam is not None), ("--speculative", args.speculative is not None),
+                             ("--greedy", args.greedy), ("--num-samples", args.num_samples != 1)) if on]
+    clash += ["--" + name.replace("_", "-") for name in settings]
+    if clash:
+        raise UsageError(f"--contrastive is deterministic and ranks the model's own top-k; it does not "
+                         f"combine with {', '.join(clash)}")
+    lm = _load(args)
+    lm.vocab.encode(prompt)
+    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    stream, on_text = _streaming(args, prompt)
+    try:
+        out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text)[0]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
+                                       "tokens": out.tokens.tolist(), "finish_reason": out.finish_reason}],
+                          "settings": {"n": args.n, "contrastive": {"k": k, "alpha": alpha}, "stop": stop,
+                                       "checkpoint": str(lm.path)}}, ensure_ascii=False))
+    elif stream:
+        sys.stdout.write("\n")
+        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per character", file=sys.stderr)
+    else:
+        print(out.prompt + out.text)
 
 
 def _generate_beam(args, prompt, rule, settings):
@@ -368,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=spec.metavar,
                        help=spec.help)
     s.add_argument("--beam", type=int, default=None, metavar="K", help="beam search with K beams")
+    s.add_argument("--contrastive", type=_contrastive_setting, default=None, metavar="K,ALPHA",
+                   help="contrastive search: of the K most probable characters, the one maximizing "
+                        "(1-ALPHA) p - ALPHA * (max cosine similarity to earlier hidden states)")
     s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
                    help="beam: divide scores by ((5+|y|)/6)^ALPHA")
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
