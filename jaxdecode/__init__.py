@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 from . import rules
 from .beam import beam_generate, mode_search
 from .checkpoint import CheckpointError, LanguageModel, load
+from .contrastive import contrastive_generate
 from .rules import RuleError, make_rule
 from .sampling import Generation, generate
 from .score import score_texts as score
@@ -20,6 +21,7 @@ from .vocab import TokenVocab, UnknownCharacterError, Vocab
 
 __all__ = [
     "CheckpointError", "DecodingModel", "FunctionModel", "Generation", "LanguageModel", "RuleError",
-    "TokenVocab", "UnknownCharacterError", "Vocab", "beam_generate", "generate", "load", "make_rule",
+    "TokenVocab", "UnknownCharacterError", "Vocab", "beam_generate", "contrastive_generate", "generate", "load",
+    "make_rule",
     "mode_search", "rules", "score",
 ]
