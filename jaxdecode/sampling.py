@@ -44,6 +44,7 @@ from .core import (
     stop_hit,
     text_streamer,
 )
+from . import constraints as C
 from .models.base import DecodingModel
 
 DEFAULT_CHUNK = 32
@@ -64,6 +65,7 @@ class SamplingState(NamedTuple):
     done: jax.Array  # [B] bool, row has produced a stop string
     tail: jax.Array  # [B, S] the last S generated tokens (for stop strings), -1 = none yet
     step: jax.Array  # [] int32, steps taken
+    cstate: Any = None  # [B] int32 each row's automaton state (constrained generation), else None
 
 
 class StepOutput(NamedTuple):
@@ -76,33 +78,48 @@ class StepOutput(NamedTuple):
 # ----------------------------------------------------------------------------- one step
 
 
-def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool):
-    if rule is None:
-        processed, processed_logprobs = logits, lambda x: jax.nn.log_softmax(x, axis=-1)
-    else:
-        from .rules import processed_logprobs
+def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool, con=None, cstate=None, budget=None):
+    """One token per row; with a constraint (``con``, an :class:`~jaxdecode.constraints.Automaton`,
+    each row in ``cstate`` with ``budget`` tokens in all) also whether the row stops here, and
+    its next automaton state. Returns ``(token, model_lp, sample_lp, rule_state, stop, cstate)``."""
+    from .rules import processed_logprobs
 
-        processed = rule.apply(logits, rule_state)
+    masked, stop, p_stop = logits, jnp.zeros(logits.shape[:1], bool), None
+    if con is not None:
+        ok, nxt = C.allowed(con, cstate, budget - step)
+        p_stop = C.stop_probability(con, cstate, logits, ok)
+        masked = C.mask(logits, ok)
+    processed = masked if rule is None else rule.apply(masked, rule_state)
     if greedy:
         token = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        if con is not None:  # stop when that is the most probable choice
+            best = jnp.max(jnp.where(ok, jax.nn.softmax(logits, axis=-1), 0.0), axis=-1)
+            stop = p_stop > best
     else:
         keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_ids)
         token = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
+        if con is not None:
+            u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, C.STOP_STREAM)))(keys)
+            stop = u < p_stop
     take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
     model_lp = take(jax.nn.log_softmax(logits, axis=-1))
     sample_lp = take(processed_logprobs(processed))
+    if con is not None:
+        sample_lp = sample_lp + jnp.log1p(-jnp.minimum(p_stop, 1.0))
+        after = take(nxt)
+        cstate = jnp.where(stop | (after < 0), cstate, after)
     if rule is not None:
         rule_state = rule.update(rule_state, token)
-    return token, model_lp, sample_lp, rule_state
+    return token, model_lp, sample_lp, rule_state, stop, cstate
 
 
 def _advance(st: SamplingState, out, stops, stop_lens, T, push: bool = True):
     """The state's recent window (unchanged when ``push`` is False), stop tail and done flags
     after ``out``'s token."""
-    token, _, _, _ = out
+    token, stop = out[0], out[4]
     recent = push_recent(st.recent, st.length, token, T) if push else st.recent
     tail = jnp.concatenate([st.tail[:, 1:], token[:, None]], axis=1)
-    done = st.done
+    done = st.done | stop
     if stops is not None:
         done = done | stop_hit(tail, stops, stop_lens)
     return recent, tail, done
@@ -114,8 +131,8 @@ def _empty_outputs(chunk: int, B: int) -> StepOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"), donate_argnames=("cache",))
-def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, stop_lens, step_end, *,
-                 model: DecodingModel, chunk: int, greedy: bool):
+def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, stop_lens, step_end, con=None,
+                 budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) through the model's cache (see ``chunk_begin``
     in :mod:`jaxdecode.models.base`).
 
@@ -128,13 +145,14 @@ def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops,
 
     def body(i, carry):
         st, run, outs = carry
-        token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
+        out = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy, con, st.cstate, budget)
+        token, mlp, slp, rule_state, stop, cstate = out
         # the recent window is written once after the loop (nothing in it reads the window, and
         # a step that writes it also copies it)
-        recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, model.T, push=False)
+        recent, tail, done = _advance(st, out, stops, stop_lens, model.T, push=False)
         logits, _, run = model.chunk_step(params, cache, run, i, token)
-        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
-        out = StepOutput(token, mlp, slp, ~st.done)
+        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1, cstate)
+        out = StepOutput(token, mlp, slp, ~st.done & ~stop)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs, out)
         return new, run, outs
 
@@ -151,20 +169,21 @@ def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops,
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"))
-def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_lens, step_end, *,
-                  model: DecodingModel, chunk: int, greedy: bool):
+def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_lens, step_end, con=None,
+                  budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) of the exact window mode: the model's
     prediction from each row's last T tokens."""
     B = state.logits.shape[0]
 
     def body(i, carry):
         st, outs = carry
-        token, mlp, slp, rule_state = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy)
-        recent, tail, done = _advance(st, (token, mlp, slp, rule_state), stops, stop_lens, model.T)
+        out = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy, con, st.cstate, budget)
+        token, mlp, slp, rule_state, stop, cstate = out
+        recent, tail, done = _advance(st, out, stops, stop_lens, model.T)
         logits, _ = model.window(params, recent, st.length + 1)
-        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1)
+        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1, cstate)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs,
-                                      StepOutput(token, mlp, slp, ~st.done))
+                                      StepOutput(token, mlp, slp, ~st.done & ~stop))
         return new, outs
 
     steps = jnp.clip(step_end - state.step, 0, chunk)
@@ -207,9 +226,14 @@ class TokenResult:
 def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, key: jax.Array,
                   rule=None, greedy: bool = False, row_ids: Sequence[int] | None = None,
                   stops: Sequence[np.ndarray] = (), chunk: int | None = None,
-                  on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> TokenResult:
+                  on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                  constraint=None) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
     (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
+
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint` for every row, or one per row
+    (None: free); a constrained row's output is in the pattern's language, and the row may stop
+    before ``n`` where the pattern allows it (see :mod:`jaxdecode.constraints`).
 
     ``rule``: a :mod:`jaxdecode.rules` rule (or chain) applied before choosing; ``greedy`` takes
     the argmax of the processed logits instead of sampling. ``row_ids`` (default ``0..B-1``) name
@@ -225,10 +249,11 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
         e = np.zeros((B, 0), np.int32)
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
                            np.zeros(B, bool))
+    con, cstate, budget = C.for_rows(constraint, B, Bb, model.V, n)
     whole = model.reads_only_filled
     if chunk is None:
         chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
-        if B <= 4 and on_chunk is None and not stops and whole:
+        if B <= 4 and on_chunk is None and not stops and con is None and whole:
             # nothing to stream or to check between chunks, and a few rows, where each host round
             # trip costs about half a millisecond: the request in one chunk (a power of two, so
             # one program per size bucket of n)
@@ -260,9 +285,9 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
         n_cache = 0
     state = SamplingState(
         logits=logits, recent=jnp.asarray(batch.recent), length=jnp.asarray(batch.length), rule_state=rule_state,
-        done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0))
+        done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0), cstate=cstate)
     common = {"rule": rule_b, "key": key, "row_ids": jnp.asarray(batch.row_ids), "stops": stop_arr,
-              "stop_lens": stop_lens}
+              "stop_lens": stop_lens, "con": con, "budget": budget}
 
     outs, taken = [], 0
     while taken < n:
@@ -283,8 +308,8 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
         taken += valid
         if on_chunk is not None:
             on_chunk(out.token, out.emitted)
-        if stop_arr is not None and bool(np.all(np.asarray(state.done)[:B])):
-            break  # every row has produced a stop string
+        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
+            break  # every row has stopped
 
     cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
     tokens, mlp, slp, emitted = cat(0), cat(1), cat(2), cat(3)
@@ -296,19 +321,27 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
 
 def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, key: jax.Array | None = None,
              rule=None, greedy: bool = False, num_samples: int = 1, stop: str | Sequence[str] | None = None,
-             chunk: int | None = None, on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
+             chunk: int | None = None, on_text: Callable[[int, str], None] | None = None,
+             constraint=None) -> list[Generation]:
     """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
 
     Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major. Sample ``j``
     of prompt ``i`` uses row id ``i * num_samples + j``, so it is the same whether the prompt is
     generated alone or with others. ``on_text(row, new_text)`` streams text as chunks finish.
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or
+    one per prompt.
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = encode_stop_strings(lm, stop)
     key = jax.random.PRNGKey(seed) if key is None else key
 
+    if constraint is not None and not isinstance(constraint, C.Constraint):
+        constraint = list(constraint)
+        if len(constraint) != len(prompts):
+            raise C.ConstraintError(f"give one constraint per prompt ({len(prompts)}), got {len(constraint)}")
+        constraint = [c for c in constraint for _ in range(num_samples)]
     res = sample_tokens(lm.decoder, lm.params, rows, n, key, rule=rule, greedy=greedy, stops=stop_tokens,
-                        chunk=chunk, on_chunk=text_streamer(lm, on_text))
+                        chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint)
     out = []
     for r in range(len(rows)):
         c = res.counts[r]

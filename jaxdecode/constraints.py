@@ -1,0 +1,331 @@
+"""Constrained generation: regular expressions, JSON schemas and lists of choices as dense
+automata that run inside the jitted loops.
+
+A pattern is compiled once, on the host, by **outlines-core** (its ``Index`` over a
+``Vocabulary`` of the model's tokens, and its JSON-schema-to-regex function) into a
+deterministic automaton over token ids. :class:`Constraint` holds it as three arrays:
+
+- ``table [S, V]`` int32: the state after token ``v`` in state ``s``, -1 where ``v`` is forbidden;
+- ``final [S]`` bool: the text so far is in the language;
+- ``dist [S]`` int32: the fewest tokens that reach a final state from ``s``.
+
+States from which no final state can be reached are removed, so every allowed token keeps the
+language reachable. A loop carries one automaton state per row and, at each step, allows token
+``v`` only if its next state can still reach a final state within the tokens the row has left
+(``dist[table[s, v]] <= left - 1``): a started output can always be finished within ``n``.
+
+**The end of an output.** The character model has no end token. In a final state a row may stop:
+it stops with the model's probability of the tokens it cannot take there (those that cannot
+continue the pattern, or could but not finish within the tokens left), and otherwise continues
+with one of the allowed tokens, drawn from the masked (and rule-processed) distribution. Greedy
+search stops when that mass exceeds the probability of the most probable allowed token. Where no
+token can be taken the row stops outright. Under this rule a row's output is the model's text
+cut at the first point where the model leaves the language, with the mask only steering the
+steps where leaving would end the output outside it; it is not the model's distribution
+conditioned on the language (see :mod:`jaxdecode.smc` for that).
+
+Several patterns share one batch: :func:`stack` offsets their states into one table, with
+state 0 a free state (every token allowed, always final) for rows without a constraint. The
+table's row count is padded to a power of two, so a new pattern of a similar size does not
+recompile anything: the arrays are traced arguments of the loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INF = 1 << 30
+STOP_STREAM = 0x5709  # folded into a row's step key for its stop decision (apart from its token draw)
+
+
+class ConstraintError(ValueError):
+    """A pattern that cannot be used: invalid, unmatchable over the vocabulary, or too long for ``n``."""
+
+
+def _tokens_of(vocab) -> list[str]:
+    """The token strings of a :class:`~jaxdecode.vocab.Vocab` or :class:`~jaxdecode.vocab.TokenVocab`."""
+    tokens = getattr(vocab, "tokens", None)
+    return list(tokens) if tokens is not None else list(vocab.chars)
+
+
+def _missing(pattern: str, chars: set[str]) -> list[str]:
+    """What a regular expression names that no token contains: literal characters, and classes
+    none of whose characters occur (for error messages only; best effort)."""
+    try:
+        from re import _parser as sre_parse  # Python >= 3.11
+    except ImportError:  # pragma: no cover
+        import sre_parse
+    out: list[str] = []
+
+    def note(item):
+        if item not in out:
+            out.append(item)
+
+    def walk(items):
+        for op, arg in items:
+            name = str(op)
+            if name == "LITERAL" and chr(arg) not in chars:
+                note(repr(chr(arg)))
+            elif name == "IN":
+                members = set()
+                for kind, value in arg:
+                    if str(kind) == "LITERAL":
+                        members.add(chr(value))
+                    elif str(kind) == "RANGE":
+                        members.update(chr(c) for c in range(value[0], value[1] + 1))
+                    else:
+                        members = None  # negations and categories: not judged here
+                        break
+                if members is not None and not members & chars:
+                    note("any of " + "".join(sorted(members))[:40])
+            elif name == "SUBPATTERN":
+                walk(arg[-1])
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                walk(arg[2])
+            elif name == "BRANCH":
+                for branch in arg[1]:
+                    walk(branch)
+            elif name == "ATOMIC_GROUP":
+                walk(arg)
+
+    try:
+        walk(sre_parse.parse(pattern))
+    except Exception:
+        pass
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Constraint:
+    """A compiled pattern over a vocabulary of ``V`` tokens (see the module docstring)."""
+
+    pattern: str  # the regular expression
+    kind: str  # "regex", "choice" or "json-schema"
+    table: np.ndarray  # [S, V] int32, state 0 initial
+    final: np.ndarray  # [S] bool
+    dist: np.ndarray  # [S] int32
+
+    @property
+    def states(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def V(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def min_tokens(self) -> int:
+        """The fewest tokens of any output in the language."""
+        return int(self.dist[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes + self.final.nbytes + self.dist.nbytes
+
+    def walk(self, tokens) -> int:
+        """The state after ``tokens`` from the initial state, -1 once a token is forbidden."""
+        s = 0
+        for t in np.asarray(tokens).reshape(-1):
+            s = int(self.table[s, int(t)])
+            if s < 0:
+                return -1
+        return s
+
+    def accepts(self, tokens) -> bool:
+        """Whether ``tokens`` spell a string of the language."""
+        s = self.walk(tokens)
+        return s >= 0 and bool(self.final[s])
+
+    def check_budget(self, n: int) -> None:
+        if n < self.min_tokens:
+            raise ConstraintError(f"-n {n} is too small for the pattern {self.pattern!r}: its shortest "
+                                  f"match takes {self.min_tokens} tokens")
+
+
+def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
+    """Compile ``pattern`` (Python / Rust ``regex`` syntax, matched in full) over ``vocab``."""
+    from outlines_core import Index, Vocabulary
+
+    if not isinstance(pattern, str) or not pattern:
+        raise ConstraintError("the pattern is empty")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConstraintError(f"invalid regular expression {pattern!r}: {e}") from None
+    tokens = _tokens_of(vocab)
+    V = len(tokens)
+    missing = _missing(pattern, set("".join(tokens)))
+    try:
+        index = Index(pattern, Vocabulary(V, {t: [i] for i, t in enumerate(tokens)}))
+    except ValueError as e:
+        text = str(e)
+        if "incompatible" in text or "no transitions" in text.lower():
+            found = re.search(r"characters: \[(.*)\]", text)
+            named = ", ".join(missing) if missing else found.group(1) if found else "?"
+            raise ConstraintError(f"no string over the model's vocabulary matches {pattern!r}: the "
+                                  f"vocabulary lacks the characters {named}") from None
+        raise ConstraintError(f"cannot compile {pattern!r}: {text}") from None
+
+    transitions = index.get_transitions()
+    finals = set(index.get_final_states())
+    start = index.get_initial_state()
+    # number the states breadth-first from the initial one, skipping the end token (id V)
+    order, seen = [start], {start: 0}
+    for s in order:
+        for t, nxt in sorted(transitions.get(s, {}).items()):
+            if t < V and nxt not in seen:
+                seen[nxt] = len(order)
+                order.append(nxt)
+    S = len(order)
+    table = np.full((S, V), -1, np.int64)
+    for s in order:
+        for t, nxt in transitions.get(s, {}).items():
+            if t < V:
+                table[seen[s], t] = seen[nxt]
+    final = np.array([s in finals for s in order], bool)
+    dist = _distance_to_final(table, final)
+    if dist[0] >= INF:
+        lack = f": the vocabulary lacks the characters {', '.join(missing)}" if missing else ""
+        raise ConstraintError(f"no string over the model's vocabulary matches {pattern!r}{lack}")
+    # forbid every token that leads where no final state can be reached, then drop those states
+    live = dist < INF
+    table = np.where((table >= 0) & live[np.maximum(table, 0)], table, -1)
+    keep = np.flatnonzero(live)
+    renumber = np.full(S, -1, np.int64)
+    renumber[keep] = np.arange(len(keep))
+    table = np.where(table >= 0, renumber[np.maximum(table, 0)], -1)[keep]
+    return Constraint(pattern, kind, table.astype(np.int32), final[keep], dist[keep].astype(np.int32))
+
+
+def _distance_to_final(table: np.ndarray, final: np.ndarray) -> np.ndarray:
+    """Fewest tokens from each state to a final state (breadth-first over reversed edges)."""
+    S = table.shape[0]
+    parents: list[list[int]] = [[] for _ in range(S)]
+    for s, t in zip(*np.nonzero(table >= 0)):
+        parents[table[s, t]].append(s)
+    dist = np.full(S, INF, np.int64)
+    queue = deque(np.flatnonzero(final).tolist())
+    dist[list(queue)] = 0
+    while queue:
+        s = queue.popleft()
+        for p in parents[s]:
+            if dist[p] == INF:
+                dist[p] = dist[s] + 1
+                queue.append(p)
+    return dist
+
+
+def compile_choices(options: Sequence[str], vocab) -> Constraint:
+    """One of ``options`` exactly."""
+    options = list(options)
+    if not options or any(not isinstance(o, str) or not o for o in options):
+        raise ConstraintError("give at least one choice, each a non-empty string")
+    return compile_regex("|".join(f"(?:{re.escape(o)})" for o in options), vocab, kind="choice")
+
+
+def compile_json_schema(schema: str | dict, vocab) -> Constraint:
+    """JSON text that satisfies ``schema`` (through outlines-core's schema-to-regex function)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        json.loads(text)
+        pattern = build_regex_from_schema(text)
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"invalid JSON schema: {e}") from None
+    return compile_regex(pattern, vocab, kind="json-schema")
+
+
+# ----------------------------------------------------------------------------- on the device
+
+
+class Automaton(NamedTuple):
+    """Several constraints in one table (a traced argument of the loops); state 0 is free."""
+
+    table: jax.Array  # [S, V] int32
+    final: jax.Array  # [S] bool
+    dist: jax.Array  # [S] int32
+
+
+def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, np.ndarray]:
+    """One automaton for a batch whose row ``i`` follows ``constraints[i]`` (None: free), and
+    each row's initial state. Identical constraint objects share their states."""
+    tables, finals, dists = [np.zeros((1, V), np.int32)], [np.ones(1, bool)], [np.zeros(1, np.int32)]
+    offsets: dict[int, int] = {}
+    starts = np.zeros(len(constraints), np.int32)
+    at = 1
+    for i, c in enumerate(constraints):
+        if c is None:
+            continue
+        if c.V != V:
+            raise ConstraintError(f"the constraint was compiled for {c.V} tokens, the model has {V}")
+        if id(c) not in offsets:
+            offsets[id(c)] = at
+            tables.append(np.where(c.table >= 0, c.table + at, -1).astype(np.int32))
+            finals.append(c.final)
+            dists.append(c.dist)
+            at += c.states
+        starts[i] = offsets[id(c)]
+    S = 1 << max(0, (at - 1).bit_length())
+    table = np.full((S, V), -1, np.int32)
+    table[:at] = np.concatenate(tables)
+    final = np.zeros(S, bool)
+    final[:at] = np.concatenate(finals)
+    dist = np.full(S, INF, np.int32)
+    dist[:at] = np.concatenate(dists)
+    return Automaton(jnp.asarray(table), jnp.asarray(final), jnp.asarray(dist)), starts
+
+
+def for_rows(constraint, B: int, Bb: int, V: int, n: int):
+    """A loop's constraint arguments for ``B`` rows bucketed to ``Bb``: ``constraint`` is one
+    :class:`Constraint` for every row, or a sequence with one per row (None: unconstrained).
+    Returns ``(automaton, initial states [Bb], budget [Bb])``, or ``(None, None, None)``."""
+    if constraint is None:
+        return None, None, None
+    per_row = [constraint] * B if isinstance(constraint, Constraint) else list(constraint)
+    if len(per_row) != B:
+        raise ConstraintError(f"give one constraint per row ({B}), got {len(per_row)}")
+    for c in per_row:
+        if c is not None and not isinstance(c, Constraint):
+            raise ConstraintError(f"a constraint must be a compiled Constraint or None, got {type(c).__name__}")
+        if c is not None:
+            c.check_budget(n)
+    if all(c is None for c in per_row):
+        return None, None, None
+    auto, starts = stack(per_row + [None] * (Bb - B), V)
+    return auto, jnp.asarray(starts), jnp.full((Bb,), n, jnp.int32)
+
+
+def allowed(auto: Automaton, state, left):
+    """``[B, V]`` bool: the tokens each row may take in ``state`` ``[B]`` with ``left`` ``[B]``
+    tokens left (this one included), and their next states ``[B, V]``."""
+    nxt = auto.table[state]
+    ok = (nxt >= 0) & (auto.dist[jnp.maximum(nxt, 0)] <= (left - 1)[:, None])
+    return ok, nxt
+
+
+def stop_probability(auto: Automaton, state, logits, ok):
+    """``[B]``: the model's probability of stopping in ``state``: the mass of the tokens the row
+    cannot take if the state is final (1 when it can take none), else 0."""
+    p = jax.nn.softmax(logits, axis=-1)
+    blocked = jnp.sum(jnp.where(ok, 0.0, p), axis=-1)
+    none = ~jnp.any(ok, axis=-1)
+    return jnp.where(auto.final[state], jnp.where(none, 1.0, blocked), 0.0)
+
+
+def mask(logits, ok):
+    """``logits`` with forbidden tokens at -inf (unchanged for a row that may take none)."""
+    return jnp.where(ok | ~jnp.any(ok, axis=-1, keepdims=True), logits, -jnp.inf)
+
+
+__all__ = ["Automaton", "Constraint", "ConstraintError", "allowed", "for_rows", "compile_choices", "compile_json_schema",
+           "compile_regex", "mask", "stack", "stop_probability"]
