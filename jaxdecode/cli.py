@@ -344,31 +344,12 @@ def cmd_mode(args):
 
 
 def cmd_study(args):
-    """The chapter's experiments, one command each: JSON (and a PNG with matplotlib) in --out."""
-    lm = _load(args)
-    out = args.out or f"results/{args.name}"
-    if args.name == "speculative":
-        from .studies import speculative
+    """The chapter's experiments (:mod:`jaxdecode.studies`): JSON, PNG and Markdown in --out."""
+    from .studies import run_command
 
-        res = speculative.run(lm, out, data_path=args.data)
-    elif args.name == "decoders":
-        from .studies import decoders
-
-        res = decoders.run(lm, out, data_path=args.data)
-        for row in res["rows"]:
-            print(f"--- {row['decoder']}: {row['mean_logprob']:.2f} nats per character")
-            print(row["text"])
-        print(f"wrote {out}", file=sys.stderr)
-        return
-    elif args.name == "beam-curse":
-        from .studies import beam_curse
-
-        res = beam_curse.run(lm, out, n_prompts=args.prompts, n=args.n, data_path=args.data,
-                             node_budget=args.budget)
-    else:  # argparse restricts the choices
-        raise UsageError(f"unknown study {args.name!r}")
-    print(json.dumps(res, indent=2, default=str)[:4000])
-    print(f"wrote {out}", file=sys.stderr)
+    options = {"prompts": args.prompts, "n": args.n, "budget": args.budget}
+    run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
+                progress=not args.quiet, options=options)
 
 
 def cmd_score(args):
@@ -446,14 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_score)
 
-    s = sub.add_parser("study", help="reproduce one of the chapter's experiments (JSON + PNG)")
-    s.add_argument("name", choices=["decoders", "speculative", "beam-curse"])
-    s.add_argument("--out", default=None, help="output folder (default results/NAME)")
+    from .studies import STUDIES
+
+    s = sub.add_parser("study", help="reproduce one of the chapter's experiments (JSON + PNG + Markdown)")
+    s.add_argument("name", choices=[*STUDIES, "all"], help="the study, or all of them in turn")
+    s.add_argument("--out", default=None, help="output folder (default results/NAME; with all, "
+                                               "one folder per study in it, default results/)")
+    s.add_argument("--seed", type=int, default=None, help="random seed (default: each study's, 0)")
     s.add_argument("--ckpt", default=None)
     s.add_argument("--data", default=None)
-    s.add_argument("--prompts", type=int, default=24, help="beam-curse: held-out prompts")
-    s.add_argument("-n", type=int, default=12, help="beam-curse: characters searched")
-    s.add_argument("--budget", type=int, default=100_000, help="beam-curse: exact-search node budget")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--prompts", type=int, default=None, help="beam-curse: held-out prompts (default 24)")
+    s.add_argument("-n", type=int, default=None, help="beam-curse: characters searched (default 12)")
+    s.add_argument("--budget", type=int, default=None, help="beam-curse: exact-search node budget "
+                                                            "(default 100,000)")
     s.set_defaults(func=cmd_study)
 
     s = sub.add_parser("info", help="describe a checkpoint folder")

@@ -16,14 +16,25 @@ continuation starts a new word.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from ..beam import SearchBudgetExceeded, beam_search, mode_search
+from .common import (
+    fmt,
+    md_table,
+    md_text,
+    new_figure,
+    output_folder,
+    progress_bar,
+    save_figure,
+    write_json,
+    write_markdown,
+)
+
+NAME = "beam_curse"
 
 MIN_CHARS = 32
 MAX_CHARS = 64
@@ -52,20 +63,26 @@ def heldout_prompts(held: str, count: int = 24, min_chars: int = MIN_CHARS,
 
 
 def beam_curse_study(lm, prompts: Sequence[str], n: int, ks: Sequence[int] = (1, 2, 5, 10),
-                     node_budget: int = 100_000) -> dict:
+                     node_budget: int = 100_000, bar=None) -> dict:
     """Per beam width ``k``: how often beam search returns the mode, and the log-probability gap.
 
     Returns ``{"per_k": {k: {"mode_rate", "found_mode", "solved", "mean_gap", "max_gap",
     "mean_logprob"}}, "prompts": [...], ...}``; gaps are mode minus beam in nats over the ``n``
     characters. Prompts whose exact search exceeds ``node_budget`` expansions are reported
-    (``mode`` is ``None``) and left out of the rates and gaps.
+    (``mode`` is ``None``) and left out of the rates and gaps. Each row's ``search_seconds`` is the
+    wall-clock time of its exact search. ``bar``: a progress bar advanced once per beam width and
+    once per prompt.
     """
     ks = [int(k) for k in ks]
     if not ks:
         raise ValueError("give at least one beam width")
     prompts = list(prompts)
     encoded = [lm.vocab.encode(p) for p in prompts]
-    beams = {k: beam_search(lm.decoder, lm.params, encoded, n, k) for k in ks}
+    beams = {}
+    for k in ks:
+        beams[k] = beam_search(lm.decoder, lm.params, encoded, n, k)
+        if bar is not None:
+            bar.update(1)
 
     rows = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
@@ -87,6 +104,8 @@ def beam_curse_study(lm, prompts: Sequence[str], n: int, ks: Sequence[int] = (1,
             row["beams"][str(k)] = {"text": lm.vocab.decode(h.tokens), "logprob": h.logprob,
                                     "is_mode": is_mode, "gap": gap}
         rows.append(row)
+        if bar is not None:
+            bar.update(1)
 
     solved = [r for r in rows if r["mode"] is not None]
     per_k = {}
@@ -104,46 +123,73 @@ def beam_curse_study(lm, prompts: Sequence[str], n: int, ks: Sequence[int] = (1,
             "prompts_solved": len(solved), "per_k": per_k, "prompts": rows}
 
 
-def _plot(result: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(result: dict, path) -> bool:
+    """The figure (always written); False when no prompt was solved (then it shows only the
+    beams' mean log-probabilities)."""
     ks = result["ks"]
     per_k = [result["per_k"][str(k)] for k in ks]
-    if any(p["mode_rate"] is None for p in per_k):
-        return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.plot(ks, [p["mode_rate"] for p in per_k], "o-")
+    solved = result["prompts_solved"] > 0
+    fig, axes = new_figure(1, 2, figsize=(9, 3.5))
+    left, right = axes[0]
+    if solved:
+        left.plot(ks, [p["mode_rate"] for p in per_k], "o-")
+        right.plot(ks, [p["mean_gap"] for p in per_k], "o-", label="mean")
+        right.plot(ks, [p["max_gap"] for p in per_k], "s--", label="max")
+        right.legend()
+    else:
+        right.plot(ks, [p["mean_logprob"] for p in per_k], "o-")
     left.set(xscale="log", xlabel="beam width k", ylabel="share of prompts", ylim=(0, 1.05),
-             title="beam search returns the mode")
-    right.plot(ks, [p["mean_gap"] for p in per_k], "o-", label="mean")
-    right.plot(ks, [p["max_gap"] for p in per_k], "s--", label="max")
+             title="beam search returns the mode" if solved else "no prompt solved within the budget")
     right.set(xscale="log", xlabel="beam width k", ylabel="nats",
-              title=f"log-probability gap to the mode ({result['n']} chars)")
-    right.legend()
+              title=(f"log-probability gap to the mode ({result['n']} chars)" if solved
+                     else f"mean beam log-probability ({result['n']} chars)"))
     for ax in (left, right):
         ax.set_xticks(ks, [str(k) for k in ks])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+        ax.minorticks_off()
+    save_figure(fig, path)
+    return solved
 
 
-def run(lm, out_dir, n_prompts: int = 24, n: int = 12, data_path=None, ks: Sequence[int] = (1, 2, 5, 10),
-        node_budget: int = 100_000) -> dict:
-    """The study on ``n_prompts`` held-out prompts; writes ``beam_curse.json`` (and ``.png``)."""
+def _markdown(result: dict) -> str:
+    pct = lambda x: fmt(None if x is None else 100 * x, ".0f")  # noqa: E731
+    first = result["prompts"][0]
+    rows = [[k, f"{p['found_mode']}/{p['solved']}", pct(p["mode_rate"]),
+             fmt(p["mean_gap"]), fmt(p["max_gap"]), fmt(p["mean_logprob"])]
+            for k, p in ((k, result["per_k"][str(k)]) for k in result["ks"])]
+    parts = [
+        "# Beam search against the exact mode\n",
+        f"{result['prompts_total']} held-out prompts ({result['prompt_rule']}); for each, the most "
+        f"probable continuation of {result['n']} characters by exact best-first search (node budget "
+        f"{result['node_budget']:,}; {result['prompts_solved']} prompts solved) against beam search of "
+        "each width k. Gaps: mode minus beam log-probability, nats over the continuation.\n",
+        md_table(["k", "found the mode", "share (%)", "mean gap", "max gap", "mean beam log-prob"],
+                 rows) + "\n",
+        "Example (first prompt): " + md_text(first["prompt"]) + " → mode "
+        + (md_text(first["mode"]) if first["mode"] is not None else "not found") + "\n",
+        f"![beam search against the mode]({NAME}.png)",
+    ]
+    return "\n".join(parts)
+
+
+def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n_prompts: int = 24,
+        n: int = 12, ks: Sequence[int] = (1, 2, 5, 10), node_budget: int = 100_000) -> dict:
+    """The study on ``n_prompts`` held-out prompts; writes ``beam_curse.json``, ``.png`` and
+    ``.md``. Nothing here is random: ``seed`` is recorded only. The exact searches' wall-clock
+    times are left out of the JSON (so that it is the same on every run) and returned under
+    ``search_seconds``."""
     from ..data import read_corpus, split
 
+    out = output_folder(out_dir)
     _, held = split(read_corpus(data_path))
     prompts = heldout_prompts(held, n_prompts)
-    result = beam_curse_study(lm, prompts, n, ks=ks, node_budget=node_budget)
-    result["prompt_rule"] = PROMPT_RULE
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "beam_curse.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    result["plot"] = str(out / "beam_curse.png") if _plot(result, out / "beam_curse.png") else None
+    with progress_bar(len(ks) + len(prompts), NAME, progress) as bar:
+        result = beam_curse_study(lm, prompts, n, ks=ks, node_budget=node_budget, bar=bar)
+    seconds = [row.pop("search_seconds") for row in result["prompts"]]
+    doc = {"study": NAME, "seed": seed, "prompt_rule": PROMPT_RULE, **result}
+    result = write_json(out / f"{NAME}.json", doc)
+    _plot(result, out / f"{NAME}.png")
+    write_markdown(out / f"{NAME}.md", _markdown(result))
+    result["plot"] = str(out / f"{NAME}.png")
+    result["search_seconds"] = seconds
+    result["files"] = [str(out / f"{NAME}{s}") for s in (".json", ".png", ".md")]
     return result

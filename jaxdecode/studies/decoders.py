@@ -3,40 +3,85 @@ after the KATHARINA prompt, each scored by the model's mean log-probability per 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .. import data as data_lib
 from ..beam import beam_generate
 from ..sampling import generate
 from ..score import score_texts
+from .common import (
+    fmt,
+    md_table,
+    md_text,
+    new_figure,
+    output_folder,
+    progress_bar,
+    save_figure,
+    write_json,
+    write_markdown,
+)
 
+NAME = "decoders"
 PROMPT = "KATHARINA:\nMoved! in good time: "
 
 
-def compare(lm, text: str, prompt: str = PROMPT, n: int = 120, k: int = 5, seed: int = 0) -> dict:
+def compare(lm, text: str, prompt: str = PROMPT, n: int = 120, k: int = 5, seed: int = 0,
+            bar=None) -> dict:
     """Four continuations of ``prompt`` of ``n`` characters; ``text`` is the corpus that holds
-    the human continuation (the prompt must occur in it)."""
+    the human continuation (the prompt must occur in it). ``bar``: a progress bar to advance
+    (four steps)."""
     at = text.find(prompt)
     if at < 0:
         raise ValueError(f"the prompt {prompt!r} does not occur in the corpus")
+    step = (lambda: bar.update(1)) if bar is not None else (lambda: None)
     human = text[at + len(prompt):at + len(prompt) + n]
-    outputs = {
-        "human": human,
-        "greedy": generate(lm, prompt, n, greedy=True)[0].text,
-        f"beam, k={k}": beam_generate(lm, prompt, n, k)[0][0].text,
-        "sampling": generate(lm, prompt, n, seed=seed)[0].text,
-    }
+    outputs = {"human": human}
+    outputs["greedy"] = generate(lm, prompt, n, greedy=True)[0].text
+    step()
+    outputs[f"beam, k={k}"] = beam_generate(lm, prompt, n, k)[0][0].text
+    step()
+    outputs["sampling"] = generate(lm, prompt, n, seed=seed)[0].text
+    step()
     scores = score_texts(lm, list(outputs.values()), [prompt] * len(outputs))
+    step()
     return {"prompt": prompt, "n": n, "seed": seed,
             "rows": [{"decoder": name, "mean_logprob": s.mean_logprob, "text": t}
                      for (name, t), s in zip(outputs.items(), scores)]}
 
 
-def run(lm, out_dir, data_path=None, n: int = 120, k: int = 5, seed: int = 0) -> dict:
-    """Writes ``decoders.json`` into ``out_dir``."""
-    result = compare(lm, data_lib.read_corpus(data_path), n=n, k=k, seed=seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decoders.json").write_text(json.dumps(result, indent=2, ensure_ascii=False), encoding="utf-8")
+def _plot(result: dict, path) -> None:
+    fig, axes = new_figure(1, 1, figsize=(6, 3))
+    ax = axes[0, 0]
+    rows = result["rows"]
+    y = range(len(rows))
+    ax.barh(list(y), [-r["mean_logprob"] for r in rows], color="tab:blue")
+    ax.set_yticks(list(y), [r["decoder"] for r in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="negative log-likelihood (nats per character)",
+           title=f"{result['n']} characters after {result['prompt'][-16:]!r}")
+    save_figure(fig, path)
+
+
+def _markdown(result: dict) -> str:
+    rows = [[r["decoder"], fmt(r["mean_logprob"]), md_text(r["text"])] for r in result["rows"]]
+    return "\n".join([
+        "# Decoders after a prompt\n",
+        f"{result['n']} characters after {md_text(result['prompt'])}: Shakespeare's own continuation "
+        f"(human), greedy decoding, beam search and sampling at temperature 1 (seed {result['seed']}), "
+        "each scored by the model's mean log-probability per character.\n",
+        md_table(["decoder", "mean log-probability (nats/char)", "text"], rows) + "\n",
+        f"![negative log-likelihood per decoder]({NAME}.png)",
+    ])
+
+
+def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n: int = 120,
+        k: int = 5, prompt: str = PROMPT) -> dict:
+    """Writes ``decoders.json``, ``decoders.png`` and ``decoders.md`` into ``out_dir``; ``seed``
+    is the sampling row's; ``prompt`` must occur in the corpus."""
+    out = output_folder(out_dir)
+    text = data_lib.read_corpus(data_path)
+    with progress_bar(4, NAME, progress) as bar:
+        result = compare(lm, text, prompt=prompt, n=n, k=k, seed=seed, bar=bar)
+    result = write_json(out / f"{NAME}.json", {"study": NAME, **result})
+    _plot(result, out / f"{NAME}.png")
+    write_markdown(out / f"{NAME}.md", _markdown(result))
+    result["files"] = [str(out / f"{NAME}{s}") for s in (".json", ".png", ".md")]
     return result

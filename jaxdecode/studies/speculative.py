@@ -15,16 +15,26 @@ Two parts, as in the chapter:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import speculative as SP
+from .common import (
+    fmt,
+    md_table,
+    md_text,
+    new_figure,
+    output_folder,
+    progress_bar,
+    save_figure,
+    write_json,
+    write_markdown,
+)
 
+NAME = "speculative"
 PROMPT = "KATHARINA:\nMoved! in good time: "
 TOY_P = (0.5, 0.2, 0.2, 0.1)
 
@@ -50,8 +60,9 @@ def toy_check(draws: int = 200_000, seed: int = 0) -> dict:
 
 
 def gamma_sweep(lm, draft, prompt: str = PROMPT, n: int = 400, gammas: Sequence[int] = (1, 2, 4, 8),
-                samples: int = 8, seed: int = 1) -> dict:
-    """Acceptance and characters per target pass for each ``gamma`` (``samples`` rows pooled)."""
+                samples: int = 8, seed: int = 1, bar=None) -> dict:
+    """Acceptance and characters per target pass for each ``gamma`` (``samples`` rows pooled);
+    ``bar``: a progress bar advanced once per ``gamma``."""
     per_gamma = {}
     for gamma in gammas:
         gens = SP.speculative_generate(lm, prompt, n, draft=draft, gamma=gamma, seed=seed,
@@ -65,22 +76,18 @@ def gamma_sweep(lm, draft, prompt: str = PROMPT, n: int = 400, gammas: Sequence[
             "mean_logprob": float(np.mean([g.mean_logprob for g in gens])),
             "sample": gens[0].text[:120],
         }
+        if bar is not None:
+            bar.update(1)
     return {"prompt": prompt, "n": n, "gammas": list(gammas), "samples": samples, "seed": seed,
             "per_gamma": per_gamma}
 
 
-def _plot(result: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(result: dict, path) -> None:
     sweep = result["sweep"]
     gs = sweep["gammas"]
     rows = [sweep["per_gamma"][str(g)] for g in gs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = new_figure(1, 2, figsize=(9, 3.5))
+    left, right = axes[0]
     toy = result["toy"]
     x = np.arange(len(toy["p"]))
     left.bar(x - 0.2, toy["p"], 0.4, label="target p")
@@ -97,26 +104,50 @@ def _plot(result: dict, path: Path) -> bool:
     right.set_xticks(gs, [str(g) for g in gs])
     right.minorticks_off()
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    save_figure(fig, path)
 
 
-def run(lm, out_dir, data_path=None, *, n: int = 400, gammas: Sequence[int] = (1, 2, 4, 8),
-        samples: int = 8, seed: int = 1, draft=None) -> dict:
-    """Both parts; writes ``speculative.json`` (and ``speculative.png``) into ``out_dir``.
+def _markdown(result: dict) -> str:
+    toy, sweep = result["toy"], result["sweep"]
+    rows = [[g, fmt(r["acceptance_rate"], ".3f"), fmt(r["chars_per_pass"]),
+             fmt(r["predicted_chars_per_pass"]), r["passes"], fmt(r["mean_logprob"])]
+            for g, r in ((g, sweep["per_gamma"][str(g)]) for g in sweep["gammas"])]
+    return "\n".join([
+        "# Speculative decoding\n",
+        f"**Toy check** (seed {toy['seed']}): target p = {toy['p']}, uniform draft, {toy['draws']:,} draws: "
+        f"acceptance {toy['acceptance']:.4f} (exact {toy['expected_acceptance']:.2f}), output frequencies "
+        f"{[round(f, 3) for f in toy['frequencies']]}.\n",
+        f"**Gamma sweep** (seed {sweep['seed']}): the model as target, the {result['draft']} draft "
+        f"(add-0.01 character trigram of the training split), {sweep['samples']} samples of {sweep['n']} "
+        f"characters after {md_text(sweep['prompt'])}.\n",
+        md_table(["gamma", "acceptance", "chars per target pass", "i.i.d. prediction", "target passes",
+                  "mean log-probability"], rows) + "\n",
+        f"![toy check and gamma sweep]({NAME}.png)",
+    ])
+
+
+def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n: int = 400,
+        gammas: Sequence[int] = (1, 2, 4, 8), samples: int = 8, draft=None, prompt: str = PROMPT) -> dict:
+    """Both parts; writes ``speculative.json``, ``speculative.png`` and ``speculative.md`` into
+    ``out_dir``. The toy check draws with ``seed`` and the sweep with ``seed + 1`` (the default
+    seed 0 gives the published numbers: toy 0, sweep 1).
 
     ``draft`` defaults to the trigram table of the corpus at ``data_path`` (see
     :func:`jaxdecode.data.locate_corpus`).
     """
-    if draft is None:
-        draft = SP.make_draft("ngram", lm, data_path)
-    result = {"toy": toy_check(),
-              "sweep": gamma_sweep(lm, draft, n=n, gammas=gammas, samples=samples, seed=seed),
-              "draft": type(draft).__name__}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speculative.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    result["plot"] = str(out / "speculative.png") if _plot(result, out / "speculative.png") else None
+    out = output_folder(out_dir)
+    with progress_bar(2 + len(gammas), NAME, progress) as bar:
+        if draft is None:
+            draft = SP.make_draft("ngram", lm, data_path)
+        bar.update(1)
+        toy = {"seed": seed, **toy_check(seed=seed)}
+        bar.update(1)
+        sweep = gamma_sweep(lm, draft, prompt=prompt, n=n, gammas=gammas, samples=samples,
+                            seed=seed + 1, bar=bar)
+    doc = {"study": NAME, "seed": seed, "toy": toy, "sweep": sweep, "draft": type(draft).__name__}
+    result = write_json(out / f"{NAME}.json", doc)
+    _plot(result, out / f"{NAME}.png")
+    write_markdown(out / f"{NAME}.md", _markdown(result))
+    result["plot"] = str(out / f"{NAME}.png")
+    result["files"] = [str(out / f"{NAME}{s}") for s in (".json", ".png", ".md")]
     return result

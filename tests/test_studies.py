@@ -1,0 +1,244 @@
+"""The studies: shared output helpers, the registry and the ``study`` command, the truncation
+table on the shipped model (the chapter's pattern), the cost study in a small configuration, and
+the existing studies' Markdown, figure and deterministic JSON."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxdecode import studies
+from jaxdecode.studies import common
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from jaxdecode import checkpoint
+
+    return checkpoint.load()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    """The tiny random model on the default backend (one LanguageModel, not one per backend)."""
+    from jaxdecode.checkpoint import LanguageModel
+
+    cfg, params, vocab = tiny_model
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={})
+
+
+def _files_ok(folder, *names):
+    for name in names:
+        p = folder / name
+        assert p.is_file() and p.stat().st_size > 0, p
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def test_write_json_is_deterministic_and_clean(tmp_path):
+    obj = {"b": np.float32(0.1), "a": [1.0 / 3, np.int64(7), True, None], "nan": math.nan,
+           "inf": -math.inf, "arr": np.arange(3), "t": (1, 2), 3: "k"}
+    doc = common.write_json(tmp_path / "x.json", obj)
+    first = (tmp_path / "x.json").read_bytes()
+    assert json.loads(first) == doc
+    assert list(doc) == ["b", "a", "nan", "inf", "arr", "t", "3"]  # insertion order kept
+    assert doc["b"] == 0.1 and doc["a"] == [0.333333, 7, True, None]
+    assert doc["nan"] is None and doc["inf"] is None and doc["arr"] == [0, 1, 2] and doc["t"] == [1, 2]
+    common.write_json(tmp_path / "x.json", obj)
+    assert (tmp_path / "x.json").read_bytes() == first
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+    assert common.round_float(123456789.0) == 123457000.0
+    with pytest.raises(TypeError):
+        common.clean({"x": object()})
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "a.md"
+    common.write_markdown(path, "old")
+    fig, axes = common.new_figure()
+    axes[0, 0].plot([0, 1], [1, 0])
+    common.save_figure(fig, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def broken(f):
+        f.write(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        common._atomic_write(path, broken)
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", "f.png"]
+
+
+def test_registry_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="unknown study"):
+        studies.load_study("nope")
+    monkeypatch.setitem(studies.STUDIES, "ghost", studies.Study("ghost", "no_such_module", "missing"))
+    loaded = []
+    with pytest.raises(studies.StudyUnavailable, match="not installed"):
+        studies.run_command("ghost", lambda: loaded.append(1), str(tmp_path))
+    with pytest.raises(ValueError, match="takes no option --prompts"):
+        studies.run_command("truncation", lambda: loaded.append(1), str(tmp_path), options={"prompts": 3})
+    assert not loaded  # both fail before the model is loaded
+
+
+def test_cli_reports_a_missing_study(monkeypatch, capsys):
+    from jaxdecode.cli import main
+
+    monkeypatch.setitem(studies.STUDIES, "ghost", studies.Study("ghost", "no_such_module", "missing"))
+    assert main(["study", "ghost"]) == 2
+    assert "the ghost study is not installed" in capsys.readouterr().err
+
+
+def test_every_study_module_has_run():
+    import inspect
+
+    for name in studies.STUDIES:
+        try:
+            mod = studies.load_study(name)
+        except studies.StudyUnavailable:
+            continue
+        params = inspect.signature(mod.run).parameters
+        assert {"seed", "data_path", "progress"} <= set(params), name
+        assert params["seed"].default == 0, name
+
+
+# ----------------------------------------------------------------------------- truncation
+
+
+def test_truncation_shows_the_chapters_pattern(shipped, tmp_path):
+    from jaxdecode.studies import truncation
+
+    res = truncation.run(shipped, tmp_path / "a", progress=False)
+    V = len(shipped.vocab)
+    start, hither = ({r["rule"]: r for r in ctx["rows"]} for ctx in res["contexts"])
+    for rows in (start, hither):
+        assert rows["model"]["kept"] == V and rows["temperature 0.5"]["kept"] == V
+        assert rows["top-k 5"]["kept"] == 5
+        assert all(1 <= r["kept"] <= V and len(r["top"]) == min(5, r["kept"]) for r in rows.values())
+        assert rows["model"]["model_mass_kept"] == pytest.approx(1.0)
+    # a word start: many letters are plausible; top-p and min-p keep more than top-k
+    assert start["top-p 0.9"]["kept"] > 5 and start["min-p 0.1"]["kept"] > 5
+    assert start["temperature 0.5"]["entropy_bits"] < start["model"]["entropy_bits"]
+    assert start["top-k 5"]["model_mass_kept"] < start["top-p 0.9"]["model_mass_kept"]
+    # inside "hither": one letter is nearly certain; they keep fewer than top-k
+    assert hither["top-p 0.9"]["kept"] < 5 and hither["min-p 0.1"]["kept"] < 5
+    assert hither["model"]["top"][0]["char"] == "e"
+    assert hither["model"]["entropy_bits"] < start["model"]["entropy_bits"]
+
+    _files_ok(tmp_path / "a", "truncation.json", "truncation.png", "truncation.md")
+    md = (tmp_path / "a" / "truncation.md").read_text()
+    assert "top-p 0.9" in md and "(truncation.png)" in md
+    assert json.loads((tmp_path / "a" / "truncation.json").read_text())["contexts"] == res["contexts"]
+    truncation.run(shipped, tmp_path / "b", progress=False)
+    assert (tmp_path / "a" / "truncation.json").read_bytes() == \
+        (tmp_path / "b" / "truncation.json").read_bytes()
+
+
+def test_study_command_truncation(tmp_path, capsys):
+    from jaxdecode.cli import main
+
+    out = tmp_path / "trunc"
+    assert main(["study", "truncation", "--out", str(out), "--seed", "3", "--quiet"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    _files_ok(out, "truncation.json", "truncation.png", "truncation.md")
+    assert json.loads((out / "truncation.json").read_text())["seed"] == 3
+
+
+def test_all_runs_each_study_into_its_folder_and_skips_missing_ones(shipped, tmp_path, monkeypatch, capsys):
+    registry = {"truncation": studies.STUDIES["truncation"],
+                "ghost": studies.Study("ghost", "no_such_module", "missing")}
+    monkeypatch.setattr(studies, "STUDIES", registry)
+    said = []
+    # -n is a beam-curse option: with all, the studies that do not take it do not get it
+    written = studies.run_command("all", shipped, str(tmp_path), progress=False, options={"n": 3},
+                                  echo=said.append)
+    assert written == [tmp_path / "truncation"] and said[0].startswith(f"wrote {tmp_path / 'truncation'}")
+    assert "skipping ghost" in capsys.readouterr().err
+    _files_ok(tmp_path / "truncation", "truncation.json", "truncation.png", "truncation.md")
+
+
+def test_study_parser_lists_every_study():
+    from jaxdecode.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["study"]
+    name = next(a for a in sub._actions if a.dest == "name")
+    assert set(name.choices) == set(studies.STUDIES) | {"all"}
+    assert {"tradeoff", "truncation", "cost"} <= set(name.choices)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def test_cost_study_small(tiny, tmp_path):
+    from jaxdecode import kernels
+    from jaxdecode.studies import cost
+
+    res = cost.run(tiny, tmp_path, n=4, batch_sizes=(1, 2), prompt_lengths=(4, 8), latency_batches=(1,),
+                   throughput_prompt=4, repeats=1, progress=False)
+    assert res["deterministic"] is False and "timings" in res["note"]
+    want = ["native", "portable"] if kernels.available() else ["portable"]
+    assert list(res["backends"]) == want
+    for per in res["backends"].values():
+        assert [r["batch"] for r in per["throughput"]] == [1, 2]
+        assert all(r["chars_per_s"] > 0 for r in per["throughput"])
+        assert [r["prompt_length"] for r in per["prefill_vs_decode"]] == [4, 8]
+        assert all(r["prefill_ms_per_token"] > 0 for r in per["prefill_vs_decode"])
+        assert per["latency"][0]["ttft_ms"] > 0
+    assert res["machine"]["cpu_count"] >= 1 and res["machine"]["jax"]
+    _files_ok(tmp_path, "cost.json", "cost_throughput.png", "cost_tokens.png", "cost.md")
+    assert "not reproducible" in (tmp_path / "cost.md").read_text()
+    with pytest.raises(ValueError, match="window"):
+        cost.run(tiny, tmp_path, n=8, prompt_lengths=(16,), progress=False)
+
+
+# ----------------------------------------------------------------------------- the other studies
+
+
+def _twice(run, tmp_path, name, **kw):
+    first = run(tmp_path / "a", **kw)
+    run(tmp_path / "b", **kw)
+    assert (tmp_path / "a" / f"{name}.json").read_bytes() == (tmp_path / "b" / f"{name}.json").read_bytes()
+    _files_ok(tmp_path / "a", f"{name}.json", f"{name}.png", f"{name}.md")
+    return first
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghi"), size=rng.integers(1, 7))) for _ in range(4000)]
+    lines = [" ".join(words[i:i + 8]) + "." for i in range(0, len(words), 8)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_decoders_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
+    from jaxdecode.studies import decoders
+
+    prompt = tiny_corpus.read_text()[100:108]
+    res = _twice(lambda out, **kw: decoders.run(tiny, out, **kw), tmp_path, "decoders",
+                 data_path=tiny_corpus, n=8, k=2, prompt=prompt, progress=False)
+    assert [r["decoder"] for r in res["rows"]] == ["human", "greedy", "beam, k=2", "sampling"]
+    assert "| human |" in (tmp_path / "a" / "decoders.md").read_text()
+
+
+def test_beam_curse_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
+    from jaxdecode.studies import beam_curse
+
+    res = _twice(lambda out, **kw: beam_curse.run(tiny, out, **kw), tmp_path, "beam_curse",
+                 data_path=tiny_corpus, n_prompts=2, n=3, ks=(1, 2), progress=False)
+    assert len(res["search_seconds"]) == 2
+    assert "search_seconds" not in json.dumps(json.loads((tmp_path / "a" / "beam_curse.json").read_text()))
+
+
+def test_speculative_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
+    from jaxdecode.studies import speculative
+
+    res = _twice(lambda out, **kw: speculative.run(tiny, out, **kw), tmp_path, "speculative",
+                 data_path=tiny_corpus, n=6, gammas=(1, 2), samples=2, prompt="abc", progress=False)
+    assert res["toy"]["seed"] == 0 and res["sweep"]["seed"] == 1
+    assert abs(res["toy"]["acceptance"] - 0.75) < 0.01
