@@ -165,7 +165,9 @@ def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
     V = len(tokens)
     missing = _missing(pattern, set("".join(tokens)))
     try:
-        index = Index(pattern, Vocabulary(V, {t: [i] for i, t in enumerate(tokens)}))
+        # anchored at the end: without it the index drops every transition that leaves a final
+        # state for a non-final one (``(ab)+`` would accept only "ab")
+        index = Index(f"(?:{pattern})$", Vocabulary(V, {t: [i] for i, t in enumerate(tokens)}))
     except ValueError as e:
         text = str(e)
         if "incompatible" in text or "no transitions" in text.lower():
@@ -305,6 +307,17 @@ def for_rows(constraint, B: int, Bb: int, V: int, n: int):
     return auto, jnp.asarray(starts), jnp.full((Bb,), n, jnp.int32)
 
 
+def per_sample(constraint, prompts: int, num_samples: int):
+    """A text entry point's ``constraint`` (one for all, or one per prompt) for its rows
+    (prompt-major, ``num_samples`` each)."""
+    if constraint is None or isinstance(constraint, Constraint):
+        return constraint
+    constraint = list(constraint)
+    if len(constraint) != prompts:
+        raise ConstraintError(f"give one constraint per prompt ({prompts}), got {len(constraint)}")
+    return [c for c in constraint for _ in range(num_samples)]
+
+
 def allowed(auto: Automaton, state, left):
     """``[B, V]`` bool: the tokens each row may take in ``state`` ``[B]`` with ``left`` ``[B]``
     tokens left (this one included), and their next states ``[B, V]``."""
@@ -327,5 +340,41 @@ def mask(logits, ok):
     return jnp.where(ok | ~jnp.any(ok, axis=-1, keepdims=True), logits, -jnp.inf)
 
 
+def draft_states(auto: Automaton, state, drafts):
+    """``[B, G+1]``: the automaton state before each of ``G`` proposed tokens ``drafts [B, G]``
+    and after the last, from ``state`` ``[B]``; -1 from the first token the pattern forbids."""
+    def walk(s, d):
+        nxt = jnp.where(s < 0, -1, auto.table[jnp.maximum(s, 0), d])
+        return nxt, s
+
+    last, before = jax.lax.scan(walk, state, drafts.T)
+    return jnp.concatenate([before.T, last[:, None]], axis=1)
+
+
+def extended_target(auto: Automaton, states, left, logits, process, greedy: bool):
+    """The distribution a constrained step draws from, over ``V + 1`` choices (index ``V``:
+    stop), at each of ``S`` positions: ``states``, ``left`` ``[B, S]``, raw ``logits``
+    ``[B, S, V]``, ``process`` the rule over ``[B, S, V]``. Sampling: ``p(stop) = s`` and
+    ``p(v) = (1 - s) * softmax(process(masked logits))[v]``; greedy: a point mass on the choice
+    :func:`jaxdecode.sampling` makes. Returns probabilities ``[B, S, V+1]`` and their logs. A
+    position off the language (state -1) stops with probability 1."""
+    B, S, V = logits.shape
+    flat = lambda a: a.reshape((B * S,) + a.shape[2:])
+    st, lf, lg = flat(states), flat(left), flat(logits)
+    ok, _ = allowed(auto, jnp.maximum(st, 0), lf)
+    ok = ok & (st >= 0)[:, None]
+    p_stop = jnp.where(st >= 0, stop_probability(auto, jnp.maximum(st, 0), lg, ok), 1.0)
+    processed = process(mask(lg, ok).reshape(B, S, V)).reshape(B * S, V)
+    if greedy:
+        best = jnp.max(jnp.where(ok, jax.nn.softmax(lg, axis=-1), 0.0), axis=-1)
+        choice = jnp.where(p_stop > best, V, jnp.argmax(processed, axis=-1))
+        p = jax.nn.one_hot(choice, V + 1)
+    else:
+        p_tok = jax.nn.softmax(processed, axis=-1) * (1.0 - p_stop)[:, None]
+        p = jnp.concatenate([jnp.where(ok, p_tok, 0.0), p_stop[:, None]], axis=-1)
+    logp = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+    return p.reshape(B, S, V + 1), logp.reshape(B, S, V + 1)
+
+
 __all__ = ["Automaton", "Constraint", "ConstraintError", "allowed", "for_rows", "compile_choices", "compile_json_schema",
-           "compile_regex", "mask", "stack", "stop_probability"]
+           "compile_regex", "draft_states", "extended_target", "mask", "stack", "stop_probability"]

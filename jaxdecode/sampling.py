@@ -335,11 +335,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, k
     stop_tokens = encode_stop_strings(lm, stop)
     key = jax.random.PRNGKey(seed) if key is None else key
 
-    if constraint is not None and not isinstance(constraint, C.Constraint):
-        constraint = list(constraint)
-        if len(constraint) != len(prompts):
-            raise C.ConstraintError(f"give one constraint per prompt ({len(prompts)}), got {len(constraint)}")
-        constraint = [c for c in constraint for _ in range(num_samples)]
+    constraint = C.per_sample(constraint, len(prompts), num_samples)
     res = sample_tokens(lm.decoder, lm.params, rows, n, key, rule=rule, greedy=greedy, stops=stop_tokens,
                         chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint)
     out = []

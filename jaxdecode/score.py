@@ -26,6 +26,7 @@ class Score:
     prompt: str
     text: str
     logprobs: np.ndarray  # [tokens of text] natural-log probability of each token of text
+    in_language: bool | None = None  # the text is in the constraint's language (None: no constraint)
 
     @property
     def mean_logprob(self) -> float:
@@ -106,8 +107,10 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
     return out
 
 
-def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None) -> list[Score]:
-    """Score each text as a continuation of its prompt (default: a newline, the corpus's separator)."""
+def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, constraint=None) -> list[Score]:
+    """Score each text as a continuation of its prompt (default: a newline, the corpus's separator).
+    With ``constraint`` (a :class:`jaxdecode.constraints.Constraint`) each score also says whether
+    its text, as the vocabulary encodes it, is in the pattern's language (``in_language``)."""
     prompts = list(prompts) if prompts is not None else ["\n"] * len(texts)
     if len(prompts) != len(texts):
         raise ValueError(f"{len(prompts)} prompts for {len(texts)} texts")
@@ -120,4 +123,5 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None) 
         seqs.append(np.concatenate([prompt, lm.vocab.encode(t)]))
         starts.append(len(prompt))
     lps = token_logprobs(lm.decoder, lm.params, seqs, starts)
-    return [Score(prompt=p, text=t, logprobs=lp) for p, t, lp in zip(prompts, texts, lps)]
+    member = [None if constraint is None else constraint.accepts(s[st:]) for s, st in zip(seqs, starts)]
+    return [Score(prompt=p, text=t, logprobs=lp, in_language=m) for p, t, lp, m in zip(prompts, texts, lps, member)]

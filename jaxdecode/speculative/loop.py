@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import constraints as C
 from ..core import (
     SPAN_BUCKET,
     Generation,
@@ -59,6 +60,8 @@ class SpecState(NamedTuple):
     examined: jax.Array  # [B] int32 proposals that met the acceptance test
     accepted: jax.Array  # [B] int32 proposals accepted
     iteration: jax.Array  # [] int32
+    cstate: Any = None  # [B] int32 automaton state after the context (constrained generation)
+    stopped: Any = None  # [B] bool: the row stopped where its pattern allowed it (constrained)
 
 
 NOISE_TABLE_MAX = 1 << 20  # uniforms: a segment draws its noise up front when it needs at most this many
@@ -85,7 +88,7 @@ def _processor(rule, B: int, V: int):
 
 @functools.partial(jax.jit, static_argnames=("model", "gamma", "span", "greedy"),
                    donate_argnames=("state",))
-def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter_end, *,
+def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter_end, con=None, *,
              model: DecodingModel, gamma: int, span: int, greedy: bool) -> SpecState:
     """Iterate while some row is unfinished, every unfinished row fits in ``span`` and the
     iteration is below ``iter_end`` (a host round trip for streaming and stop strings)."""
@@ -114,18 +117,23 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         k = jnp.minimum(st.iteration - state.iteration, n_max - 1)
         return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 1, False), table)
 
+    def live(st):
+        return st.count < n if st.stopped is None else (st.count < n) & ~st.stopped
+
     def cond(st):
-        active = st.count < n
+        active = live(st)
         need = jnp.max(jnp.where(active, st.context + gamma, 0))
         return jnp.any(active) & (need <= span) & (st.iteration < iter_end)
 
     def body(st):
-        active = st.count < n
+        active = live(st)
         noise = noise_at(st)
         drafts, q_logits, dstate = draft.propose(st.draft, None if greedy else noise.draft, gamma,
                                                  process, span)
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
         logits, _, cache = model.extend(params, st.cache, fed, span)  # [B, gamma+1, V]
+        if con is not None:
+            return _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache)
         processed = process_all(logits)
         sample_lp = _logprobs(processed)
         if greedy:
@@ -157,6 +165,46 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
             examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
             accepted=st.accepted + on * n_acc,
             iteration=st.iteration + 1)
+
+    def _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache):
+        """The iteration under a constraint: the target's distribution at each position is the
+        masked one extended by a stop choice (index V); a proposal outside the language has
+        target probability 0, so it is rejected by construction."""
+        states = C.draft_states(con, st.cstate, drafts)  # [B, gamma+1], -1 once off the language
+        left = n - st.count[:, None] - jnp.arange(gamma + 1)[None, :]
+        target, sample_lp = C.extended_target(con, states, left, logits, process_all, greedy)  # [B, G+1, V+1]
+        if greedy:
+            n_acc, nxt = _accept(target, None, drafts, None, True)
+        else:
+            q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(_logprobs(q_logits))
+            q = jnp.concatenate([q, jnp.zeros(q.shape[:2] + (1,), q.dtype)], axis=-1)
+            n_acc, nxt = _accept(target, q, drafts, noise, False)
+        stop = nxt == V
+        new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        new = new.at[rows, n_acc].set(jnp.where(stop, 0, nxt))
+        write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
+        tokens = write(st.tokens, new, st.count)
+        mlp = write(st.model_logprobs, _take(_logprobs(logits), new), st.count)
+        slp = write(st.sample_logprobs, _take(sample_lp, new), st.count)
+        made = n_acc + (~stop).astype(jnp.int32)  # tokens this pass produced
+        cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
+        nxt_tok = jnp.where(stop, 0, nxt)
+        dstate = draft.commit(dstate, drafts, n_acc, nxt_tok, active)
+        at = jnp.take_along_axis(states, n_acc[:, None], axis=1)[:, 0]
+        after = jnp.where(stop, at, con.table[jnp.maximum(at, 0), nxt_tok])
+        on = active.astype(jnp.int32)
+        return SpecState(
+            cache=cache,
+            pending=jnp.where(active & ~stop, nxt_tok, st.pending),
+            context=st.context + on * made,
+            draft=dstate, tokens=tokens, model_logprobs=mlp, sample_logprobs=slp,
+            count=st.count + on * made,
+            passes=st.passes + on,
+            examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
+            accepted=st.accepted + on * n_acc,
+            iteration=st.iteration + 1,
+            cstate=jnp.where(active, after, st.cstate),
+            stopped=st.stopped | (active & stop))
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -260,7 +308,8 @@ NO_LIMIT = np.int32(2**31 - 1)
 def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.Array, *,
                        draft: Draft, gamma: int = 4, rule=None, greedy: bool = False,
                        row_ids: Sequence[int] | None = None, stops: Sequence[np.ndarray] = (),
-                       on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> SpeculativeResult:
+                       on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                       constraint=None) -> SpeculativeResult:
     """Generate ``n`` tokens after each prompt (token arrays, or one ``[B, P]`` array) by
     speculative sampling from the target ``model`` (a :class:`jaxdecode.models.DecodingModel`,
     e.g. ``lm.decoder``) with ``params``, proposed by ``draft``.
@@ -271,6 +320,8 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     first one; its other tokens are exactly those of the run without stops). ``on_chunk(tokens
     [B, c], emitted [B, c])`` streams new tokens every few target passes. With either, the loop
     returns to the host every ``STREAM_ITERATIONS`` passes; the tokens do not change.
+    ``constraint``: as for :func:`jaxdecode.sampling.sample_tokens`; the output then has the
+    distribution of constrained plain sampling (stops included), whatever the draft proposes.
     """
     gamma = check_int("gamma", gamma, 1)
     batch = make_batch(prompts, n, model.V, model.T, row_ids)
@@ -305,14 +356,18 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     params = model.prepare(params, Bb * (gamma + 1))
     state = _start(params, draft, prompt, length, count, model=model, capacity=capacity,
                    width=min(batch.Pb, T), N=N)
+    con, cstate, _ = C.for_rows(constraint, B, Bb, model.V, n)
+    if con is not None:
+        state = state._replace(cstate=cstate, stopped=jnp.zeros((Bb,), bool))
     n_j = np.int32(n)  # numpy: a jnp scalar would cost a dispatch of its own
     ids_j = row_ids_b
     watch = bool(stops) or on_chunk is not None
     sent = np.zeros(B, np.int32)  # tokens of each row streamed / checked so far
     stop_at = np.full(B, -1, np.int32)  # where a row's first stop string ends, -1 = none yet
     while True:
-        count_h, context_h, iteration = jax.device_get((state.count, state.context, state.iteration))
-        active = count_h < n
+        count_h, context_h, iteration, stopped_h = jax.device_get(
+            (state.count, state.context, state.iteration, state.stopped))
+        active = count_h < n if stopped_h is None else (count_h < n) & ~stopped_h
         if not active.any():
             break
         if model.reads_only_filled:
@@ -322,18 +377,20 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
         else:  # finished rows may attend to garbage, which is never read back
             span = min(T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
         iter_end = np.int32(iteration + STREAM_ITERATIONS) if watch else NO_LIMIT
-        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, iter_end, model=model,
+        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, iter_end, con, model=model,
                          gamma=gamma, span=span, greedy=greedy)
         if watch:
             state = _watch(state, B, n, stops, sent, stop_at, on_chunk)
 
     # only what is returned comes back to the host (not the cache); cut on the host, since a
     # slice on the device would compile once per (B, n)
-    tokens, mlp, slp, passes, examined, accepted, count = jax.device_get(
+    tokens, mlp, slp, passes, examined, accepted, count, con_stop = jax.device_get(
         (state.tokens, state.model_logprobs, state.sample_logprobs, state.passes, state.examined,
-         state.accepted, state.count))
+         state.accepted, state.count, state.stopped))
     tokens, mlp, slp = tokens[:B, :n], mlp[:B, :n], slp[:B, :n]
-    counts = np.where(stop_at >= 0, stop_at, n).astype(np.int32)
+    counts = np.where(stop_at >= 0, stop_at, np.minimum(count[:B], n)).astype(np.int32)
+    if con_stop is not None:
+        stop_at = np.where((stop_at < 0) & con_stop[:B], counts, stop_at)
     stats = [SpeculativeStats(gamma, int(passes[b]), gamma * int(passes[b]), int(examined[b]),
                               int(accepted[b]), int(min(count[b], counts[b]) if stop_at[b] >= 0 else count[b]))
              for b in range(B)]
@@ -385,19 +442,22 @@ class SpeculativeGeneration(Generation):
 def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
                          seed: int = 0, key: jax.Array | None = None, rule=None, greedy: bool = False,
                          num_samples: int = 1, stop: str | Sequence[str] | None = None,
-                         on_text: Callable[[int, str], None] | None = None) -> list[SpeculativeGeneration]:
+                         on_text: Callable[[int, str], None] | None = None,
+                         constraint=None) -> list[SpeculativeGeneration]:
     """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
 
     Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
     ``i`` uses row id ``i * num_samples + j`` (as :func:`jaxdecode.sampling.generate`). Each
     carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
     ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt.
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = encode_stop_strings(lm, stop)
     key = jax.random.PRNGKey(seed) if key is None else key
     res = speculative_tokens(lm.decoder, lm.params, rows, n, key, draft=draft, gamma=gamma, rule=rule,
-                             greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text))
+                             greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
+                             constraint=C.per_sample(constraint, len(prompts), num_samples))
     out = []
     for r in range(len(rows)):
         c = res.counts[r]

@@ -1,0 +1,351 @@
+"""Constrained generation: the compiled automaton against Python's re on every short string, the
+masked distribution (with its stop rule) against a plain recursion, constrained speculative
+sampling against it, every output of ten patterns on the shipped model, errors."""
+
+import collections
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import constraints as C
+from jaxdecode import exact, rules
+from jaxdecode import speculative as SP
+from jaxdecode.sampling import sample_tokens
+from jaxdecode.vocab import TokenVocab, Vocab
+
+TINY_VOCAB = Vocab(" abcdefghi.\n")
+
+# ----------------------------------------------------------------------------- the automaton
+
+
+@pytest.mark.parametrize("pattern", ["[a-c]{1,3}", "(ab|ba)+", "a?b* c", "(cab|ca|b)\\.", "[^a ]{2}",
+                                     "(a|b)(c|d)?\n"])
+def test_automaton_agrees_with_re_on_every_short_string(pattern):
+    c = C.compile_regex(pattern, TINY_VOCAB)
+    V = len(TINY_VOCAB)
+    shortest = None
+    for length in range(0, 5):
+        for toks in itertools.product(range(V), repeat=length):
+            text = TINY_VOCAB.decode(np.array(toks, np.int32))
+            want = re.fullmatch(pattern, text) is not None
+            assert c.accepts(toks) == want, (pattern, text)
+            if want and shortest is None:
+                shortest = length
+    assert c.min_tokens == shortest
+    # every state the table reaches can still reach a final state, at the distance it says
+    for s in range(c.states):
+        nxt = c.table[s][c.table[s] >= 0]
+        assert c.final[s] or len(nxt) > 0
+        assert c.dist[s] == (0 if c.final[s] else 1 + min(c.dist[t] for t in nxt))
+
+
+def test_multichar_tokens_agree_with_re():
+    vocab = TokenVocab(["a", "b", "ab", "ba", "abc", "c", " "])
+    pattern = "(ab|c)+ ?"
+    c = C.compile_regex(pattern, vocab)
+    for length in range(0, 4):
+        for toks in itertools.product(range(len(vocab)), repeat=length):
+            text = vocab.decode(np.array(toks, np.int32))
+            assert c.accepts(toks) == (re.fullmatch(pattern, text) is not None), text
+
+
+def test_choices_and_json_schema():
+    c = C.compile_choices(["ab", "abc", "ba"], TINY_VOCAB)
+    assert [c.accepts(TINY_VOCAB.encode(s)) for s in ("ab", "abc", "ba", "a", "abca")] == [True, True, True, False, False]
+    vocab = Vocab(' {}":,0123456789abcdefghijklmnopqrstuvwxyz-.\n')
+    j = C.compile_json_schema({"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]},
+                              vocab)
+    assert j.kind == "json-schema"
+    assert j.accepts(vocab.encode('{"age": 42}')) and not j.accepts(vocab.encode('{"age": "x"}'))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda v: C.compile_regex("(ab", v), "invalid regular expression '(ab'"),
+    (lambda v: C.compile_regex("", v), "the pattern is empty"),
+    (lambda v: C.compile_regex("xyz", v), "lacks the characters 'x', 'y', 'z'"),
+    (lambda v: C.compile_regex("a[0-9]", v), "lacks the characters any of 0123456789"),
+    (lambda v: C.compile_json_schema({"type": "object"}, v), "lacks the characters '{'"),
+    (lambda v: C.compile_json_schema("{not json", v), "invalid JSON schema"),
+    (lambda v: C.compile_choices([], v), "at least one choice"),
+])
+def test_clear_errors(make, message):
+    with pytest.raises(C.ConstraintError, match=re.escape(message)):
+        make(TINY_VOCAB)
+
+
+def test_n_too_small_names_the_minimum(tiny_model, key):
+    from jaxdecode.models.charlm import decoder_for
+
+    cfg, params, _ = tiny_model
+    c = C.compile_regex("[a-c]{4}", TINY_VOCAB)
+    with pytest.raises(C.ConstraintError, match="its shortest match takes 4 tokens"):
+        sample_tokens(decoder_for(cfg, "portable"), params, [np.array([1])], 3, key, constraint=c)
+
+
+# ----------------------------------------------------------------------------- the distribution
+
+
+def _softmax(z):
+    z = np.asarray(z, np.float64)
+    m = np.max(z[np.isfinite(z)])
+    e = np.where(np.isfinite(z), np.exp(z - m), 0.0)
+    return e / e.sum()
+
+
+def masked_reference(next_logits, prompt, n, c, process=None, stop_rule=True):
+    """The distribution of constrained sampling, as a plain recursion over every prefix: in
+    state s with ``left`` tokens left, token v is allowed when its next state reaches a final
+    state within left - 1 tokens; in a final state the row stops with the model's mass on the
+    tokens it cannot take (1 when it can take none), else draws from the masked, processed
+    distribution. ``stop_rule=False`` is a wrong variant that renormalizes instead of stopping
+    (it stops only where no token is allowed)."""
+    out = collections.Counter()
+    V = c.V
+
+    def rec(prefix, s, prob):
+        left = n - len(prefix)
+        if left == 0:
+            assert c.final[s]
+            out[tuple(prefix)] += prob
+            return
+        z = np.asarray(next_logits(np.array([list(prompt) + prefix], np.int32))[0], np.float64)
+        ok = [v for v in range(V) if c.table[s, v] >= 0 and c.dist[c.table[s, v]] <= left - 1]
+        stop = 0.0
+        if c.final[s]:
+            if not ok:
+                stop = 1.0
+            elif stop_rule:
+                stop = 1.0 - _softmax(z)[ok].sum()
+        if stop > 0:
+            out[tuple(prefix)] += prob * stop
+        if ok and stop < 1:
+            zm = np.full(V, -np.inf)
+            zm[ok] = z[ok]
+            pm = _softmax(zm if process is None else process(zm))
+            for v in ok:
+                if pm[v] > 0:
+                    rec(prefix + [v], int(c.table[s, v]), prob * (1 - stop) * pm[v])
+
+    rec([], 0, 1.0)
+    return dict(out)
+
+
+def _counts(tokens, counts):
+    return collections.Counter(tuple(int(t) for t in row[:k]) for row, k in zip(tokens, counts))
+
+
+def _power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3) -> float:
+    """Power of a chi-square test of ``samples`` draws from ``p_wrong`` against ``p_true``."""
+    from scipy import stats
+
+    keys = sorted(set(p_true) | set(p_wrong))
+    lam = samples * sum((p_wrong.get(k, 0) - p_true.get(k, 1e-12)) ** 2 / max(p_true.get(k, 0), 1e-12) for k in keys)
+    df = len(keys) - 1
+    return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam))
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tiny_model, backend):
+    from jaxdecode.models.charlm import decoder_for
+
+    cfg, params, _ = tiny_model
+    return decoder_for(cfg, backend), params, cfg
+
+
+PATTERN, PROMPT, N = "[abc]{1,2}( [abc])?", np.array([2, 1]), 4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_decoder):
+    model, params, _ = tiny_decoder
+    c = C.compile_regex(PATTERN, TINY_VOCAB)
+    nl = exact.next_logits_for(model, params)
+    want = masked_reference(nl, PROMPT, N, c)
+    wrong = masked_reference(nl, PROMPT, N, c, stop_rule=False)
+    return c, nl, want, wrong
+
+
+def test_masked_sampling_has_the_reference_distribution(tiny_decoder, reference):
+    model, params, _ = tiny_decoder
+    c, _, want, wrong = reference
+    assert abs(sum(want.values()) - 1) < 1e-9 and len(want) > 10
+    draws = 6000
+    res = sample_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(7), constraint=c)
+    got = _counts(res.tokens, res.counts)
+    assert all(c.accepts(k) for k in got)
+    assert np.array_equal(res.stopped, res.counts < N) or res.stopped.sum() >= (res.counts < N).sum()
+    assert exact.chisquare_pvalue(got, want) > 1e-3
+    # the test can tell the stop rule from renormalizing in final states
+    assert _power(want, wrong, draws) > 0.99
+
+
+def test_masked_sampling_with_a_rule(tiny_decoder):
+    """The mask applies before the rule: top-k 2 of the allowed tokens."""
+    model, params, _ = tiny_decoder
+    c = C.compile_regex("[a-e]{1,3}", TINY_VOCAB)
+    nl = exact.next_logits_for(model, params)
+
+    def top2(z):
+        keep = z >= np.sort(z)[-2]
+        return np.where(keep, z, -np.inf)
+
+    want = masked_reference(nl, PROMPT, 3, c, process=top2)
+    res = sample_tokens(model, params, [PROMPT] * 4000, 3, jax.random.PRNGKey(3), rule=rules.top_k(2), constraint=c)
+    assert exact.chisquare_pvalue(_counts(res.tokens, res.counts), want) > 1e-3
+
+
+def test_greedy_takes_the_most_probable_choice(tiny_decoder, reference):
+    model, params, _ = tiny_decoder
+    c, nl, _, _ = reference
+    res = sample_tokens(model, params, [PROMPT], N, jax.random.PRNGKey(0), greedy=True, constraint=c)
+    # the plain loop: stop when the stop mass beats the best allowed token, else take that token
+    prefix, s = [], 0
+    while len(prefix) < N:
+        left = N - len(prefix)
+        p = _softmax(nl(np.array([list(PROMPT) + prefix], np.int32))[0])
+        ok = [v for v in range(c.V) if c.table[s, v] >= 0 and c.dist[c.table[s, v]] <= left - 1]
+        stop = (1.0 if not ok else 1 - p[ok].sum()) if c.final[s] else 0.0
+        if not ok or stop > max(p[v] for v in ok):
+            break
+        v = max(ok, key=lambda v: p[v])
+        prefix.append(v)
+        s = int(c.table[s, v])
+    assert res.tokens[0, :res.counts[0]].tolist() == prefix
+    assert bool(res.stopped[0]) == (len(prefix) < N)
+
+
+@pytest.mark.parametrize("draft_name", ["ngram", "model"])
+def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, reference, draft_name, backend):
+    """Exact: the same distribution as masked plain sampling, stops included, whatever the
+    draft proposes (the n-gram draft knows nothing of the pattern)."""
+    from jaxdecode.model import ModelConfig, init_params
+    from jaxdecode.models.charlm import decoder_for
+
+    model, params, cfg = tiny_decoder
+    c, _, want, wrong = reference
+    if draft_name == "ngram":
+        text = np.random.default_rng(0).integers(0, cfg.V, 3000)
+        draft = SP.NGramDraft.from_tokens(text, cfg.V, n=3)
+    else:
+        dcfg = ModelConfig(V=cfg.V, T=cfg.T, d=8, L=1, heads=1)
+        draft = SP.ModelDraft(init_params(dcfg, jax.random.PRNGKey(5)), decoder_for(dcfg, backend))
+    draws = 6000
+    res = SP.speculative_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(11), draft=draft, gamma=2,
+                                constraint=c)
+    got = _counts(res.tokens, res.counts)
+    assert all(c.accepts(k) for k in got)
+    assert exact.chisquare_pvalue(got, want) > 1e-3
+    assert _power(want, wrong, draws) > 0.99
+    greedy = SP.speculative_tokens(model, params, [PROMPT], N, jax.random.PRNGKey(0), draft=draft, gamma=3,
+                                   greedy=True, constraint=c)
+    plain = sample_tokens(model, params, [PROMPT], N, jax.random.PRNGKey(0), greedy=True, constraint=c)
+    assert greedy.tokens[0, :greedy.counts[0]].tolist() == plain.tokens[0, :plain.counts[0]].tolist()
+
+
+def test_rows_mix_patterns_and_free_rows_without_recompiling(tiny_decoder):
+    from jaxdecode import sampling as S
+
+    model, params, _ = tiny_decoder
+    a = C.compile_regex("[ab]{2,3}", TINY_VOCAB)
+    b = C.compile_regex("c+ d", TINY_VOCAB)
+    prompts = [np.array([1]), np.array([2, 3]), np.array([4])]
+    res = sample_tokens(model, params, prompts, 6, jax.random.PRNGKey(1), constraint=[a, b, None])
+    texts = [TINY_VOCAB.decode(res.tokens[i, :res.counts[i]]) for i in range(3)]
+    assert re.fullmatch("[ab]{2,3}", texts[0]) and re.fullmatch("c+ d", texts[1]) and res.counts[2] == 6
+    # the free row is what it would be without any constraint
+    free = sample_tokens(model, params, prompts, 6, jax.random.PRNGKey(1))
+    assert res.tokens[2].tolist() == free.tokens[2].tolist()
+    before = S._cache_chunk._cache_size()
+    d = C.compile_regex("[cd]{2,3}", TINY_VOCAB)
+    sample_tokens(model, params, [np.array([5, 6]), np.array([1]), np.array([7])], 6, jax.random.PRNGKey(2),
+                  constraint=[d, a, d])
+    assert S._cache_chunk._cache_size() == before
+
+
+def test_score_reports_membership():
+    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.model import ModelConfig, init_params
+    from jaxdecode.score import score_texts
+
+    cfg = ModelConfig(V=12, T=16, d=16, L=1, heads=2)
+    lm = LanguageModel(params=init_params(cfg, jax.random.PRNGKey(0)), cfg=cfg, vocab=TINY_VOCAB, meta={},
+                       backend="portable")
+    c = C.compile_regex("[ab]+ c", TINY_VOCAB)
+    scores = score_texts(lm, ["abba c", "abc"], ["a", "b"], constraint=c)
+    assert [s.in_language for s in scores] == [True, False]
+    assert score_texts(lm, ["abc"], ["b"])[0].in_language is None
+
+
+# ----------------------------------------------------------------------------- multi-character tokens
+
+
+def test_multichar_model_sampling_and_speculative():
+    from jaxdecode import generate
+    from jaxdecode.models.toy import multichar_lm
+
+    lm = multichar_lm(T=64)
+    pattern = "(the|and|a) [a-z]+ (the|and|a)"
+    c = C.compile_regex(pattern, lm.vocab)
+    outs = generate(lm, "once upon", 12, constraint=c, num_samples=200, seed=0)
+    assert all(re.fullmatch(pattern, o.text) for o in outs)
+    assert len({o.text for o in outs}) > 20
+    assert any(len(lm.vocab.tokens[t]) > 1 for o in outs for t in o.tokens)
+    draft = SP.ModelDraft(lm.params, lm.decoder)
+    spec = SP.speculative_generate(lm, "once upon", 12, draft=draft, gamma=3, constraint=c, num_samples=200, seed=1)
+    assert all(re.fullmatch(pattern, o.text) for o in spec)
+
+
+# ----------------------------------------------------------------------------- the shipped model
+
+SHIPPED_PATTERNS = [
+    "[A-Z]+( [A-Z]+)?:\n",  # a speaker heading
+    "([A-Za-z]+ ){5,9}[A-Za-z]+[.,;!?]?\n",  # a verse line of 6 to 10 words
+    "(ROMEO|JULIET|KING HENRY|DUKE VINCENTIO)",  # alternation
+    "(yes|no|perhaps), my lord[.!]",
+    "[a-z]{3,6}",  # a class, bounded repetition
+    "(thou|thee|thy) [a-z]+",
+    "[A-Z][a-z]*(, [A-Z][a-z]*){1,2}\\.",
+    "([a-z]+ ){2}and ([a-z]+ ){2}[a-z]+\n",
+    "[^aeiou\n]{4,8}",  # a negated class
+    "(O|Ay|Alas)[,!] [a-z ]{5,20}[.!?]",
+]
+
+
+@pytest.fixture(scope="module")
+def shipped_native():
+    from jaxdecode import checkpoint
+
+    try:
+        return checkpoint.load(backend="native")
+    except checkpoint.CheckpointError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_ten_patterns_every_sample_matches(shipped_native):
+    """200 samples of each of ten patterns, all in one batch (per-row patterns, one table), by
+    plain sampling and by speculative sampling; greedy on three prompts."""
+    from jaxdecode import generate
+
+    lm = shipped_native
+    compiled = [C.compile_regex(p, lm.vocab) for p in SHIPPED_PATTERNS]
+    prompt = "KATHARINA:\nMoved! in good time: "
+    n = 90
+    outs = generate(lm, [prompt] * len(compiled), n, constraint=compiled, num_samples=200, seed=0)
+    draft = SP.make_draft("ngram", lm)
+    spec = SP.speculative_generate(lm, [prompt] * len(compiled), n, draft=draft, gamma=3, constraint=compiled,
+                                   num_samples=200, seed=0)
+    for i, pattern in enumerate(SHIPPED_PATTERNS):
+        for kind, gens in (("sampling", outs), ("speculative", spec)):
+            texts = [g.text for g in gens[i * 200:(i + 1) * 200]]
+            bad = [t for t in texts if not re.fullmatch(pattern, t)]
+            assert not bad, (kind, pattern, bad[:3])
+            assert len(set(texts)) > 1 or pattern.startswith("(yes")
+    for p in ("ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n\n", prompt):
+        greedy = generate(lm, [p] * len(compiled), n, constraint=compiled, greedy=True)
+        for g, pattern in zip(greedy, SHIPPED_PATTERNS):
+            assert re.fullmatch(pattern, g.text), (pattern, g.text)
