@@ -242,3 +242,19 @@ def test_speculative_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
                  data_path=tiny_corpus, n=6, gammas=(1, 2), samples=2, prompt="abc", progress=False)
     assert res["toy"]["seed"] == 0 and res["sweep"]["seed"] == 1
     assert abs(res["toy"]["acceptance"] - 0.75) < 0.01
+
+
+@pytest.mark.slow
+def test_decoders_study_shows_the_chapters_ordering(shipped, corpus_path, tmp_path):
+    """After the KATHARINA prompt: beam search's text is more probable than Shakespeare's line,
+    which is more probable than a sample at temperature 1; greedy falls into a loop."""
+    from jaxdecode.studies import decoders
+
+    res = decoders.run(shipped, tmp_path, data_path=corpus_path, progress=False)
+    lp = {row["decoder"]: row["mean_logprob"] for row in res["rows"]}
+    text = {row["decoder"]: row["text"] for row in res["rows"]}
+    assert lp["beam, k=5"] > lp["human"] > lp["sampling"]
+    assert lp["greedy"] > lp["human"]
+    words = text["greedy"].split()
+    trigrams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
+    assert len(set(trigrams)) < len(trigrams)  # a repeated word trigram: the loop
