@@ -40,6 +40,7 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
     Study("speculative", "speculative", "speculative decoding: the toy check and the gamma sweep"),
     Study("beam-curse", "beam_curse", "beam search against the exact mode on held-out prompts",
           options=(("prompts", "n_prompts"), ("n", "n"), ("budget", "node_budget"))),
+    Study("constrained", "constrained", "masked against exact conditional sampling of a choice of names (SMC)"),
     Study("cost", "cost", "prefill against decode, throughput against batch size (timings)"),
 )}
 
