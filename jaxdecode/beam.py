@@ -20,15 +20,23 @@ flattened into the batch for the model: row ``b``'s beam ``j`` is model row ``b 
 step reorders the model's cache by parent through ``model.reorder`` (the loop never sees what a
 cache holds).
 
-:func:`mode_search` finds the single most probable continuation of ``n`` tokens by best-first
-search; :mod:`jaxdecode.studies.beam_curse` compares the two.
+Constraints (:mod:`jaxdecode.constraints`): each beam carries its automaton state, reordered by
+parent with the beam's other rows. Its token candidates are the tokens the pattern allows with
+the steps left (the mask applies to the logits before the rule; without a rule a token scores its
+model log-probability), and a beam in a final state may also *stop*: the candidate
+``live_score + log(stop probability)`` (its tokens unchanged) joins the pool of finished
+hypotheses like one that completed an end token, with the length penalty of its current length.
+A stop string ends a constrained hypothesis only where its text is in the language. After ``n``
+steps every live beam is in a final state, so every hypothesis returned is in the language.
+
+:func:`mode_search` (in :mod:`jaxdecode.search`, re-exported here) finds the single most probable
+continuation by best-first search; :mod:`jaxdecode.studies.beam_curse` compares the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -36,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import constraints as C
 from .core import (
-    PROMPT_BUCKET,
     SPAN_BUCKET,
     check_int,
     encode_prompts,
@@ -49,6 +57,7 @@ from .core import (
     round_up,
 )
 from .models.base import DecodingModel
+from .search import SearchBudgetExceeded, mode_search
 
 NEG_INF = -jnp.inf
 TOKEN_BUCKET = 64  # the generated-token buffers are this many tokens wide, rounded up
@@ -117,13 +126,14 @@ class BeamState(NamedTuple):
     fin_length: jax.Array  # [B, k] their lengths
     done: jax.Array  # [B] bool: no live beam can still beat the worst finished hypothesis
     step: jax.Array  # [] int32, steps taken
+    cstate: Any = None  # [B*k] int32 each beam's automaton state (constrained search), else None
 
 
-def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int) -> BeamState:
+def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int, cstate=None) -> BeamState:
     """The state before the first step: one live beam per row (the prompt), k-1 empty ones.
 
-    ``logits`` [B, V], ``recent`` [B, T], ``length`` [B] and ``rule_state`` are per row; they are
-    repeated for the k beams here.
+    ``logits`` [B, V], ``recent`` [B, T], ``length`` [B], ``rule_state`` and ``cstate`` (the
+    automaton states, or None) are per row; they are repeated for the k beams here.
     """
     B = logits.shape[0]
     score = jnp.where(jnp.arange(k)[None, :] == 0, 0.0, NEG_INF) * jnp.ones((B, 1))  # [B, k]
@@ -134,7 +144,7 @@ def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int) -> Bea
         tail=jnp.full((B * k, S), -1, jnp.int32), rule_state=jax.tree_util.tree_map(rep, rule_state),
         fin_score=jnp.full((B, k), NEG_INF), fin_logprob=jnp.full((B, k), NEG_INF),
         fin_tokens=jnp.zeros((B, k, N), jnp.int32), fin_length=jnp.zeros((B, k), jnp.int32),
-        done=jnp.zeros((B,), bool), step=jnp.int32(0))
+        done=jnp.zeros((B,), bool), step=jnp.int32(0), cstate=None if cstate is None else rep(cstate))
 
 
 # ----------------------------------------------------------------------------- one step
@@ -159,26 +169,39 @@ def _write_token(tokens, token, step):
     return jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, step))
 
 
-def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: int):
+def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: int, con=None):
     """Extend every live beam by every token and keep the best; returns (state, parent, token).
 
-    ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search.
+    ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search,
+    ``con`` the :class:`~jaxdecode.constraints.Automaton` (or None) that ``st.cstate`` walks.
     """
     B, k = st.live_score.shape
     V = st.logits.shape[-1]
     model_lp = jax.nn.log_softmax(st.logits, axis=-1)  # [B*k, V]
+    logits = st.logits
+    if con is not None:
+        ok, nxt = C.allowed(con, st.cstate, jnp.broadcast_to(max_len - st.step, st.cstate.shape))
+        log_stop = jnp.log(C.stop_probability(con, st.cstate, st.logits, ok))  # [B*k], -inf: cannot stop
+        logits = C.mask(st.logits, ok)  # before the rule, as sampling does
     if rule is None:
         lp = model_lp
     else:
         from .rules import processed_logprobs
 
-        lp = processed_logprobs(rule.apply(st.logits, st.rule_state))
+        lp = processed_logprobs(rule.apply(logits, st.rule_state))
+    if con is not None:
+        if rule is not None:  # the rule shares out the model's mass on the allowed tokens
+            lp = lp + jax.nn.logsumexp(jnp.where(ok, model_lp, NEG_INF), axis=-1, keepdims=True)
+        lp = jnp.where(ok, lp, NEG_INF)
     cand = st.live_score[:, :, None] + unflatten_beams(lp, k)  # [B, k, V]
     cand_raw = (st.live_logprob[:, :, None] + unflatten_beams(model_lp, k)).reshape(B, k * V)
     new_len = st.step + 1  # generated length of every candidate
 
     if stops is not None:
-        ends = unflatten_beams(_ends(st.tail, stops, stop_lens, V), k)  # [B, k, V]
+        ends = _ends(st.tail, stops, stop_lens, V)
+        if con is not None:  # a stop string ends a hypothesis only inside the language
+            ends = ends & (nxt >= 0) & con.final[jnp.maximum(nxt, 0)]
+        ends = unflatten_beams(ends, k)  # [B, k, V]
         live_cand = jnp.where(ends, NEG_INF, cand).reshape(B, k * V)
     else:
         live_cand = cand.reshape(B, k * V)
@@ -196,9 +219,13 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
     tail = jnp.concatenate([tail[:, 1:], flat_token[:, None]], axis=1)
     if rule is not None:
         rule_state = rule.update(rule_state, flat_token)
+    cstate = st.cstate
+    if con is not None:  # the chosen token from the parent's state (an empty beam's may be -1)
+        cstate = jnp.maximum(con.table[cstate[_beam_rows(parent)], flat_token], 0)
 
     fin = (st.fin_score, st.fin_logprob, st.fin_tokens, st.fin_length)
     done = st.done
+    extra = []  # candidates that finish at this step
     if stops is not None:
         # candidates that complete a stop sequence join the pool of k finished hypotheses
         norm = cand / gnmt_length_penalty(new_len, alpha)[:, None, None]
@@ -207,19 +234,29 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
         f_tokens = _write_token(gather_beams(st.live_tokens, f_parent), f_token, st.step)
         f_logprob = jnp.take_along_axis(cand_raw, f_idx, axis=1)
         f_length = jnp.full((B, k), new_len, jnp.int32)
-        pool = [jnp.concatenate(p, axis=1) for p in zip(fin, (f_score, f_logprob, f_tokens, f_length))]
-        _, keep = jax.lax.top_k(pool[0], k)  # [B, k] of 2k, the older first among equals
+        extra.append((f_score, f_logprob, f_tokens, f_length))
+    if con is not None:
+        # every beam in a final state may stop: its tokens as they are, at its current length
+        log_stop = unflatten_beams(log_stop, k)
+        s_score = (st.live_score + log_stop) / gnmt_length_penalty(st.step, alpha)[:, None]
+        s_length = jnp.full((B, k), st.step, jnp.int32)
+        extra.append((s_score, st.live_logprob + log_stop, st.live_tokens, s_length))
+    if extra:
+        pool = [jnp.concatenate(p, axis=1) for p in zip(fin, *extra)]
+        _, keep = jax.lax.top_k(pool[0], k)  # [B, k] of 2k or 3k, the older first among equals
         fin = tuple(gather_beams(p, keep) for p in pool)
 
-        # the best a live beam can still reach: its score over the largest penalty ahead
-        lp_next = gnmt_length_penalty(jnp.minimum(new_len + 1, max_len), alpha)
+        # the best a live beam can still reach: its score over the largest penalty ahead (a
+        # constrained beam may stop at its current length, else it takes at least one more token)
+        shortest = new_len if con is not None else jnp.minimum(new_len + 1, max_len)
+        lp_next = gnmt_length_penalty(shortest, alpha)
         bound = score[:, 0] / jnp.maximum(lp_next, gnmt_length_penalty(max_len, alpha))  # [B]
         done = done | (bound < fin[0][:, -1]) | (score[:, 0] == NEG_INF)
 
     new = st._replace(live_score=score, live_logprob=logprob, live_tokens=live_tokens,
                       recent=recent, length=length + 1, tail=tail, rule_state=rule_state,
                       fin_score=fin[0], fin_logprob=fin[1], fin_tokens=fin[2], fin_length=fin[3],
-                      done=done, step=st.step + 1)
+                      done=done, step=st.step + 1, cstate=cstate)
     return new, parent, flat_token
 
 
@@ -228,14 +265,14 @@ def _keep_if_active(active, new, old):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "span", "chunk"), donate_argnames=("cache",))
-def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, alpha, max_len, step_end, *,
-                      model: DecodingModel, span: int, chunk: int):
+def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, alpha, max_len, step_end, con=None,
+                      *, model: DecodingModel, span: int, chunk: int):
     """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
 
     def body(carry, _):
         st, cache = carry
         active = st.step < step_end
-        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T)
+        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T, con)
         cache = model.reorder(cache, _beam_rows(parent), span)
         logits, _, cache = model.extend(params, cache, token[:, None], span=span, in_place=False)
         # an inactive step leaves the state as it was (its cache write lands past the valid length)
@@ -247,13 +284,13 @@ def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, a
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk"))
-def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end, *,
+def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end, con=None, *,
                        model: DecodingModel, chunk: int):
     """``chunk`` beam steps of the exact window mode: the model's prediction from each beam's last T tokens."""
 
     def body(st, _):
         active = st.step < step_end
-        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T)
+        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T, con)
         logits, _ = model.window(params, new.recent, new.length)
         return _keep_if_active(active, new._replace(logits=logits), st), None
 
@@ -262,16 +299,16 @@ def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, 
 
 
 @functools.partial(jax.jit, static_argnames=("model", "capacity", "k", "N", "S"))
-def _beam_prefill(params, prompt, recent, lengths, rule_state, *, model, capacity, k, N, S):
+def _beam_prefill(params, prompt, recent, lengths, rule_state, cstate=None, *, model, capacity, k, N, S):
     logits, _, cache = model.prefill(params, prompt, lengths, capacity)
     cache = model.reorder(cache, jnp.repeat(jnp.arange(prompt.shape[0]), k))
-    return beam_init(logits, recent, lengths, rule_state, k, N, S), cache
+    return beam_init(logits, recent, lengths, rule_state, k, N, S, cstate), cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "k", "N", "S"))
-def _beam_window_start(params, recent, lengths, rule_state, *, model, k, N, S):
+def _beam_window_start(params, recent, lengths, rule_state, cstate=None, *, model, k, N, S):
     logits, _ = model.window(params, recent, lengths)
-    return beam_init(logits, recent, lengths, rule_state, k, N, S)
+    return beam_init(logits, recent, lengths, rule_state, k, N, S, cstate)
 
 
 @functools.partial(jax.jit, static_argnames=("V", "max_new"))
@@ -288,8 +325,8 @@ class Hypothesis:
 
     tokens: np.ndarray  # [n] int32 generated tokens (end tokens included)
     score: float  # search score: summed (rule-processed) log-probability / length penalty
-    logprob: float  # summed log-probability under the unmodified model
-    finished: bool  # ended with an end token / stop string (else it ran out of steps)
+    logprob: float  # summed log-probability under the unmodified model (with a constrained stop's)
+    finished: bool  # ended with an end token / stop string / constrained stop (else it ran out of steps)
 
 
 @dataclasses.dataclass
@@ -333,7 +370,7 @@ def _alpha_per_row(length_penalty_alpha, B: int, Bb: int) -> np.ndarray:
 def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, k: int, *,
                 n_best: int = 1, length_penalty: float | Sequence[float] = 0.0,
                 end_tokens: Sequence[int | Sequence[int]] | None = None, rule=None,
-                chunk: int = DEFAULT_CHUNK) -> BeamResult:
+                chunk: int = DEFAULT_CHUNK, constraint=None) -> BeamResult:
     """Beam search of width ``k`` for ``n`` tokens after each prompt (token arrays of any lengths)
     with ``model`` (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) and ``params``.
 
@@ -341,6 +378,10 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     value shares one compiled program). ``end_tokens``: end tokens or stop strings (token
     sequences); a hypothesis that completes one is finished. ``rule``: a :mod:`jaxdecode.rules`
     rule; scores then sum the processed log-probabilities, while ``logprob`` stays the model's.
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint` for every prompt, or one per
+    prompt (None: free); every hypothesis of a constrained prompt is then in its language, up to
+    ``n`` tokens, and one that stops before ``n`` scores the log of the model's stop probability
+    (see the module docstring).
     Returns up to ``n_best`` (<= k) hypotheses per prompt, best first.
     """
     n = check_int("the number of new tokens n", n, 0)
@@ -354,6 +395,7 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     B, Bb = batch.B, batch.Bb
     ends = _end_sequences(end_tokens, model.V)
     alpha = _alpha_per_row(length_penalty, B, Bb)
+    con, cstate, _ = C.for_rows(constraint, B, Bb, model.V, n)
     if n == 0:
         empty = np.zeros((0,), np.int32)
         return BeamResult([[Hypothesis(empty, 0.0, 0.0, False)] for _ in range(B)], 0)
@@ -377,15 +419,15 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     cache = None
     if Pmax <= T:
         state, cache = _beam_prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(recent),
-                                     jnp.asarray(length), rule_state, model=model, capacity=capacity,
+                                     jnp.asarray(length), rule_state, cstate, model=model, capacity=capacity,
                                      k=k, N=N, S=S)
         n_cache = min(n, T - Pmax)
     else:
-        state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state,
+        state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state, cstate,
                                    model=model, k=k, N=N, S=S)
         n_cache = 0
     common = {"rule": rule_b, "stops": stop_arr, "stop_lens": stop_lens, "alpha": jnp.asarray(alpha),
-              "max_len": jnp.int32(n)}
+              "max_len": jnp.int32(n), "con": con}
 
     taken = 0
     while taken < n:
@@ -399,7 +441,7 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
             cache = None
             state = _beam_window_chunk(params, state, step_end=step_end, model=model, chunk=chunk, **common)
         taken += valid
-        if stop_arr is not None and bool(np.all(np.asarray(state.done)[:B])):
+        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
             break  # no row can improve on its finished hypotheses
 
     return _collect(jax.device_get(state), B, n_best, alpha, taken)
@@ -435,7 +477,7 @@ class BeamText:
     tokens: np.ndarray  # [n] int32
     score: float  # summed (rule-processed) log-probability / length penalty
     logprob: float  # summed log-probability under the unmodified model
-    finished: bool  # ended with a stop string
+    finished: bool  # ended with a stop string or a constrained stop
 
     @property
     def mean_logprob(self) -> float:
@@ -445,141 +487,22 @@ class BeamText:
 
 def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: int = 1,
                   length_penalty: float | Sequence[float] = 0.0, stop: str | Sequence[str] | None = None,
-                  rule=None, chunk: int = DEFAULT_CHUNK) -> list[list[BeamText]]:
+                  rule=None, chunk: int = DEFAULT_CHUNK, constraint=None) -> list[list[BeamText]]:
     """Beam search of width ``k`` for ``n`` characters after each prompt with a loaded model.
 
     Returns one list per prompt (also for a single string) of up to ``n_best`` continuations,
     best first. ``stop``: stop strings that finish a hypothesis (included in its text).
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt (see
+    :func:`beam_search`).
     """
     prompts, encoded = encode_prompts(lm, prompts, 1)
     ends = encode_stop_strings(lm, stop) or None
+    constraint = C.per_sample(constraint, len(prompts), 1)
     res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
-                      end_tokens=ends, rule=rule, chunk=chunk)
+                      end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint)
     return [[BeamText(prompt=p, text=lm.vocab.decode(h.tokens), tokens=h.tokens, score=h.score,
                       logprob=h.logprob, finished=h.finished) for h in hyps]
             for p, hyps in zip(prompts, res.hypotheses)]
-
-
-# ----------------------------------------------------------------------------- exact search
-
-
-class SearchBudgetExceeded(RuntimeError):
-    """Exact search expanded more nodes than its budget allows."""
-
-
-@functools.partial(jax.jit, static_argnames=("model",))
-def _expand_cached(params, cache, prompt_logits, tokens, depth, *, model):
-    """Next-token log-probabilities [m, V] after prompt + ``tokens[i, :depth[i]]``.
-
-    ``cache`` holds the prompt (one row), ``prompt_logits`` [1, V] the logits after it.
-    """
-    m = tokens.shape[0]
-    rows = model.reorder(cache, jnp.zeros((m,), jnp.int32))
-    logits, _, _ = model.extend(params, rows, tokens)  # [m, W, V]; causal: padding never looks back
-    at = jnp.maximum(depth - 1, 0)[:, None, None]
-    out = jnp.take_along_axis(logits, at, axis=1)[:, 0]
-    out = jnp.where((depth == 0)[:, None], prompt_logits, out)
-    return jax.nn.log_softmax(out, axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("model",))
-def _expand_window(params, history, lengths, *, model):
-    return jax.nn.log_softmax(model.window(params, history, lengths)[0], axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "capacity"))
-def _prompt_prefill(params, prompt, length, *, model, capacity):
-    logits, _, cache = model.prefill(params, prompt, length, capacity)
-    return logits, cache
-
-
-def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
-                lower_bound: float | None = None, batch: int = 32) -> tuple[np.ndarray, float, int]:
-    """The most probable continuation of ``n`` tokens: (tokens [n], log-probability, nodes expanded).
-
-    Best-first search over prefixes (uniform-cost search with a heap keyed by minus the
-    log-probability): log-probabilities only fall as a prefix grows, so the first complete
-    hypothesis popped is the mode. Nodes are expanded ``batch`` at a time, in heap order, in one
-    model call; a complete hypothesis is only returned when it is the top of the heap with no
-    expansion pending, so batching never changes the answer. Children whose log-probability falls
-    below ``lower_bound`` (that of any known continuation, by default greedy's) cannot lead to the
-    mode and are not pushed. Raises :class:`SearchBudgetExceeded` after ``node_budget`` expansions.
-    """
-    n = check_int("the number of new tokens n", n, 0)
-    prompt = make_batch([prompt], n, model.V, model.T).prompt[0, :len(np.asarray(prompt).reshape(-1))]
-    node_budget = check_int("node_budget", node_budget, 1)
-    batch = check_int("batch", batch, 1)
-    P = len(prompt)
-    T = model.T
-    if n == 0:
-        return np.zeros((0,), np.int32), 0.0, 0
-
-    W = max(n - 1, 1)  # a node to expand has at most n - 1 generated tokens
-    if P + n <= T:
-        Pb = round_up(P, PROMPT_BUCKET)
-        padded = np.zeros((1, Pb), np.int32)
-        padded[0, :P] = prompt
-        prompt_logits, cache = _prompt_prefill(params, jnp.asarray(padded[:, :min(Pb, T)]),
-                                               jnp.asarray([P], jnp.int32), model=model,
-                                               capacity=round_up(Pb + W, PROMPT_BUCKET))
-
-        def expand(nodes):
-            tokens = np.zeros((batch, W), np.int32)
-            depth = np.zeros((batch,), np.int32)
-            for i, t in enumerate(nodes):
-                tokens[i, :len(t)] = t
-                depth[i] = len(t)
-            out = _expand_cached(params, cache, prompt_logits, jnp.asarray(tokens), jnp.asarray(depth),
-                                 model=model)
-            return np.asarray(out, np.float64)[:len(nodes)]
-    else:
-        def expand(nodes):  # the book's window: a forward over the last T tokens of each prefix
-            history = np.zeros((batch, T), np.int32)
-            lengths = np.ones((batch,), np.int32)
-            for i, t in enumerate(nodes):
-                seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-T:]
-                history[i, :len(seq)] = seq
-                lengths[i] = len(seq)
-            out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), model=model)
-            return np.asarray(out, np.float64)[:len(nodes)]
-
-    expanded = 0
-    if lower_bound is None:  # greedy decoding's log-probability
-        toks, lower_bound = (), 0.0
-        for _ in range(n):
-            lp = expand([toks])[0]
-            toks += (int(np.argmax(lp)),)
-            lower_bound += float(lp[toks[-1]])
-        expanded = n
-    # float32 sums along different paths differ by rounding: keep a margin so that the
-    # known continuation itself is never pruned
-    bound = lower_bound - 1e-3 * (1.0 + abs(lower_bound))
-
-    heap = [(0.0, 0, ())]  # (-log-probability, tie-breaker, generated tokens)
-    pushed = 1
-    while heap:
-        nodes = []
-        while heap and len(nodes) < batch:
-            neg, _, toks = heap[0]
-            if len(toks) == n:
-                if not nodes:
-                    return np.asarray(toks, np.int32), -neg, expanded
-                break  # expand the pending nodes first: their children may beat it
-            heapq.heappop(heap)
-            nodes.append((neg, toks))
-        if expanded + len(nodes) > node_budget:
-            raise SearchBudgetExceeded(
-                f"exact search exceeded its node budget of {node_budget:,} expansions "
-                f"({expanded:,} expanded, {len(heap):,} prefixes waiting); raise node_budget")
-        lps = expand([t for _, t in nodes])
-        expanded += len(nodes)
-        for (neg, toks), lp in zip(nodes, lps):
-            child = lp - neg  # [V] log-probabilities of the children
-            for v in np.flatnonzero(child >= bound):
-                heapq.heappush(heap, (-float(child[v]), pushed, toks + (int(v),)))
-                pushed += 1
-    raise RuntimeError("exact search pruned every continuation: lower_bound exceeds the mode's "
-                       "log-probability")
 
 
 __all__ = [

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-
-import numpy as np
 
 
 class UsageError(ValueError):
@@ -141,6 +138,35 @@ def _read_prompt(args) -> str:
     return prompt
 
 
+def _constraint(args, lm):
+    """The --regex / --choice / --json-schema constraint, compiled for ``lm``'s vocabulary, or None."""
+    from . import constraints as C
+
+    given = [f for f, on in (("--regex", args.regex is not None), ("--choice", bool(args.choice)),
+                             ("--json-schema", args.json_schema is not None)) if on]
+    if len(given) > 1:
+        raise UsageError(f"give one constraint, not {' and '.join(given)}")
+    if args.regex is not None:
+        c = C.compile_regex(_unescape(args.regex), lm.vocab)
+    elif args.choice:
+        c = C.compile_choices([_unescape(x) for x in args.choice], lm.vocab)
+    elif args.json_schema is not None:
+        try:
+            text = open(args.json_schema, encoding="utf-8").read()
+        except OSError as e:
+            raise UsageError(f"cannot read the JSON schema {args.json_schema}: {e.strerror}") from None
+        c = C.compile_json_schema(text, lm.vocab)
+    else:
+        return None
+    c.check_budget(args.n)
+    return c
+
+
+def _constraint_settings(args) -> dict:
+    return {k: v for k, v in (("regex", args.regex), ("choice", args.choice), ("json_schema", args.json_schema))
+            if v}
+
+
 def _streaming(args, prompt):
     """Whether to stream (one sample, not JSON; a terminal or --stream), and the callback."""
     stream = not args.json and args.num_samples == 1 and (sys.stdout.isatty() or args.stream)
@@ -176,14 +202,18 @@ def cmd_generate(args):
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
     rule = make_rule(**settings)  # validates before anything is loaded or traced
+    from . import cli_generate as G
+
     if args.contrastive is not None:
-        return _generate_contrastive(args, prompt, settings)
+        return G.generate_contrastive(args, prompt, settings)
+    if args.smc is not None and (args.beam is not None or args.speculative is not None):
+        raise UsageError("--smc does not combine with --beam or --speculative")
     if args.beam is not None:
         if args.speculative is not None:
             raise UsageError("--beam and --speculative cannot be combined")
-        return _generate_beam(args, prompt, rule, settings)
+        return G.generate_beam(args, prompt, rule, settings)
     if args.speculative is not None:
-        return _generate_speculative(args, prompt, rule, settings)
+        return G.generate_speculative(args, prompt, rule, settings)
     if args.gamma is not None:
         raise UsageError("--gamma needs --speculative")
     for flag in ("length_penalty", "n_best"):
@@ -191,16 +221,19 @@ def cmd_generate(args):
             raise UsageError(f"--{flag.replace('_', '-')} needs --beam")
     lm = _load(args)
     lm.vocab.encode(prompt)  # unknown characters: a clear error before any work
+    constraint = _constraint(args, lm)
+    if args.smc is not None:
+        return G.generate_smc(args, lm, prompt, constraint, settings)
     stop = [_unescape(s) for s in args.stop] if args.stop else None
     stream, on_text = _streaming(args, prompt)
     outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
-                    num_samples=args.num_samples, stop=stop, on_text=on_text)
+                    num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint)
     if args.json:
         doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
                             "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
                             "greedy": bool(args.greedy), "stop": stop, "checkpoint": str(lm.path),
-                            **settings}}
+                            **_constraint_settings(args), **settings}}
         print(json.dumps(doc, ensure_ascii=False))
         return
     if stream:
@@ -217,112 +250,6 @@ def _contrastive_setting(text: str) -> tuple[int, float]:
         return int(k), float(alpha)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected K,ALPHA such as 4,0.6, got {text!r}") from None
-
-
-def _generate_contrastive(args, prompt, settings):
-    from .contrastive import contrastive_generate
-
-    k, alpha = args.contrastive
-    clash = [f for f, on in (("--beam", args.beam is not None), ("--speculative", args.speculative is not None),
-                             ("--greedy", args.greedy), ("--num-samples", args.num_samples != 1)) if on]
-    clash += ["--" + name.replace("_", "-") for name in settings]
-    if clash:
-        raise UsageError(f"--contrastive is deterministic and ranks the model's own top-k; it does not "
-                         f"combine with {', '.join(clash)}")
-    lm = _load(args)
-    lm.vocab.encode(prompt)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
-    stream, on_text = _streaming(args, prompt)
-    try:
-        out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text)[0]
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.json:
-        print(json.dumps({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
-                                       "tokens": out.tokens.tolist(), "finish_reason": out.finish_reason}],
-                          "settings": {"n": args.n, "contrastive": {"k": k, "alpha": alpha}, "stop": stop,
-                                       "checkpoint": str(lm.path)}}, ensure_ascii=False))
-    elif stream:
-        sys.stdout.write("\n")
-        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per character", file=sys.stderr)
-    else:
-        print(out.prompt + out.text)
-
-
-def _generate_beam(args, prompt, rule, settings):
-    from .beam import beam_generate
-
-    if args.beam < 1:
-        raise UsageError(f"--beam must be >= 1, got {args.beam}")
-    n_best = args.n_best if args.n_best is not None else 1
-    if not 1 <= n_best <= args.beam:
-        raise UsageError(f"--n-best must lie in [1, --beam={args.beam}], got {n_best}")
-    if args.num_samples != 1:
-        raise UsageError("--num-samples does not apply to beam search (use --n-best)")
-    alpha = args.length_penalty if args.length_penalty is not None else 0.0
-    lm = _load(args)
-    lm.vocab.encode(prompt)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
-    hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha,
-                         stop=stop, rule=rule)[0]
-    if args.json:
-        doc = {"outputs": [{"prompt": prompt, "text": h.text, "mean_logprob": h.mean_logprob,
-                            "tokens": np.asarray(h.tokens).tolist(), "score": h.score,
-                            "logprob": h.logprob, "finished": bool(h.finished)} for h in hyps],
-               "settings": {"n": args.n, "beam": args.beam, "n_best": n_best, "length_penalty": alpha,
-                            "stop": stop, "checkpoint": str(lm.path), **settings}}
-        print(json.dumps(doc, ensure_ascii=False))
-        return
-    for i, h in enumerate(hyps):
-        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per character")
-        print(prompt + h.text)
-
-
-def _generate_speculative(args, prompt, rule, settings):
-    from .speculative import SpeculativeStats, check_request, make_draft, speculative_generate
-
-    if args.gamma is None:  # the fastest on CPU for each draft (docs/benchmarks.md)
-        gamma = 3 if args.speculative == "distilled" else 2
-    else:
-        gamma = args.gamma
-    if gamma < 1:
-        raise UsageError(f"--gamma must be >= 1, got {gamma}")
-    order, backoff = args.ngram_order, args.ngram_backoff
-    if (order is not None or backoff is not None) and args.speculative not in ("ngram", "distilled"):
-        raise UsageError("--ngram-order and --ngram-backoff need --speculative ngram or distilled")
-    if order is not None and not 1 <= order <= 6:
-        raise UsageError(f"--ngram-order must be between 1 and 6, got {order}")
-    if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
-        raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
-    lm = _load(args)
-    check_request(lm.decoder, len(lm.vocab.encode(prompt)), args.n, gamma)  # before building a draft
-    draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
-                       progress=True)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
-    stream, on_text = _streaming(args, prompt)
-    outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
-                                greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text)
-    total = SpeculativeStats.total([o.stats for o in outs])
-    line = (f"speculative ({args.speculative}, gamma={gamma}): acceptance {total.acceptance_rate:.2f}, "
-            f"{total.chars_per_pass:.2f} characters per target pass "
-            f"(i.i.d. prediction {total.predicted_chars_per_pass:.2f}), {total.passes} passes")
-    if args.json:
-        doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
-                            "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason,
-                            "stats": o.stats.as_dict()} for o in outs],
-               "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
-                            "greedy": bool(args.greedy), "stop": stop, "speculative": args.speculative,
-                            "gamma": gamma,
-                            "ngram_order": order, "ngram_backoff": backoff,
-                            "checkpoint": str(lm.path), **settings},
-               "stats": total.as_dict()}
-        print(json.dumps(doc, ensure_ascii=False))
-        return
-    if stream:
-        sys.stdout.write("\n")
-    else:
-        _print_samples(outs)
-    print(line, file=sys.stderr)
 
 
 def cmd_mode(args):
@@ -389,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     for spec in _rule_specs():
         s.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=spec.metavar,
                        help=spec.help)
+    s.add_argument("--regex", default=None, metavar="PATTERN",
+                   help=r"constrain the continuation to this regular expression (matched in full; \n unescaped)")
+    s.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="constrain the continuation to one of these (repeatable)")
+    s.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the continuation to JSON text valid under the schema in FILE")
+    s.add_argument("--smc", type=int, default=None, metavar="PARTICLES",
+                   help="with a constraint: exact conditional sampling by sequential Monte Carlo")
     s.add_argument("--beam", type=int, default=None, metavar="K", help="beam search with K beams")
     s.add_argument("--contrastive", type=_contrastive_setting, default=None, metavar="K,ALPHA",
                    help="contrastive search: of the K most probable characters, the one maximizing "

@@ -164,10 +164,16 @@ def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
     tokens = _tokens_of(vocab)
     V = len(tokens)
     missing = _missing(pattern, set("".join(tokens)))
+    # The pattern is anchored at both ends by outlines-core only with a trailing "$" (without it
+    # the index drops every transition that leaves a final state for a non-final one: ``(ab)+``
+    # would accept only "ab"), and with "$" it refuses a pattern that matches the empty string.
+    # A sentinel token that no text contains goes in front: the state after it is the start.
+    used = set("".join(tokens))
+    sentinel = next(chr(c) for c in [*range(1, 32), *range(0xE000, 0xF900)] if chr(c) not in used)
+    mapping = {t: [i] for i, t in enumerate(tokens)}
+    mapping[sentinel] = [V + 1]
     try:
-        # anchored at the end: without it the index drops every transition that leaves a final
-        # state for a non-final one (``(ab)+`` would accept only "ab")
-        index = Index(f"(?:{pattern})$", Vocabulary(V, {t: [i] for i, t in enumerate(tokens)}))
+        index = Index(f"{re.escape(sentinel)}(?:{pattern})$", Vocabulary(V, mapping))
     except ValueError as e:
         text = str(e)
         if "incompatible" in text or "no transitions" in text.lower():
@@ -179,7 +185,7 @@ def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
 
     transitions = index.get_transitions()
     finals = set(index.get_final_states())
-    start = index.get_initial_state()
+    start = index.get_next_state(index.get_initial_state(), V + 1)
     # number the states breadth-first from the initial one, skipping the end token (id V)
     order, seen = [start], {start: 0}
     for s in order:

@@ -23,7 +23,7 @@ TINY_VOCAB = Vocab(" abcdefghi.\n")
 
 
 @pytest.mark.parametrize("pattern", ["[a-c]{1,3}", "(ab|ba)+", "a?b* c", "(cab|ca|b)\\.", "[^a ]{2}",
-                                     "(a|b)(c|d)?\n"])
+                                     "(a|b)(c|d)?\n", "a*", "(ab)?c*", "a{0,3}"])
 def test_automaton_agrees_with_re_on_every_short_string(pattern):
     c = C.compile_regex(pattern, TINY_VOCAB)
     V = len(TINY_VOCAB)
@@ -349,3 +349,73 @@ def test_ten_patterns_every_sample_matches(shipped_native):
         greedy = generate(lm, [p] * len(compiled), n, constraint=compiled, greedy=True)
         for g, pattern in zip(greedy, SHIPPED_PATTERNS):
             assert re.fullmatch(pattern, g.text), (pattern, g.text)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_model, tmp_path_factory):
+    from jaxdecode import checkpoint
+
+    cfg, params, vocab = tiny_model
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
+    return str(path)
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (["--regex", "[abc]{2,4}\\n"], "[abc]{2,4}\n"),
+    (["--choice", "abc", "--choice", "ba", "--choice", "ca"], "abc|ba|ca"),
+    (["--regex", "(ab|c)+", "--greedy"], "(ab|c)+"),
+    (["--regex", "(ab|c)+", "--top-k", "3", "--temperature", "0.7"], "(ab|c)+"),
+    (["--regex", "[a-d]+ [a-d]+", "--speculative", "lookup"], "[a-d]+ [a-d]+"),
+])
+def test_cli_constrained_generate(tiny_ckpt, capsys, flags, pattern):
+    import json
+
+    from jaxdecode.cli import main
+
+    samples = 1 if "--greedy" in flags else 5
+    assert main(["generate", "ab", "-n", "8", "--ckpt", tiny_ckpt, "--json", "--num-samples", str(samples),
+                 *flags]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["outputs"]) == samples
+    for o in doc["outputs"]:
+        assert re.fullmatch(pattern, o["text"]), o["text"]
+
+
+def test_cli_json_schema_and_bad_constraints(tiny_ckpt, capsys, tmp_path):
+    from jaxdecode.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    cases = [
+        (["--json-schema", str(schema)], "lacks the characters '{'"),
+        (["--json-schema", str(tmp_path / "missing.json")], "cannot read the JSON schema"),
+        (["--regex", "(a"], "invalid regular expression"),
+        (["--regex", "[abc]{9}"], "its shortest match takes 9 tokens"),
+        (["--regex", "a", "--choice", "b"], "give one constraint, not --regex and --choice"),
+        (["--smc", "10"], "--smc needs a constraint"),
+        (["--contrastive", "3,0.5", "--regex", "a+"], "does not combine with --regex"),
+    ]
+    for flags, message in cases:
+        assert main(["generate", "ab", "-n", "5", "--ckpt", tiny_ckpt, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (flags, err)
+
+
+def test_cli_smc(tiny_ckpt, capsys):
+    import json
+
+    from jaxdecode.cli import main
+
+    assert main(["generate", "ab", "-n", "3", "--ckpt", tiny_ckpt, "--json", "--choice", "ab", "--choice", "abc",
+                 "--choice", "ba", "--smc", "300", "--num-samples", "4"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    dist = {d["text"]: d["probability"] for d in doc["distribution"]}
+    assert set(dist) <= {"ab", "abc", "ba"} and abs(sum(dist.values()) - 1) < 1e-6
+    assert len(doc["outputs"]) == 4 and all(o["text"] in dist for o in doc["outputs"])
+    assert main(["generate", "ab", "-n", "3", "--ckpt", tiny_ckpt, "--regex", "a+", "--smc", "8",
+                 "--beam", "2"]) == 2
+    assert "--smc does not combine with --beam" in capsys.readouterr().err

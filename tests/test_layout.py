@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parent.parent / "jaxdecode"
 
 # modules that run a decoding algorithm: they may import jaxdecode.models.base, never the Flax
 # model, the native layer or Flax itself
-LOOPS = ["core.py", "sampling.py", "beam.py", "contrastive.py", "score.py", "speculative/loop.py", "speculative/acceptance.py"]
+LOOPS = ["core.py", "sampling.py", "beam.py", "search.py", "contrastive.py", "score.py", "speculative/loop.py", "speculative/acceptance.py"]
 FORBIDDEN = {"jaxdecode.model", "jaxdecode.kernels", "jaxdecode.models.charlm", "flax"}
 
 
