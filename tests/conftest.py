@@ -9,6 +9,17 @@ import pytest
 os.environ.setdefault("JAXDECODE_KERNELS", "1")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# The suite is bound by compiling, and its workers (pytest-xdist) compile many of the same
+# programs: they share one persistent compilation cache, kept with pytest's own cache in the
+# checkout (a fresh clone starts empty; the key is the program, so stale entries are never used).
+_XLA_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "xla"
+try:
+    _XLA_CACHE.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(_XLA_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+except OSError:
+    pass
+
 BACKENDS = ("native", "portable")
 
 

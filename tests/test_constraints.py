@@ -334,7 +334,7 @@ def test_ten_patterns_every_sample_matches(shipped_native):
     lm = shipped_native
     compiled = [C.compile_regex(p, lm.vocab) for p in SHIPPED_PATTERNS]
     prompt = "KATHARINA:\nMoved! in good time: "
-    n = 72
+    n = 48
     outs = generate(lm, [prompt] * len(compiled), n, constraint=compiled, num_samples=200, seed=0)
     draft = SP.make_draft("ngram", lm)
     spec = SP.speculative_generate(lm, [prompt] * len(compiled), n, draft=draft, gamma=3, constraint=compiled,
