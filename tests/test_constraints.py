@@ -334,7 +334,7 @@ def test_ten_patterns_every_sample_matches(shipped_native):
     lm = shipped_native
     compiled = [C.compile_regex(p, lm.vocab) for p in SHIPPED_PATTERNS]
     prompt = "KATHARINA:\nMoved! in good time: "
-    n = 48
+    n = 40
     outs = generate(lm, [prompt] * len(compiled), n, constraint=compiled, num_samples=200, seed=0)
     draft = SP.make_draft("ngram", lm)
     spec = SP.speculative_generate(lm, [prompt] * len(compiled), n, draft=draft, gamma=3, constraint=compiled,
@@ -349,6 +349,12 @@ def test_ten_patterns_every_sample_matches(shipped_native):
         greedy = generate(lm, [p] * len(compiled), n, constraint=compiled, greedy=True)
         for g, pattern in zip(greedy, SHIPPED_PATTERNS):
             assert re.fullmatch(pattern, g.text), (pattern, g.text)
+    # beam search (k = 5): every one of the five hypotheses of each pattern
+    from jaxdecode.beam import beam_generate
+
+    beams = beam_generate(lm, [prompt] * len(compiled), n, 5, n_best=5, constraint=compiled)
+    for hyps, pattern in zip(beams, SHIPPED_PATTERNS):
+        assert hyps and all(re.fullmatch(pattern, h.text) for h in hyps), (pattern, [h.text for h in hyps])
 
 
 # ----------------------------------------------------------------------------- the command line
