@@ -58,6 +58,17 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_ckpt(tiny_model, tmp_path_factory):
+    """``tiny_model`` saved as a checkpoint folder (for the command line)."""
+    from jaxdecode import checkpoint
+
+    cfg, params, vocab = tiny_model
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_model, backend):
     """``tiny_model`` as a LanguageModel on each backend."""
     from jaxdecode.checkpoint import LanguageModel

@@ -2,16 +2,7 @@ import json
 
 import pytest
 
-from jaxdecode import checkpoint
 from jaxdecode.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_model, tmp_path_factory):
-    cfg, params, vocab = tiny_model
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
-    return str(path)
 
 
 def test_generate_json(tiny_ckpt, capsys):

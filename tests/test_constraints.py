@@ -7,7 +7,6 @@ import itertools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -349,25 +348,18 @@ def test_ten_patterns_every_sample_matches(shipped_native):
         greedy = generate(lm, [p] * len(compiled), n, constraint=compiled, greedy=True)
         for g, pattern in zip(greedy, SHIPPED_PATTERNS):
             assert re.fullmatch(pattern, g.text), (pattern, g.text)
-    # beam search (k = 5): every one of the five hypotheses of each pattern
+    # beam search (k = 5): every one of the five hypotheses, for the patterns that
+    # tests/test_constrained_beam.py does not run on the shipped model (it runs the others)
     from jaxdecode.beam import beam_generate
 
-    beams = beam_generate(lm, [prompt] * len(compiled), n, 5, n_best=5, constraint=compiled)
-    for hyps, pattern in zip(beams, SHIPPED_PATTERNS):
+    rest = [i for i, p in enumerate(SHIPPED_PATTERNS) if i in (3, 5, 6, 7, 8, 9)]
+    beams = beam_generate(lm, [prompt] * len(rest), n, 5, n_best=5, constraint=[compiled[i] for i in rest])
+    for hyps, i in zip(beams, rest):
+        pattern = SHIPPED_PATTERNS[i]
         assert hyps and all(re.fullmatch(pattern, h.text) for h in hyps), (pattern, [h.text for h in hyps])
 
 
 # ----------------------------------------------------------------------------- the command line
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_model, tmp_path_factory):
-    from jaxdecode import checkpoint
-
-    cfg, params, vocab = tiny_model
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
-    return str(path)
 
 
 @pytest.mark.parametrize("flags,pattern", [

@@ -1,7 +1,6 @@
 """Contrastive search against a plain loop written from the paper (one full forward per
 candidate, no cache), on both backends, past T, on the multi-character model and the shipped one."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -197,16 +196,6 @@ def test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy():
 
 
 # ----------------------------------------------------------------------------- the command line
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_model, tmp_path_factory):
-    from jaxdecode import checkpoint
-
-    cfg, params, vocab = tiny_model
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    checkpoint.save(path, params, cfg, vocab, meta={"note": "random weights"})
-    return str(path)
 
 
 def test_cli_contrastive(tiny_ckpt, tiny_model, capsys):

@@ -157,7 +157,7 @@ def test_family_rows_match_separate_runs_of_the_plain_rule(tiny_lm):
 # Half the prompts, half the length of the full study (24 x 300). At 6 prompts x 100 characters
 # the τ=1 samples and the held-out text were as probable as each other (1.48 against 1.47 nats)
 # and greedy had only 12% repeated trigrams; at 12 x 150 the chapter's ordering holds clearly.
-SMALL = {"n": 150, "n_prompts": 12}
+SMALL = {"n": 150, "n_prompts": 10}
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +212,9 @@ def test_chapter_findings_on_the_shipped_model(small_study):
     for name in ("tradeoff.json", "tradeoff.md"):
         assert (out / name).is_file()
 
-
-@pytest.mark.slow
-def test_contrastive_repeats_less_than_greedy(small_study):
-    pytest.importorskip("jaxdecode.contrastive")
-    rows = _rows(small_study[0])
-    con = next(r for r in small_study[0]["rows"] if r["family"] == "contrastive")
-    greedy, tau1 = rows["greedy"], rows["τ=1"]
+    # contrastive search (in this test, not one of its own: the study would run again on another
+    # worker) repeats far less than greedy
+    con = next(r for r in result["rows"] if r["family"] == "contrastive")
     assert con["repeated_trigrams"] < greedy["repeated_trigrams"] / 5
     # its likelihood stays at greedy's level, far from sampling's. (Between greedy's and τ=1's, as
     # expected, it is not on our model: 0.89 against greedy's 0.95 nats at full size, 0.90 against
