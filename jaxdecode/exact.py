@@ -9,6 +9,7 @@ decoding can then be checked against it exactly (greedy / beam) or with a chi-sq
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -130,6 +131,11 @@ def chisquare_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> fl
     return float(stats.chisquare(f_obs, f_exp).pvalue)
 
 
+@functools.partial(jax.jit, static_argnames=("model",))
+def _window_next(params, history, lengths, *, model):  # history [N, t'], lengths [N] -> logits [N, V]
+    return model.window(params, history, lengths)[0]
+
+
 def next_logits_for(model, params, batch_size: int = 256) -> NextLogits:
     """``next_logits`` for any decoding model (:class:`jaxdecode.models.DecodingModel`): its exact
     window prediction, ``model.window``, after each full row.
@@ -140,9 +146,8 @@ def next_logits_for(model, params, batch_size: int = 256) -> NextLogits:
     chunk padded to a power of two, so that few shapes compile.
     """
 
-    @jax.jit
-    def at(params, history, lengths):  # history [N, t'], lengths [N] -> logits [N, V]
-        return model.window(params, history, lengths)[0]
+    # one compiled program per model and shape, shared by every call (not one per closure)
+    at = functools.partial(_window_next, model=model)
 
     def bucket(m: int, cap: int) -> int:
         return min(cap, 1 << max(m - 1, 0).bit_length())

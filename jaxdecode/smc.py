@@ -92,6 +92,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import constraints as C
+from .exact import next_logits_for
 from .core import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
 
 RESAMPLE_STREAM = 0x5E5A  # folded into the key for a resampling draw (apart from the step draws)
@@ -142,30 +143,6 @@ def kl_divergence(p: dict, q: dict) -> float:
 
 
 # ----------------------------------------------------------------------------- exact enumeration
-
-
-@functools.partial(jax.jit, static_argnames=("model",))
-def _window_logits(params, history, lengths, *, model):
-    return model.window(params, history, lengths)[0]
-
-
-def _next_logits(model, params, tokens: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """Next-token logits ``[N, V]`` after each full row of ``tokens [N, t]`` (rows of one length):
-    the model's exact window prediction, rows padded to a power-of-two width and run
-    ``batch_size`` at a time (the last batch padded to a power of two), so few shapes compile."""
-    tokens = np.asarray(tokens, np.int32)[:, -model.T:]
-    N, t = tokens.shape
-    width = min(model.T, batch_bucket(t))
-    tokens = np.pad(tokens, ((0, 0), (0, width - t)))
-    out = []
-    for start in range(0, N, batch_size):
-        chunk = tokens[start:start + batch_size]
-        m = len(chunk)
-        chunk = np.pad(chunk, ((0, batch_bucket(m) - m), (0, 0)))
-        lengths = np.full((len(chunk),), t, np.int32)
-        logits = _window_logits(params, jnp.asarray(chunk), jnp.asarray(lengths), model=model)
-        out.append(np.asarray(logits)[:m])
-    return np.concatenate(out, axis=0)
 
 
 def _log_softmax64(logits) -> np.ndarray:
@@ -241,7 +218,7 @@ def enumerate_outputs(lm, prompt, n: int, constraint: C.Constraint, max_outputs:
     for t in range(n):
         left = n - t
         rows = np.concatenate([np.broadcast_to(prompt, (len(prefixes), len(prompt))), prefixes], axis=1)
-        logp = _log_softmax64(_next_logits(model, params, rows, batch_size))  # [N, V]
+        logp = _log_softmax64(next_logits_for(model, params, batch_size)(rows))  # [N, V]
         nxt = table[states]  # [N, V]
         ok = (nxt >= 0) & (dist[np.maximum(nxt, 0)] <= left - 1)
         p = np.exp(logp)

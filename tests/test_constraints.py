@@ -176,7 +176,7 @@ def test_masked_sampling_has_the_reference_distribution(tiny_decoder, reference)
     res = sample_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(7), constraint=c)
     got = _counts(res.tokens, res.counts)
     assert all(c.accepts(k) for k in got)
-    assert np.array_equal(res.stopped, res.counts < N) or res.stopped.sum() >= (res.counts < N).sum()
+    assert np.array_equal(res.stopped, res.counts < N)  # a row that stops does so before N tokens
     assert exact.chisquare_pvalue(got, want) > 1e-3
     # the test can tell the stop rule from renormalizing in final states
     assert _power(want, wrong, draws) > 0.99
