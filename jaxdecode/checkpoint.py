@@ -18,8 +18,10 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -105,10 +107,18 @@ def state_dict_to_params(state: dict[str, np.ndarray], cfg: ModelConfig, where: 
     state = dict(state)
     for name in IGNORED:
         state.pop(name, None)
-    if "out.weight" in state:
-        out = state.pop("out.weight")
-        if "tok.weight" in state and not np.array_equal(np.asarray(out), np.asarray(state["tok.weight"])):
-            raise CheckpointError(f"{where}: out.weight differs from tok.weight, but the model ties them")
+    if "out.weight" in state and "tok.weight" in state:
+        out, tok = np.asarray(state.pop("out.weight")), np.asarray(state["tok.weight"])
+        if out.shape != tok.shape:
+            raise CheckpointError(
+                f"{where}: out.weight has shape {out.shape} but tok.weight {tok.shape}; the model ties "
+                "the output layer to the token embedding, so they must be equal")
+        if not np.array_equal(out, tok):
+            with np.errstate(all="ignore"):
+                gap = np.nanmax(np.abs(out.astype(np.float64) - tok.astype(np.float64)), initial=0.0)
+            raise CheckpointError(
+                f"{where}: out.weight differs from tok.weight (largest difference {gap:.3g}); the model "
+                "ties the output layer to the token embedding, so they must be equal")
     missing = [n for n in shapes if n not in state]
     if missing:
         raise CheckpointError(f"{where}: missing tensor(s) {', '.join(missing)}")
@@ -124,14 +134,32 @@ def state_dict_to_params(state: dict[str, np.ndarray], cfg: ModelConfig, where: 
                 f"L={cfg.L}, heads={cfg.heads}) requires {shape}")
     params: dict[str, Any] = {}
     for n, (path, transpose) in name_map(cfg).items():
-        a = np.asarray(state[n], dtype=np.float32)
-        if not np.all(np.isfinite(a)):
-            raise CheckpointError(f"{where}: tensor {n} contains NaN or infinite values")
+        a = _float32(state[n], n, where)
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = a.T.copy() if transpose else a
     return params
+
+
+def _float32(value, name: str, where: str) -> np.ndarray:
+    """A weight as float32 (from float16, bfloat16, float32 or float64), refusing anything else,
+    NaN and infinities, and values that float32 cannot hold."""
+    a = np.asarray(value)
+    if not jnp.issubdtype(a.dtype, jnp.floating):  # jnp's test also knows bfloat16
+        raise CheckpointError(
+            f"{where}: tensor {name} has dtype {a.dtype}, but the model's weights are floating point")
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(
+            f"{where}: tensor {name} contains NaN or infinite values ({int(bad.sum())} of {a.size}, "
+            f"the first at index {first}: {a[first]})")
+    with np.errstate(over="ignore"):
+        out = a.astype(np.float32)
+    if not np.all(np.isfinite(out)):
+        raise CheckpointError(f"{where}: tensor {name} holds values beyond the range of float32")
+    return out
 
 
 def params_to_state_dict(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -236,23 +264,31 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None) -
     from safetensors.numpy import load_file
 
     path = resolve(path)
+    if path.is_file():
+        hint = ""
+        if path.suffix == ".pt":
+            hint = " (convert a torch .pt file first: jaxdecode convert FILE FOLDER)"
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder (a folder with {CONFIG_FILE} and "
+                              f"{WEIGHTS_FILE}){hint}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfile.is_file():
-        raise CheckpointError(f"{path}: no {CONFIG_FILE}")
+        raise CheckpointError(f"{path}: not a checkpoint folder, it has no {CONFIG_FILE}")
     if not wfile.is_file():
-        raise CheckpointError(f"{path}: no {WEIGHTS_FILE}")
+        raise CheckpointError(f"{path}: incomplete checkpoint folder, it has no {WEIGHTS_FILE}")
     try:
         meta = json.loads(cfile.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfile}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{cfile}: cannot be read ({e.strerror or e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{cfile}: expected a JSON object")
     cfg, vocab = config_from_dict(meta, str(cfile))
     try:
         state = load_file(str(wfile))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
         raise CheckpointError(f"{wfile}: corrupt or truncated safetensors file ({e})") from None
     params = state_dict_to_params(state, cfg, where=str(wfile))
     # device arrays: immutable, so work derived from them (packed weights) can be reused
@@ -261,13 +297,19 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None) -
 
 
 class _AtomicFolder:
-    """Write into a temporary sibling folder; move it into place only if everything succeeded."""
+    """Write into a temporary sibling folder; move it into place only if everything succeeded.
+
+    Whatever interrupts the writing (an error, ``KeyboardInterrupt``), the previous folder stays
+    as it was and the temporary one is removed. The files are flushed to disk before the folder is
+    moved into place, so a crash cannot publish a folder of empty files either."""
 
     def __init__(self, target: Path, overwrite: bool):
         self.target = Path(target)
         self.overwrite = overwrite
 
     def __enter__(self) -> Path:
+        if self.target.exists() and not self.target.is_dir():
+            raise CheckpointError(f"{self.target} is a file, not a folder: refusing to replace it")
         if self.target.exists() and not self.overwrite:
             raise CheckpointError(f"{self.target} already exists (use overwrite=True / --force)")
         self.target.parent.mkdir(parents=True, exist_ok=True)
@@ -282,19 +324,53 @@ class _AtomicFolder:
         for f in self.tmp.iterdir():
             os.chmod(f, 0o666 & ~umask)
 
+    def _sync(self):
+        for f in self.tmp.iterdir():
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
+        if exc_type is not None:  # any exception, KeyboardInterrupt included
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        self._publish_permissions()
         old = None
-        if self.target.exists():
-            old = self.target.with_name(f".{self.target.name}.old.{os.getpid()}")
-            os.replace(self.target, old)
-        os.replace(self.tmp, self.target)
+        try:
+            self._publish_permissions()
+            self._sync()
+            if self.target.exists():
+                # the old folder steps aside under a fresh name, the new one takes its place
+                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old.", dir=self.target.parent))
+                os.replace(self.target, old)
+            os.replace(self.tmp, self.target)
+        except BaseException:
+            if old is not None and old.exists() and not self.target.exists():
+                os.replace(old, self.target)  # put the previous folder back
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            raise
+        _fsync_dir(self.target.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside ``folder`` durable (best effort: not every system allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_folder(target, overwrite: bool = True) -> _AtomicFolder:
@@ -393,15 +469,32 @@ class _SafeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise UnsafePickleError(f"refusing to load: unknown persistent id {pid!r}")
+            shown = repr(pid)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise UnsafePickleError(
+                f"refusing to load: unknown persistent id {shown} (torch.save writes ('storage', ...))")
         _, stype, key, _location, numel = pid[:5]
         if not isinstance(stype, _StorageType):
             raise UnsafePickleError(f"refusing to load: storage of unknown type {stype!r}")
-        return self._storages(str(key), stype.dtype, int(numel))
+        if not isinstance(key, str) or isinstance(numel, bool) or not isinstance(numel, int):
+            raise CheckpointError(f"a storage reference has key {key!r} and size {numel!r}; expected a "
+                                  "string and an integer")
+        return self._storages(key, stype.dtype, numel)
+
+
+def _storage_dtype(dtype) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
 
 
 def read_torch_checkpoint(path) -> Any:
-    """Read a ``torch.save`` zip archive into plain Python objects with numpy arrays."""
+    """Read a ``torch.save`` zip archive into plain Python objects with numpy arrays.
+
+    Storages keep their dtype (float16, bfloat16 and float64 included) in native byte order; the
+    archive's ``byteorder`` entry (``little`` when absent) says how they were written."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
@@ -412,13 +505,20 @@ def read_torch_checkpoint(path) -> Any:
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
-            pkl = [n for n in names if n.endswith("data.pkl")]
+            pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
             if len(pkl) != 1:
-                raise CheckpointError(f"{path}: expected one data.pkl in the archive, found {len(pkl)}")
+                found = f" ({', '.join(pkl)})" if pkl else ""
+                raise CheckpointError(
+                    f"{path}: expected one data.pkl in the archive, found {len(pkl)}{found}")
             prefix = pkl[0][: -len("data.pkl")]
             byteorder = "little"
             if prefix + "byteorder" in names:
-                byteorder = z.read(prefix + "byteorder").decode().strip()
+                byteorder = z.read(prefix + "byteorder").decode("ascii", "replace").strip()
+                if byteorder not in ("little", "big"):
+                    raise CheckpointError(
+                        f"{path}: the archive's byteorder entry says {byteorder[:40]!r}; "
+                        "expected 'little' or 'big'")
+            swap = byteorder != sys.byteorder
             cache: dict[str, np.ndarray] = {}
 
             def storage(key, dtype, numel):
@@ -426,24 +526,29 @@ def read_torch_checkpoint(path) -> Any:
                     entry = f"{prefix}data/{key}"
                     if entry not in names:
                         raise CheckpointError(f"{path}: the archive lacks tensor storage {entry}")
+                    if numel < 0:
+                        raise CheckpointError(f"{path}: storage {entry} has a negative size ({numel})")
+                    dt = _storage_dtype(dtype)
                     raw = z.read(entry)
-                    if dtype == "bfloat16":
-                        import ml_dtypes
-
-                        dt = np.dtype(ml_dtypes.bfloat16)
-                    else:
-                        dt = np.dtype(dtype)
-                    dt = dt.newbyteorder("<" if byteorder == "little" else ">")
-                    if len(raw) < numel * dt.itemsize:
-                        raise CheckpointError(f"{path}: storage {key} is truncated")
-                    cache[key] = np.frombuffer(raw, dtype=dt, count=numel)
+                    need = numel * dt.itemsize
+                    if len(raw) < need:
+                        raise CheckpointError(
+                            f"{path}: storage {entry} is truncated: it holds {len(raw)} bytes, but its "
+                            f"{numel} {dt.name} elements need {need}")
+                    a = np.frombuffer(raw, dtype=dt, count=numel)
+                    if swap and dt.itemsize > 1:  # through unsigned integers: works for bfloat16 too
+                        a = a.view(f"u{dt.itemsize}").byteswap().view(dt)
+                    cache[key] = a
                 return cache[key]
 
             return _SafeUnpickler(z.read(pkl[0]), storage).load()
-    except CheckpointError:
-        raise
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError,
-            IndexError, KeyError, AttributeError) as e:
+    except CheckpointError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise type(e)(f"{path}: {e}") from None  # name the file in errors raised while unpickling
+    except (zipfile.BadZipFile, zlib.error, pickle.UnpicklingError, EOFError, ValueError, TypeError,
+            IndexError, KeyError, AttributeError, OverflowError, RuntimeError, NotImplementedError,
+            OSError) as e:
         raise CheckpointError(f"{path}: corrupt torch checkpoint ({type(e).__name__}: {e})") from None
 
 
@@ -452,10 +557,20 @@ def convert(pt_path, out_dir, overwrite: bool = False, meta: dict | None = None)
     obj = read_torch_checkpoint(pt_path)
     where = str(pt_path)
     if not isinstance(obj, dict) or not {"config", "chars", "state_dict"} <= set(obj):
-        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{where}: expected a dict with 'config', 'chars' and 'state_dict', got {keys}")
+    if not isinstance(obj["config"], dict):
+        raise CheckpointError(f"{where}: 'config' is a {type(obj['config']).__name__}, expected a dict")
+    if not isinstance(obj["state_dict"], dict):
+        raise CheckpointError(
+            f"{where}: 'state_dict' is a {type(obj['state_dict']).__name__}, expected a dict")
+    chars = obj["chars"]
+    if isinstance(chars, (list, tuple)) and all(isinstance(c, str) for c in chars):
+        chars = "".join(chars)
+    if not isinstance(chars, str):
+        raise CheckpointError(f"{where}: 'chars' must be a list of characters or a string")
     config = dict(obj["config"])
-    config["chars"] = "".join(obj["chars"])
+    config["chars"] = chars
     cfg, vocab = config_from_dict(config, where)
     params = state_dict_to_params(dict(obj["state_dict"]), cfg, where=where)
     provenance = {"converted_from": Path(pt_path).name}

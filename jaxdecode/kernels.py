@@ -31,6 +31,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -109,18 +110,23 @@ def build(verbose: bool = False) -> Path:
     if cxx is None:
         raise KernelError("no C++ compiler found (set CXX or install g++)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
-           f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent or interrupted build never leaves half a library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # one build at a time per library: a second process waits, then finds the first one's library
+    with paths.lock(out.with_name(out.name + ".lock")):
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
+               f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
+        print("jaxdecode: compiling the native CPU kernels (once, ~10 s)...", file=sys.stderr, flush=True)
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{res.stderr[-2000:]}")
+            os.replace(tmp, out)  # atomic: an interrupted build never leaves half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     if verbose:
         print(f"built {out}")
     return out

@@ -94,12 +94,34 @@ def prepare(text: str, tc: TrainConfig):
     return vocab, train, windows
 
 
+def _check_out_dir(out_dir: Path, resume: bool) -> None:
+    """Refuse to start a new run over an existing file, checkpoint or run in ``out_dir``."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file, not a folder to train into")
+    if (out_dir / STATE_FILE).is_file():
+        if not resume:
+            raise ValueError(f"{out_dir} already holds a training run: continue it with resume=True "
+                             "(--resume) or train into another folder")
+    elif any(out_dir.iterdir()):
+        what = "a checkpoint" if (out_dir / ckpt_lib.CONFIG_FILE).is_file() else "files"
+        why = "to resume" if resume else "and would be overwritten"
+        raise ValueError(f"{out_dir} already holds {what} but no training state ({STATE_FILE}) {why}: "
+                         "train into another folder")
+
+
 def train(out_dir, tc: TrainConfig, data_path=None, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, log=print):
     """Train to ``tc.steps`` (or stop after ``stop_after`` steps of this call), saving to ``out_dir``.
 
-    Returns the list of ``(step, held-out loss)`` evaluations made so far.
+    Returns the list of ``(step, held-out loss)`` evaluations made so far. Each save replaces the
+    checkpoint folder atomically (weights, optimizer state and progress together), so an
+    interrupted run keeps its last complete save. A folder that already holds something is never
+    overwritten by a new run: only ``resume`` continues a run that saved its training state there.
     """
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, resume)
     text = data_lib.read_corpus(data_path)
     corpus_sha = data_lib.sha256(text)
     vocab, train_tokens, windows = prepare(text, tc)
@@ -107,7 +129,6 @@ def train(out_dir, tc: TrainConfig, data_path=None, resume: bool = False, progre
     optimizer, schedule = make_optimizer(tc)
     key = jax.random.PRNGKey(tc.seed)
     data_key = jax.random.fold_in(key, 1)
-    out_dir = Path(out_dir)
 
     params = init_params(cfg, jax.random.fold_in(key, 0))
     opt_state = optimizer.init(params)

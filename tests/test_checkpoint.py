@@ -54,9 +54,31 @@ class _Call:
         return self.fn, self.args
 
 
+STORAGE_DTYPES = {"FloatStorage": np.float32, "HalfStorage": np.float16, "DoubleStorage": np.float64,
+                  "BFloat16Storage": "bfloat16", "LongStorage": np.int64}
+
+
+def _np_dtype(dtype) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 class _Storage:
-    def __init__(self, key: str, array: np.ndarray):
-        self.key, self.array = key, np.ascontiguousarray(array, dtype="<f4").reshape(-1)
+    """One storage: ``array`` (flattened) stored as torch's ``stype`` (FloatStorage: float32, ...)."""
+
+    def __init__(self, key: str, array: np.ndarray, stype: str = "FloatStorage"):
+        self.key, self.stype = key, stype
+        dtype = _np_dtype(STORAGE_DTYPES[stype])
+        self.array = np.ascontiguousarray(np.asarray(array).astype(dtype)).reshape(-1)
+
+    def to_bytes(self, byteorder: str = "little") -> bytes:
+        a = self.array
+        if byteorder == "big" and a.dtype.itemsize > 1:
+            a = a.view(f"u{a.dtype.itemsize}").astype(f">u{a.dtype.itemsize}")  # the same bits, swapped
+        return a.tobytes()
 
 
 class _Tensor:
@@ -77,15 +99,29 @@ class _TorchLikePickler(pickle._Pickler):
     dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)
 
     def _save_global_placeholder(self, obj: _Global):
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
+        if self.proto >= 4:  # what pickle writes from protocol 4 on: two strings, then STACK_GLOBAL
+            self.save(obj.module)
+            self.save(obj.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
         self.memoize(obj)
 
     dispatch[_Global] = _save_global_placeholder
 
     def persistent_id(self, obj):
         if isinstance(obj, _Storage):
-            return ("storage", _Global("torch", "FloatStorage"), obj.key, "cpu", obj.array.size)
+            return ("storage", _Global("torch", obj.stype), obj.key, "cpu", obj.array.size)
+        if isinstance(obj, _Persistent):
+            return obj.pid
         return None
+
+
+class _Persistent:
+    """Pickles as a persistent reference to ``pid`` (what torch uses for storages)."""
+
+    def __init__(self, pid):
+        self.pid = pid
 
 
 def _storages(obj, found):
@@ -104,26 +140,32 @@ def _storages(obj, found):
     return found
 
 
-def write_torch_zip(path: Path, obj, prefix: str = "archive") -> Path:
-    """Write ``obj`` as torch.save would: ``<prefix>/data.pkl`` plus one ``<prefix>/data/<key>`` per storage."""
+def write_torch_zip(path: Path, obj, prefix: str = "archive", *, byteorder: str | None = "little",
+                    protocol: int = 2, extra: dict[str, bytes] | None = None) -> Path:
+    """Write ``obj`` as torch.save would: ``<prefix>/data.pkl`` plus one ``<prefix>/data/<key>`` per
+    storage, in ``byteorder`` (``None``: no byteorder entry, as before torch 1.9; another string is
+    written as it is and the storages little-endian); ``extra`` adds entries."""
     import io
 
     buf = io.BytesIO()
-    _TorchLikePickler(buf, protocol=2).dump(obj)
+    _TorchLikePickler(buf, protocol=protocol).dump(obj)
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{prefix}/data.pkl", buf.getvalue())
-        z.writestr(f"{prefix}/byteorder", "little")
+        if byteorder is not None:
+            z.writestr(f"{prefix}/byteorder", byteorder)
         for key, s in _storages(obj, {}).items():
-            z.writestr(f"{prefix}/data/{key}", s.array.tobytes())
+            z.writestr(f"{prefix}/data/{key}", s.to_bytes("big" if byteorder == "big" else "little"))
         z.writestr(f"{prefix}/version", "3\n")
+        for name, data in (extra or {}).items():
+            z.writestr(name, data)
     return path
 
 
-def torch_like_state(state: dict[str, np.ndarray]) -> OrderedDict:
+def torch_like_state(state: dict[str, np.ndarray], stype: str = "FloatStorage") -> OrderedDict:
     """Tensors of a state dict, one storage each (tied names share one, as in torch)."""
     out, by_id = OrderedDict(), {}
     for i, (name, a) in enumerate(state.items()):
-        s = by_id.setdefault(id(a), _Storage(str(i), a))
+        s = by_id.setdefault(id(a), _Storage(str(i), a, stype))
         out[name] = _Tensor(s, a.shape)
     return out
 
@@ -423,6 +465,247 @@ def test_pt_with_the_wrong_top_level(tmp_path):
     pt = write_torch_zip(tmp_path / "b.pt", {"model": OrderedDict()})
     with pytest.raises(C.CheckpointError, match="'config', 'chars' and 'state_dict'"):
         C.convert(pt, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- weights the model cannot use
+
+def _rewrite_weights(folder: Path, **changes):
+    from safetensors.numpy import load_file, save_file
+
+    w = folder / C.WEIGHTS_FILE
+    state = load_file(str(w))
+    state.update(changes)
+    save_file(state, str(w))
+    return state
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_weight_is_named(folder, value):
+    from safetensors.numpy import load_file
+
+    a = load_file(str(folder / C.WEIGHTS_FILE))["blocks.layers.1.linear2.weight"].copy()
+    a[3, 7] = value
+    _rewrite_weights(folder, **{"blocks.layers.1.linear2.weight": a})
+    with pytest.raises(C.CheckpointError) as e:
+        C.load(folder)
+    msg = str(e.value)
+    assert "blocks.layers.1.linear2.weight contains NaN or infinite values" in msg
+    assert f"(1 of 4096, the first at index (3, 7): {value})" in msg and C.WEIGHTS_FILE in msg
+
+
+def test_weight_beyond_float32_is_refused(folder):
+    _rewrite_weights(folder, **{"blocks.layers.0.norm1.bias": np.full(32, 1e300)})  # float64: finite
+    with pytest.raises(C.CheckpointError,
+                       match=r"blocks\.layers\.0\.norm1\.bias holds values beyond the range of float32"):
+        C.load(folder)
+
+
+def test_integer_weight_is_refused(folder):
+    _rewrite_weights(folder, **{"ln.weight": np.ones(32, np.int64)})
+    with pytest.raises(C.CheckpointError,
+                       match="tensor ln.weight has dtype int64, but the model's weights are floating point"):
+        C.load(folder)
+
+
+def test_tied_output_weight(folder, book_state):
+    # present and equal to tok.weight: accepted, and the model is the same
+    before = C.load(folder)
+    _rewrite_weights(folder, **{"out.weight": np.asarray(book_state["tok.weight"]).copy()})
+    after = C.load(folder)
+    for x, y in zip(jax.tree_util.tree_leaves(before.params), jax.tree_util.tree_leaves(after.params)):
+        np.testing.assert_array_equal(x, y)
+    # present and different: refused, naming both
+    out = np.asarray(book_state["tok.weight"]).copy()
+    out[2, 5] += 0.25
+    _rewrite_weights(folder, **{"out.weight": out})
+    with pytest.raises(C.CheckpointError) as e:
+        C.load(folder)
+    assert "out.weight differs from tok.weight (largest difference 0.25)" in str(e.value)
+    # another shape
+    _rewrite_weights(folder, **{"out.weight": out[:, :16].copy()})
+    with pytest.raises(C.CheckpointError,
+                       match=r"out\.weight has shape \(12, 16\) but tok\.weight \(12, 32\)"):
+        C.load(folder)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("no-config", "not a checkpoint folder, it has no config.json"),
+    ("no-weights", "incomplete checkpoint folder, it has no model.safetensors"),
+    ("a-file", "is a file, not a checkpoint folder (a folder with config.json and model.safetensors)"),
+    ("a-pt-file", "(convert a torch .pt file first: jaxdecode convert FILE FOLDER)"),
+    ("missing", "does not exist"),
+])
+def test_not_a_checkpoint_folder(folder, tmp_path, capsys, fault, message):
+    target = folder
+    if fault == "no-config":
+        (folder / C.CONFIG_FILE).unlink()
+    elif fault == "no-weights":
+        (folder / C.WEIGHTS_FILE).unlink()
+    elif fault == "a-file":
+        target = folder / C.CONFIG_FILE
+    elif fault == "a-pt-file":
+        target = BOOK_PT
+    else:
+        target = tmp_path / "nowhere"
+    with pytest.raises(C.CheckpointError) as e:
+        C.load(target)
+    assert message in str(e.value) and str(target) in str(e.value)
+    # the command line: exit 2 and the same message as one line
+    assert main(["info", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jaxdecode: error: {e.value}\n"
+
+
+# ----------------------------------------------------------------------------- .pt storages
+
+def _stored(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(folder / C.WEIGHTS_FILE))
+
+
+@pytest.mark.parametrize("stype, rtol, atol", [
+    ("DoubleStorage", 0, 0),              # float32 -> float64 -> float32 is exact
+    ("HalfStorage", 2.0 ** -11, 2.0 ** -24),  # half an ulp of float16 (and of its subnormals)
+    ("BFloat16Storage", 2.0 ** -8, 0),       # half an ulp of bfloat16
+])
+def test_pt_storage_dtypes_convert_to_float32(book_state, tmp_path, stype, rtol, atol):
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(torch_like_state(book_state, stype)))
+    got = _stored(C.convert(pt, tmp_path / "out"))
+    dtype = _np_dtype(STORAGE_DTYPES[stype])
+    for name, a in got.items():
+        want = np.asarray(book_state[name], np.float32)
+        assert a.dtype == np.float32
+        # exactly the original rounded to the storage's dtype, and that is close to the original
+        np.testing.assert_array_equal(a, want.astype(dtype).astype(np.float32), err_msg=name)
+        np.testing.assert_allclose(a, want, rtol=rtol, atol=atol, err_msg=name)
+    if stype != "DoubleStorage":
+        assert any(not np.array_equal(a, book_state[n]) for n, a in got.items())  # really rounded
+
+
+def test_pt_integer_storage_is_refused(book_state, tmp_path):
+    state = torch_like_state(book_state)
+    state["ln.weight"] = _Tensor(_Storage("99", np.ones(32), "LongStorage"), (32,))
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(state))
+    with pytest.raises(C.CheckpointError, match="tensor ln.weight has dtype int64"):
+        C.convert(pt, tmp_path / "out")
+    _assert_clean(tmp_path, {"b.pt"})
+
+
+@pytest.mark.parametrize("stype", ["FloatStorage", "HalfStorage", "DoubleStorage", "BFloat16Storage"])
+def test_pt_big_endian_storages(book_state, tmp_path, stype):
+    state = torch_like_state(book_state, stype)
+    little = _stored(C.convert(write_torch_zip(tmp_path / "le.pt", _book_obj(state)), tmp_path / "le"))
+    big_pt = write_torch_zip(tmp_path / "be.pt", _book_obj(state), byteorder="big")
+    with zipfile.ZipFile(big_pt) as z:  # the bytes really are big-endian
+        raw = z.read(f"archive/data/{state['tok.weight'].storage.key}")
+    first = np.asarray(book_state["tok.weight"]).reshape(-1)[:4].astype(_np_dtype(STORAGE_DTYPES[stype]))
+    assert raw[:first.nbytes] == first.view(f"u{first.itemsize}").astype(f">u{first.itemsize}").tobytes()
+    big = _stored(C.convert(big_pt, tmp_path / "be"))
+    assert set(big) == set(little)
+    for name in little:
+        np.testing.assert_array_equal(big[name], little[name], err_msg=name)
+
+
+def test_pt_without_byteorder_entry_is_little_endian(book_state, tmp_path):
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(torch_like_state(book_state)), byteorder=None)
+    for name, a in _stored(C.convert(pt, tmp_path / "out")).items():
+        np.testing.assert_array_equal(a, book_state[name], err_msg=name)
+
+
+@pytest.mark.parametrize("byteorder", ["middle", "", "LITTLE"])
+def test_pt_unknown_byteorder_is_refused(book_state, tmp_path, byteorder):
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(torch_like_state(book_state)), byteorder=byteorder)
+    with pytest.raises(C.CheckpointError) as e:
+        C.convert(pt, tmp_path / "out")
+    assert f"byteorder entry says {byteorder!r}; expected 'little' or 'big'" in str(e.value)
+    _assert_clean(tmp_path, {"b.pt"})
+
+
+def test_pt_truncated_storage_is_named(book_state, tmp_path):
+    state = torch_like_state(book_state)
+    entry = f"archive/data/{state['pos.weight'].storage.key}"
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(state))
+    short = tmp_path / "short.pt"
+    with zipfile.ZipFile(pt) as src, zipfile.ZipFile(short, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            dst.writestr(item, data[:-6] if item.filename == entry else data)
+    with pytest.raises(C.CheckpointError) as e:
+        C.convert(short, tmp_path / "out")
+    assert str(e.value) == (f"{short}: storage {entry} is truncated: it holds 2042 bytes, but its "
+                            "512 float32 elements need 2048")
+    _assert_clean(tmp_path, {"b.pt", "short.pt"})
+
+
+# ----------------------------------------------------------------------------- .pt pickles
+
+@pytest.mark.parametrize("where", ["archive/extra/data.pkl", "other/data.pkl"])
+def test_pt_with_several_data_pkl(book_state, tmp_path, where):
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(torch_like_state(book_state)), extra={where: b"."})
+    with pytest.raises(C.CheckpointError) as e:
+        C.convert(pt, tmp_path / "out")
+    assert f"expected one data.pkl in the archive, found 2 (archive/data.pkl, {where})" in str(e.value)
+    _assert_clean(tmp_path, {"b.pt"})
+
+
+def test_pt_without_data_pkl(tmp_path):
+    pt = tmp_path / "b.pt"
+    with zipfile.ZipFile(pt, "w") as z:
+        z.writestr("archive/mydata.pkl", b".")  # only a file named exactly data.pkl counts
+    with pytest.raises(C.CheckpointError, match="expected one data.pkl in the archive, found 0$"):
+        C.convert(pt, tmp_path / "out")
+
+
+@pytest.mark.parametrize("pid, message", [
+    (("weird", 1), "unknown persistent id ('weird', 1)"),
+    ("storage", "unknown persistent id 'storage'"),
+    (("storage", "FloatStorage", "0", "cpu", 4), "storage of unknown type 'FloatStorage'"),
+    (("storage", _Global("torch", "ComplexFloatStorage"), "0", "cpu", 4), "torch.ComplexFloatStorage"),
+    (("storage", _Global("torch", "FloatStorage"), "0", "cpu", 4.0), "key '0' and size 4.0"),
+], ids=["tag", "not-a-tuple", "type-not-a-global", "complex", "float-size"])
+def test_pt_unknown_persistent_id(book_state, tmp_path, pid, message):
+    state = torch_like_state(book_state)
+    state["ln.bias"] = _Call("torch._utils", "_rebuild_tensor_v2", _Persistent(pid), 0, (32,), (1,),
+                             False, OrderedDict())
+    pt = write_torch_zip(tmp_path / "b.pt", _book_obj(state))
+    with pytest.raises(C.CheckpointError) as e:
+        C.convert(pt, tmp_path / "out")
+    assert message in str(e.value) and str(e.value).startswith(str(pt))
+    _assert_clean(tmp_path, {"b.pt"})
+
+
+def _opcodes(pt: Path) -> set[str]:
+    import pickletools
+
+    with zipfile.ZipFile(pt) as z:
+        return {op.name for op, _, _ in pickletools.genops(z.read("archive/data.pkl"))}
+
+
+def test_pt_protocol_4_pickle(book_state, tmp_path, converted):
+    # the same allow-listed objects, referred to by STACK_GLOBAL instead of GLOBAL: loads the same
+    pt = write_torch_zip(tmp_path / "p4.pt", _book_obj(torch_like_state(book_state)), protocol=4)
+    ops = _opcodes(pt)
+    assert "STACK_GLOBAL" in ops and "GLOBAL" not in ops and "FRAME" in ops
+    got = _stored(C.convert(pt, tmp_path / "out"))
+    want = _stored(converted)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("offender", ["os.system", "builtins.getattr"])
+def test_pt_protocol_4_pickle_with_a_bad_global(book_state, tmp_path, offender):
+    marker = tmp_path / "pwned"
+    state = torch_like_state(book_state)
+    state["ln.bias"] = _evil_calls(marker)[offender]
+    pt = write_torch_zip(tmp_path / "evil.pt", _book_obj(state), protocol=4)
+    assert "STACK_GLOBAL" in _opcodes(pt)
+    with pytest.raises(C.UnsafePickleError, match="not on the allow-list") as e:
+        C.convert(pt, tmp_path / "out")
+    assert offender in str(e.value)
+    assert not marker.exists()
+    _assert_clean(tmp_path, {"evil.pt"})
 
 
 # ----------------------------------------------------------------------------- command line
