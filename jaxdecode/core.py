@@ -161,6 +161,35 @@ def encode_prompts(lm, prompts: str | Sequence[str], num_samples: int):
     return prompts, [e for e in encoded for _ in range(num_samples)]
 
 
+def sample_keys(n_prompts: int, num_samples: int, seed=0, key=None):
+    """The PRNG keys and row ids of a text request: sample ``j`` of prompt ``i`` is drawn with
+    ``PRNGKey(seed_i)`` and row id ``j`` (``seed``: one for every prompt or one per prompt;
+    ``key`` instead: one key for every prompt). Returns ``(keys [n_prompts * num_samples, 2],
+    row_ids)``, prompt-major, so a prompt's samples never depend on the other prompts."""
+    if key is not None:
+        key = jnp.asarray(key)
+        if key.ndim != 1:
+            raise ValueError(f"key must be one PRNG key (shape (2,)), got shape {key.shape}")
+        keys = jnp.broadcast_to(key, (n_prompts * num_samples,) + key.shape)
+    else:
+        if isinstance(seed, (list, tuple, np.ndarray)):
+            seeds = list(seed)
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [seed] * n_prompts
+        else:
+            raise ValueError(f"a seed must be an integer (or one per prompt), got {seed!r}")
+        if len(seeds) != n_prompts:
+            raise ValueError(f"{len(seeds)} seeds for {n_prompts} prompts: give one seed, or one per prompt")
+        for s in seeds:
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not -2**63 <= s < 2**64:
+                raise ValueError(f"a seed must be an integer, got {s!r}")
+        distinct = list(dict.fromkeys(int(s) for s in seeds))
+        base = jnp.stack([jax.random.PRNGKey(s) for s in distinct])
+        index = {s: i for i, s in enumerate(distinct)}
+        keys = base[np.repeat([index[int(s)] for s in seeds], num_samples)]
+    return keys, np.tile(np.arange(num_samples), n_prompts)
+
+
 def text_streamer(lm, on_text):
     """``on_text(row, new_text)`` as a loop's ``on_chunk(tokens [B, c], emitted [B, c])``, or None."""
     if on_text is None:

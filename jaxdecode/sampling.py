@@ -9,9 +9,10 @@ text, chunk by chunk, unless the model attends only over each row's filled part
 The loop knows the model only through :mod:`jaxdecode.models.base`. Rule settings are traced
 (see :mod:`jaxdecode.rules`), so one compiled program serves every value.
 
-Randomness: the key of row ``r`` at step ``s`` is ``fold_in(fold_in(key, row_id[r]), s)``, so a
-row's sample depends only on the user key, its row id and the step, never on which other prompts
-share the batch, on the batch size or on padding.
+Randomness: the key of row ``r`` at step ``s`` is ``fold_in(fold_in(key[r], row_id[r]), s)``
+(``key``: one for every row, or one per row), so a row's sample depends only on its key, its row
+id and the step, never on which other prompts share the batch, on the batch size, on padding or on
+how a large request is split into batches.
 
 Past the model window ``T`` the reference model sees a different window at every step; the loop
 then switches to the model's exact window mode (``window``: a forward over the last ``T`` tokens
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +36,7 @@ from .core import (
     SPAN_BUCKET,
     Generation,
     batch_bucket,
+    check_int,
     encode_prompts,
     encode_stop_strings,
     encode_stops,
@@ -41,9 +44,11 @@ from .core import (
     pad_rule,
     push_recent,
     round_up,
+    sample_keys,
     stop_hit,
     text_streamer,
 )
+from . import budget as budget_lib
 from . import constraints as C
 from .models.base import DecodingModel
 
@@ -96,7 +101,8 @@ def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool, con=None
             best = jnp.max(jnp.where(ok, jax.nn.softmax(logits, axis=-1), 0.0), axis=-1)
             stop = p_stop > best
     else:
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_ids)
+        key = jnp.broadcast_to(key, (row_ids.shape[0],) + key.shape[-1:])  # one key, or one per row
+        keys = jax.vmap(lambda k, r: jax.random.fold_in(jax.random.fold_in(k, r), step))(key, row_ids)
         token = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
         if con is not None:
             u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, C.STOP_STREAM)))(keys)
@@ -227,9 +233,15 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                   rule=None, greedy: bool = False, row_ids: Sequence[int] | None = None,
                   stops: Sequence[np.ndarray] = (), chunk: int | None = None,
                   on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                  constraint=None) -> TokenResult:
+                  constraint=None, *, memory_budget: int | None = None, max_rows: int | None = None,
+                  progress: bool | str = False) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
     (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
+
+    ``key``: one PRNG key for every row, or one per row (``[B, 2]``). A request of any size runs
+    in batches that fit ``memory_budget`` bytes, of at most ``max_rows`` rows each (defaults:
+    :mod:`jaxdecode.budget`); rows keep their ids, so the tokens do not depend on the split.
+    ``progress``: a tqdm bar on stderr (a string: its label).
 
     ``constraint``: a :class:`jaxdecode.constraints.Constraint` for every row, or one per row
     (None: free); a constrained row's output is in the pattern's language, and the row may stop
@@ -243,8 +255,101 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
     up to 4 rows with neither ``on_chunk`` nor ``stops``, the request's length rounded up to a
     power of two, at most 512, when the model reads only the filled cache).
     """
+    rows = _as_rows(prompts)
+    B = len(rows)
+    if B == 0:
+        raise ValueError("no prompts given")
+    check_int("the number of new tokens n", n, 0)
+    ids = np.arange(B) if row_ids is None else np.asarray(row_ids)
+    if ids.shape != (B,):
+        raise ValueError(f"row_ids must have one id per prompt ({B}), got shape {ids.shape}")
+    key = jnp.asarray(key)
+    if key.ndim == 2 and key.shape[0] != B:
+        raise ValueError(f"{key.shape[0]} keys for {B} prompts: give one key, or one per prompt")
+    if key.ndim not in (1, 2):
+        raise ValueError(f"key must be one PRNG key or one per prompt, got shape {key.shape}")
+    longest = max(len(r) for r in rows)
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    capacity = round_up(min(model.T, longest + n) + SMALL_BATCH_CHUNK, SPAN_BUCKET)
+    per_row = budget_lib.row_bytes(model, longest, n, capacity, heads)
+    size = budget_lib.rows_per_batch(per_row, memory_budget, max_rows)
+    parts = budget_lib.groups(B, size)
+    cons = constraint if isinstance(constraint, (list, tuple)) else None
+    if cons is not None and len(cons) != B:
+        raise C.ConstraintError(f"give one constraint per row ({B}), got {len(cons)}")
+    rule_rows = _rule_per_row(rule, B)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=B * n, unit="tok", unit_scale=True, desc=progress if isinstance(progress, str) else "generate",
+                   file=sys.stderr, leave=False, dynamic_ncols=True)
+    results = []
+    try:
+        for part in parts:
+            sel = np.asarray(part)
+
+            def chunk_cb(tokens, emitted, sel=sel):
+                if bar is not None:
+                    bar.update(int(tokens.size))
+                if on_chunk is not None:
+                    full_t = np.zeros((B, tokens.shape[1]), tokens.dtype)
+                    full_e = np.zeros((B, tokens.shape[1]), bool)
+                    full_t[sel], full_e[sel] = tokens, emitted
+                    on_chunk(full_t, full_e)
+
+            results.append(_sample_batch(
+                model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel],
+                rule=rule if len(parts) == 1 else rule_rows(sel), greedy=greedy, row_ids=ids[sel], stops=stops,
+                chunk=chunk, on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
+                constraint=constraint if cons is None else [cons[i] for i in sel]))
+    finally:
+        if bar is not None:
+            bar.close()
+    if len(results) == 1:
+        return results[0]
+    width = max(r.tokens.shape[1] for r in results)
+    pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)
+    return TokenResult(np.concatenate([pad(r.tokens, 0) for r in results]),
+                       np.concatenate([pad(r.model_logprobs, 0) for r in results]),
+                       np.concatenate([pad(r.sample_logprobs, 0) for r in results]),
+                       np.concatenate([r.counts for r in results]),
+                       np.concatenate([r.stopped for r in results]))
+
+
+def _as_rows(prompts) -> list[np.ndarray]:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        return list(prompts.astype(np.int32))
+    return [np.asarray(p).reshape(-1) for p in prompts]
+
+
+def _rule_per_row(rule, B: int):
+    """``sel -> rule`` with every per-row setting cut to the rows ``sel``."""
+    def cut(sel):
+        if rule is None:
+            return None
+
+        def fix(a):
+            a = jnp.asarray(a)
+            if a.ndim == 0:
+                return a
+            if a.shape[0] != B:
+                raise ValueError(f"a per-row rule setting has {a.shape[0]} values for {B} rows")
+            return a[sel]
+
+        return jax.tree_util.tree_map(fix, rule)
+
+    return cut
+
+
+def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
+                  on_chunk=None, constraint=None) -> TokenResult:
+    """:func:`sample_tokens` for one batch (``key``: one, or one per row)."""
     batch = make_batch(prompts, n, model.V, model.T, row_ids)
     B, Bb, T = batch.B, batch.Bb, model.T
+    key = jnp.asarray(key)
+    if key.ndim == 2:  # one key per row: the dummy rows take the first
+        key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (Bb - B, key.shape[1]))])
     if n == 0:
         e = np.zeros((B, 0), np.int32)
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
@@ -319,25 +424,35 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                        counts, stopped)
 
 
-def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int = 0, key: jax.Array | None = None,
-             rule=None, greedy: bool = False, num_samples: int = 1, stop: str | Sequence[str] | None = None,
-             chunk: int | None = None, on_text: Callable[[int, str], None] | None = None,
-             constraint=None) -> list[Generation]:
+def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
+             key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
+             stop: str | Sequence[str] | None = None, chunk: int | None = None,
+             on_text: Callable[[int, str], None] | None = None, constraint=None,
+             memory_budget: int | None = None, max_rows: int | None = None,
+             progress: bool | str = False) -> list[Generation]:
     """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
 
-    Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major. Sample ``j``
-    of prompt ``i`` uses row id ``i * num_samples + j``, so it is the same whether the prompt is
-    generated alone or with others. ``on_text(row, new_text)`` streams text as chunks finish.
-    ``constraint``: a :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or
-    one per prompt.
+    Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
+
+    Seeds are per prompt, like a per-request seed: ``seed`` is one seed for every prompt or a list
+    with one per prompt, and sample ``j`` of a prompt is drawn with the key ``PRNGKey(seed)`` of
+    its prompt and row id ``j``. So a prompt's samples depend only on the prompt, its seed, ``j``
+    and the settings: never on the other prompts of the request, its position among them, or how
+    the request is split into batches (``memory_budget``, ``max_rows``: see
+    :func:`sample_tokens`). ``key`` (instead of ``seed``): one key for every prompt.
+
+    ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
+    :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
+    ``progress``: a bar on stderr.
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = encode_stop_strings(lm, stop)
-    key = jax.random.PRNGKey(seed) if key is None else key
+    keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
 
     constraint = C.per_sample(constraint, len(prompts), num_samples)
-    res = sample_tokens(lm.decoder, lm.params, rows, n, key, rule=rule, greedy=greedy, stops=stop_tokens,
-                        chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint)
+    res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stop_tokens,
+                        row_ids=row_ids, chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
+                        memory_budget=memory_budget, max_rows=max_rows, progress=progress)
     out = []
     for r in range(len(rows)):
         c = res.counts[r]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import budget as budget_lib
 from .models.base import DecodingModel
 
 WIDTH_BUCKET = 64
@@ -58,9 +59,11 @@ def _window_logprobs(params, windows, targets, *, model: DecodingModel):
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
 
 
-def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray], starts: Sequence[int]):
+def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray], starts: Sequence[int], *,
+                   memory_budget: int | None = None, max_rows: int | None = None):
     """For each token sequence, the log-probability under ``model`` of every token from index
-    ``start`` on (past the window ``T``, each from the ``T`` tokens before it)."""
+    ``start`` on (past the window ``T``, each from the ``T`` tokens before it). Any number of
+    sequences runs in batches that fit ``memory_budget`` (see :mod:`jaxdecode.budget`)."""
     T = model.T
     if len(sequences) != len(starts):
         raise ValueError(f"{len(starts)} starts for {len(sequences)} sequences")
@@ -76,12 +79,19 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
     # positions t <= T: one forward over the first min(len, T + 1) tokens, batched and bucketed
     heads = [np.asarray(s[:T + 1], np.int32) for s in sequences]
     W = min(T + 1, max(2, -(-max(len(h) for h in heads) // WIDTH_BUCKET) * WIDTH_BUCKET))
-    B = len(heads)
-    Bb = 1 << max(0, (B - 1).bit_length())
-    batch = np.zeros((Bb, W), np.int32)
-    for i, h in enumerate(heads):
-        batch[i, :len(h)] = h
-    first = np.asarray(_token_logprobs(params, jnp.asarray(batch), model=model))
+    # in batches that fit the memory budget (jaxdecode.budget): a row holds its cache, the
+    # attention scores and the log-softmax over W positions
+    heads_n = getattr(getattr(model, "cfg", None), "heads", 1)
+    per_row = budget_lib.SAFETY * (budget_lib.cache_bytes(model, 1, W) + 4 * heads_n * W * W + 12 * W * model.V)
+    size = budget_lib.rows_per_batch(int(per_row), memory_budget, max_rows)
+    first = np.zeros((len(heads), W - 1), np.float32)
+    for part in budget_lib.groups(len(heads), size):
+        B = len(part)
+        Bb = 1 << max(0, (B - 1).bit_length())
+        batch = np.zeros((Bb, W), np.int32)
+        for j, i in enumerate(part):
+            batch[j, :len(heads[i])] = heads[i]
+        first[part.start:part.stop] = np.asarray(_token_logprobs(params, jnp.asarray(batch), model=model))[:B]
     # positions t > T: the book's window of the T tokens before t
     windows, targets, owner = [], [], []
     for i, s in enumerate(sequences):
@@ -107,7 +117,8 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
     return out
 
 
-def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, constraint=None) -> list[Score]:
+def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, constraint=None, *,
+                memory_budget: int | None = None, max_rows: int | None = None) -> list[Score]:
     """Score each text as a continuation of its prompt (default: a newline, the corpus's separator).
     With ``constraint`` (a :class:`jaxdecode.constraints.Constraint`) each score also says whether
     its text, as the vocabulary encodes it, is in the pattern's language (``in_language``)."""
@@ -122,6 +133,6 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, 
         prompt = lm.vocab.encode(p)
         seqs.append(np.concatenate([prompt, lm.vocab.encode(t)]))
         starts.append(len(prompt))
-    lps = token_logprobs(lm.decoder, lm.params, seqs, starts)
+    lps = token_logprobs(lm.decoder, lm.params, seqs, starts, memory_budget=memory_budget, max_rows=max_rows)
     member = [None if constraint is None else constraint.accepts(s[st:]) for s, st in zip(seqs, starts)]
     return [Score(prompt=p, text=t, logprobs=lp, in_language=m) for p, t, lp, m in zip(prompts, texts, lps, member)]

@@ -498,7 +498,7 @@ def test_batch_invariance(small_lm, small_drafts):
         alone = SP.speculative_tokens(model, params, [prompts[i]], 8, key, row_ids=[i], **kw)
         assert alone.tokens[0].tolist() == together.tokens[i].tolist()
         assert alone.stats[0] == together.stats[i]
-    # the high-level API: sample j of prompt i is row i * num_samples + j
+    # the high-level API: sample j of a prompt is row j, with the prompt's seed
     gens = SP.speculative_generate(small_lm, small_lm.vocab.decode(prompts[0]), 8, key=key, **kw)
     assert gens[0].tokens.tolist() == together.tokens[0].tolist()
     assert gens[0].text == small_lm.vocab.decode(together.tokens[0])

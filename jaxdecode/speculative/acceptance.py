@@ -21,8 +21,9 @@ def _take(x, idx):
 
 
 def row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
-    """``[B]`` keys ``fold_in(key, row_id)``."""
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+    """``[B]`` keys ``fold_in(key[r], row_id[r])`` (``key``: one for every row, or one per row)."""
+    key = jnp.broadcast_to(key, (row_ids.shape[0],) + key.shape[-1:])
+    return jax.vmap(jax.random.fold_in)(key, row_ids)
 
 
 class Noise(NamedTuple):

@@ -30,6 +30,7 @@ from ..core import (
     make_batch,
     pad_rule,
     round_up,
+    sample_keys,
     text_streamer,
 )
 from ..models.base import DecodingModel
@@ -347,6 +348,11 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     count = np.zeros((Bb,), np.int32)
     count[B:] = n  # padding rows start finished
     row_ids_b = np.concatenate([batch.row_ids[:B], np.arange(B, Bb) + 2**30]).astype(np.uint32)
+    key = jnp.asarray(key)
+    if key.ndim == 2:  # one key per row: the padding rows take the first
+        if key.shape[0] != B:
+            raise ValueError(f"{key.shape[0]} keys for {B} prompts: give one key, or one per prompt")
+        key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (Bb - B, key.shape[1]))])
     rule_b = pad_rule(rule, B, Bb)
     # room for every write of a finished row (at most 2 gamma + 2 past the window)
     capacity = T + 2 * gamma + 2
@@ -440,23 +446,25 @@ class SpeculativeGeneration(Generation):
 
 
 def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
-                         seed: int = 0, key: jax.Array | None = None, rule=None, greedy: bool = False,
+                         seed: int | Sequence[int] = 0, key: jax.Array | None = None, rule=None,
+                         greedy: bool = False,
                          num_samples: int = 1, stop: str | Sequence[str] | None = None,
                          on_text: Callable[[int, str], None] | None = None,
                          constraint=None) -> list[SpeculativeGeneration]:
     """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
 
     Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
-    ``i`` uses row id ``i * num_samples + j`` (as :func:`jaxdecode.sampling.generate`). Each
+    ``i`` is drawn with its prompt's seed and row id ``j`` (as :func:`jaxdecode.sampling.generate`:
+    ``seed`` is one seed or one per prompt). Each
     carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
     ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.
     ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt.
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = encode_stop_strings(lm, stop)
-    key = jax.random.PRNGKey(seed) if key is None else key
-    res = speculative_tokens(lm.decoder, lm.params, rows, n, key, draft=draft, gamma=gamma, rule=rule,
-                             greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
+    keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
+    res = speculative_tokens(lm.decoder, lm.params, rows, n, keys, row_ids=row_ids, draft=draft, gamma=gamma,
+                             rule=rule, greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
                              constraint=C.per_sample(constraint, len(prompts), num_samples))
     out = []
     for r in range(len(rows)):

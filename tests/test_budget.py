@@ -1,0 +1,133 @@
+"""Requests of any size and per-prompt seeds: splitting a request by the memory budget never
+changes a text, and a prompt's samples do not depend on its position among the prompts."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from jaxdecode import budget, rules
+from jaxdecode import sampling as S
+from jaxdecode.score import score_texts
+from jaxdecode.checkpoint import LanguageModel
+
+PROMPTS = ["abc", "hig.\nab", "a", "fed cab"]
+# one rule and length throughout, so the module compiles few programs
+KW = {"rule": rules.chain(rules.top_k(6), rules.repetition_penalty(1.3)), "stop": "."}
+N = 12
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model):
+    cfg, params, vocab = tiny_model
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend="portable")
+
+
+def texts(gens):
+    return [g.text for g in gens]
+
+
+def test_split_request_equals_one_batch(lm):
+    whole = jd.generate(lm, PROMPTS, N, seed=5, num_samples=3, **KW)
+    parts = jd.generate(lm, PROMPTS, N, seed=5, num_samples=3, max_rows=4, **KW)  # groups cut prompts' samples
+    assert texts(parts) == texts(whole)
+    assert [g.finish_reason for g in parts] == [g.finish_reason for g in whole]
+    assert {g.finish_reason for g in whole} == {"stop", "length"}
+    for a, b in zip(parts, whole):
+        np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+    # a budget that fits only a few rows splits the same way
+    one = budget.row_bytes(lm.decoder, 7, N, 256, lm.cfg.heads)
+    tight = jd.generate(lm, PROMPTS, N, seed=5, num_samples=3, memory_budget=4 * one, **KW)
+    assert texts(tight) == texts(whole)
+
+
+def test_split_streams_every_row(lm):
+    seen = {}
+    jd.generate(lm, PROMPTS, N, seed=2, num_samples=3, max_rows=4,
+                on_text=lambda r, t: seen.__setitem__(r, seen.get(r, "") + t), **KW)
+    whole = jd.generate(lm, PROMPTS, N, seed=2, num_samples=3, **KW)
+    assert [seen[r] for r in range(len(whole))] == texts(whole)
+
+
+def test_a_prompts_samples_do_not_depend_on_its_position(lm):
+    together = jd.generate(lm, PROMPTS, N, seed=7, num_samples=3, **KW)
+    for i, p in enumerate(PROMPTS):
+        alone = jd.generate(lm, p, N, seed=7, num_samples=3, **KW)
+        assert texts(alone) == texts(together[3 * i:3 * i + 3])
+    # a prompt added in front changes nothing after it
+    shifted = jd.generate(lm, ["ggg"] + PROMPTS, N, seed=7, num_samples=3, **KW)
+    assert texts(shifted[3:]) == texts(together)
+
+
+def test_one_seed_per_prompt(lm):
+    seeds = [3, 9, 3, 11]
+    mixed = jd.generate(lm, PROMPTS, N, seed=seeds, num_samples=3, **KW)
+    for i, (p, s) in enumerate(zip(PROMPTS, seeds)):
+        assert texts(mixed[3 * i:3 * i + 3]) == texts(jd.generate(lm, p, N, seed=s, num_samples=3, **KW))
+    # and seeds matter: another seed draws another text for some sample
+    assert texts(jd.generate(lm, PROMPTS, N, seed=4, num_samples=3, **KW)) != texts(mixed)
+
+
+def test_per_row_keys_are_the_rows_own(lm):
+    """``sample_tokens`` with one key per row equals each row run alone with its key."""
+    model, params = lm.decoder, lm.params
+    rows = [np.array(lm.vocab.encode(p)) for p in PROMPTS]
+    keys = jax.numpy.stack([jax.random.PRNGKey(s) for s in (1, 2, 3, 4)])
+    res = S.sample_tokens(model, params, rows, N, keys, row_ids=[0, 0, 0, 0], rule=KW["rule"])
+    assert len({tuple(t) for t in res.tokens.tolist()}) > 1
+    for i, r in enumerate(rows):
+        alone = S.sample_tokens(model, params, [r], N, keys[i], row_ids=[0], rule=KW["rule"])
+        assert alone.tokens[0].tolist() == res.tokens[i].tolist()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"seed": [1, 2]}, "2 seeds for 4 prompts"),
+    ({"seed": [1, 2, "x", 4]}, "a seed must be an integer"),
+    ({"seed": 1.5}, "a seed must be an integer"),
+    ({"max_rows": 0}, "max_rows must be at least 1"),
+    ({"memory_budget": -5}, "memory budget must be positive"),
+])
+def test_bad_request_settings(lm, bad, match):
+    with pytest.raises(ValueError, match=match):
+        jd.generate(lm, PROMPTS, 4, **bad)
+
+
+def test_budget_parsing(monkeypatch):
+    assert budget.parse_bytes("2G") == 2 << 30
+    assert budget.parse_bytes("500m") == 500 << 20
+    assert budget.parse_bytes("1.5KiB") == 1536
+    assert budget.parse_bytes("12345") == 12345
+    for bad in ("", "0", "-1G", "lots", "2X"):
+        with pytest.raises(ValueError, match="positive size"):
+            budget.parse_bytes(bad)
+    monkeypatch.setenv(budget.ENV, "3M")
+    assert budget.default_budget() == 3 << 20
+    monkeypatch.setenv(budget.ENV, "three")
+    with pytest.raises(ValueError, match=budget.ENV):
+        budget.default_budget()
+
+
+def test_rows_per_batch_and_groups():
+    assert budget.rows_per_batch(100, budget=1000) == 10
+    assert budget.rows_per_batch(100, budget=50) == 1  # never zero rows
+    assert budget.rows_per_batch(1, budget=10**12) == budget.MAX_ROWS
+    assert budget.rows_per_batch(1, budget=10**12, max_rows=5) == 5
+    for total in (1, 5, 255, 256, 257, 1000, 100_000):
+        for size in (1, 3, 256):
+            g = budget.groups(total, size)
+            assert [i for r in g for i in r] == list(range(total))
+            assert max(len(r) for r in g) <= size and len(g) == -(-total // size)
+
+
+def test_cache_bytes_is_the_models_cache(lm):
+    cache = lm.decoder.empty_cache(3, 128)
+    actual = sum(a.nbytes for a in jax.tree_util.tree_leaves(cache))
+    assert budget.cache_bytes(lm.decoder, 3, 128) == actual
+
+
+def test_score_split_equals_one_batch(lm):
+    texts_ = ["abc def", "hi", "a" * 40, "ge.\nfa"]  # one past T=16: the window path
+    whole = score_texts(lm, texts_)
+    split = score_texts(lm, texts_, max_rows=1)
+    for a, b in zip(whole, split):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
