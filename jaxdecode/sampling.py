@@ -203,6 +203,13 @@ def _prefill(params, tokens, lengths, *, model, capacity):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
+def _prefill_shared(params, tokens, lengths, rows, *, model, capacity):
+    """Prefill each distinct prompt once, then give row ``i`` the cache of prompt ``rows[i]``."""
+    logits, _, cache = model.prefill(params, tokens, lengths, capacity)
+    return jnp.take(logits, rows, axis=0), model.reorder(cache, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "capacity"))
 def _grow(cache, *, model, capacity):
     return model.grow(cache, capacity)
 
@@ -234,14 +241,16 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                   stops: Sequence[np.ndarray] = (), chunk: int | None = None,
                   on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
                   constraint=None, *, memory_budget: int | None = None, max_rows: int | None = None,
-                  progress: bool | str = False) -> TokenResult:
+                  progress: bool | str = False, mesh=None) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
     (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
 
     ``key``: one PRNG key for every row, or one per row (``[B, 2]``). A request of any size runs
     in batches that fit ``memory_budget`` bytes, of at most ``max_rows`` rows each (defaults:
     :mod:`jaxdecode.budget`); rows keep their ids, so the tokens do not depend on the split.
-    ``progress``: a tqdm bar on stderr (a string: its label).
+    ``progress``: a tqdm bar on stderr (a string: its label). ``mesh``: a
+    :class:`jax.sharding.Mesh` with a ``"data"`` axis: each batch is split over its devices
+    (:mod:`jaxdecode.serving.sharding`), with the tokens of one device.
 
     ``constraint``: a :class:`jaxdecode.constraints.Constraint` for every row, or one per row
     (None: free); a constrained row's output is in the pattern's language, and the row may stop
@@ -273,6 +282,8 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
     capacity = round_up(min(model.T, longest + n) + SMALL_BATCH_CHUNK, SPAN_BUCKET)
     per_row = budget_lib.row_bytes(model, longest, n, capacity, heads)
     size = budget_lib.rows_per_batch(per_row, memory_budget, max_rows)
+    if mesh is not None:  # each device holds the cache of its share of the rows
+        size *= mesh.shape["data"]
     parts = budget_lib.groups(B, size)
     cons = constraint if isinstance(constraint, (list, tuple)) else None
     if cons is not None and len(cons) != B:
@@ -302,7 +313,7 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                 model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel],
                 rule=rule if len(parts) == 1 else rule_rows(sel), greedy=greedy, row_ids=ids[sel], stops=stops,
                 chunk=chunk, on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
-                constraint=constraint if cons is None else [cons[i] for i in sel]))
+                constraint=constraint if cons is None else [cons[i] for i in sel], mesh=mesh))
     finally:
         if bar is not None:
             bar.close()
@@ -343,8 +354,14 @@ def _rule_per_row(rule, B: int):
 
 
 def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
-                  on_chunk=None, constraint=None) -> TokenResult:
+                  on_chunk=None, constraint=None, mesh=None) -> TokenResult:
     """:func:`sample_tokens` for one batch (``key``: one, or one per row)."""
+    if mesh is not None:
+        from .serving.sharding import Placement, sample_batch
+
+        return sample_batch(model, params, prompts, n, key, rule=rule, greedy=greedy, row_ids=row_ids,
+                            stops=stops, chunk=chunk, on_chunk=on_chunk, constraint=constraint,
+                            placement=Placement(mesh))
     batch = make_batch(prompts, n, model.V, model.T, row_ids)
     B, Bb, T = batch.B, batch.Bb, model.T
     key = jnp.asarray(key)
@@ -382,8 +399,23 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
     params = model.prepare(params, Bb)
     cache = None
     if Pmax <= T:
-        logits, cache = _prefill(params, jnp.asarray(batch.prompt[:, :min(Pb, T)]), jnp.asarray(batch.length),
-                                 model=model, capacity=capacity(0))
+        tokens = batch.prompt[:, :min(Pb, T)]
+        first: dict[bytes, int] = {}  # each distinct prompt's first row
+        same = [first.setdefault(tokens[i, :batch.length[i]].tobytes(), i) for i in range(B)]
+        if len(first) < B:  # several samples of a prompt: prefill it once, copy its cache
+            uniq = list(first.values())
+            Ub = batch_bucket(len(uniq))
+            where = {r: j for j, r in enumerate(uniq)}
+            rows = np.zeros((Bb,), np.int32)  # dummy rows copy the first prompt (discarded)
+            rows[:B] = [where[r] for r in same]
+            tok_u = np.zeros((Ub, tokens.shape[1]), np.int32)
+            len_u = np.ones((Ub,), np.int32)
+            tok_u[:len(uniq)], len_u[:len(uniq)] = tokens[uniq], batch.length[uniq]
+            logits, cache = _prefill_shared(params, jnp.asarray(tok_u), jnp.asarray(len_u), jnp.asarray(rows),
+                                            model=model, capacity=capacity(0))
+        else:
+            logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(batch.length),
+                                     model=model, capacity=capacity(0))
         n_cache = min(n, T - Pmax)
     else:
         logits = _window_start(params, jnp.asarray(batch.recent), jnp.asarray(batch.length), model=model)
@@ -429,7 +461,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
              stop: str | Sequence[str] | None = None, chunk: int | None = None,
              on_text: Callable[[int, str], None] | None = None, constraint=None,
              memory_budget: int | None = None, max_rows: int | None = None,
-             progress: bool | str = False) -> list[Generation]:
+             progress: bool | str = False, mesh=None) -> list[Generation]:
     """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
 
     Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
@@ -443,7 +475,8 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
 
     ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
     :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
-    ``progress``: a bar on stderr.
+    ``progress``: a bar on stderr. ``mesh``: split each batch over devices (see
+    :func:`sample_tokens`).
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = encode_stop_strings(lm, stop)
@@ -452,7 +485,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
     constraint = C.per_sample(constraint, len(prompts), num_samples)
     res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stop_tokens,
                         row_ids=row_ids, chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
-                        memory_budget=memory_budget, max_rows=max_rows, progress=progress)
+                        memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
     out = []
     for r in range(len(rows)):
         c = res.counts[r]
