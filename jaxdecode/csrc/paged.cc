@@ -1,0 +1,98 @@
+// Decode attention through a block table (a paged KV cache) for the XLA CPU backend; its FFI
+// handler JaxdecodePagedAttention. Each of a row's blocks is one segment of attend.h's kernels, read
+// in place in the pool: no gather of the blocks into a contiguous buffer.
+//
+// Inputs (float32 unless noted):
+//   q      [B, H, S, D]   queries
+//   k, v   [N, H, BS, D]  the pool: N blocks of BS positions
+//   tables [B, M] int32   row b's position p lies in block tables[b, p / BS] at offset p % BS
+//   lim    [B, S] int32   query (b, s) sees positions t < lim[b, s] (at most M * BS)
+// Output: out [B, H, S, D] = softmax(scale * q . keys) @ values over the visible positions (zeros
+// for a query that sees nothing). A table entry that a query reads must lie in [0, N).
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "attend.h"
+#include "common.h"
+#include "threads.h"
+
+namespace jaxdecode {
+namespace {
+
+struct PagedProblem {
+  const float *q, *k, *v;
+  const int32_t *tables, *lim;
+  float* out;
+  int64_t B, H, S, D, N, BS, M;
+  float scale;
+};
+
+// Every query of one (row, head) pair, one segment per block it sees.
+void PagedRowHead(const PagedProblem& p, int64_t bh, std::vector<float>& scores, std::vector<Segment>& segs) {
+  const int64_t b = bh / p.H, h = bh % p.H, D = p.D;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t n = std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.M * p.BS);
+    const int64_t nb = (n + p.BS - 1) / p.BS;
+    segs.resize(nb);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t at = ((int64_t{p.tables[b * p.M + j]} * p.H + h) * p.BS) * D;
+      segs[j] = {p.k + at, p.v + at, std::min(p.BS, n - j * p.BS)};
+    }
+    float* os = p.out + (bh * p.S + s) * D;
+    if (n == 0)
+      std::fill(os, os + D, 0.f);
+    else
+      Attend(p.q + (bh * p.S + s) * D, D, p.scale, segs.data(), static_cast<int>(nb), os, scores);
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> lim, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
+    return bad("paged_attention: q and the pool must have rank 4, the tables rank 2");
+  if (kd[1] != qd[1] || kd[3] != qd[3]) return bad("paged_attention: the pool does not match q");
+  if (v.element_count() != k.element_count()) return bad("paged_attention: values do not match keys");
+  if (td[0] != qd[0]) return bad("paged_attention: the tables need one row per query row");
+  if (lim.element_count() != qd[0] * qd[2]) return bad("paged_attention: lim must be [B, S]");
+
+  const PagedProblem p{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(), lim.typed_data(),
+                       out->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], td[1], scale};
+  // every table entry a query reads must name a block of the pool
+  for (int64_t b = 0; b < p.B; ++b) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < p.S; ++s)
+      n = std::max<int64_t>(n, std::clamp<int64_t>(p.lim[b * p.S + s], 0, p.M * p.BS));
+    for (int64_t j = 0; j < (n + p.BS - 1) / p.BS; ++j)
+      if (p.tables[b * p.M + j] < 0 || p.tables[b * p.M + j] >= p.N)
+        return bad("paged_attention: a block table entry lies outside the pool");
+  }
+  const int64_t items = p.B * p.H;
+  int64_t seen = 0;
+  for (int64_t i = 0; i < p.B * p.S; ++i) seen += std::clamp<int64_t>(p.lim[i], 0, p.M * p.BS);
+  const int64_t work = seen * p.H * p.D;
+  ParallelFor(pool, items, work >= (int64_t{1} << 20) ? pool.num_threads() : 1, [p](int64_t i) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<Segment> segs;
+    PagedRowHead(p, i, scores, segs);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxdecode
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodePagedAttention, jaxdecode::PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lim
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale"));
