@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdecode import beam as BS
+from jaxdecode import exact
 from jaxdecode import model as M
 from jaxdecode import sampling as S
 from jaxdecode.models import FunctionModel, decoder_for
@@ -119,6 +120,74 @@ def test_rule_scores_processed_distribution(tiny_lm):
         assert h.tokens.tolist() == greedy.best(i).tokens.tolist()
         assert h.score == 0.0
         assert h.logprob == pytest.approx(greedy.best(i).logprob, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- a stateful rule
+
+THETA, FREQ, PRES = 1.8, 0.9, 0.5  # repetition (prompt and output), frequency and presence penalties
+
+
+def _penalized(z, prompt, generated, theta=THETA, f=FREQ, p=PRES):
+    """The three penalties on raw logits ``z`` [V] (float64) of one hypothesis, from its own
+    history: repetition for every token in prompt + generated (positive logits / theta, negative
+    * theta), then count * f and [count > 0] * p for the generated tokens."""
+    z = np.array(z, np.float64)
+    for v in set(prompt) | set(generated):
+        z[v] = z[v] / theta if z[v] > 0 else z[v] * theta
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=len(z)).astype(np.float64)
+    return z - counts * f - (counts > 0) * p
+
+
+def _log_softmax64(z):
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))
+
+
+def _plain_beam_with_penalties(params, cfg, prompt, n, k, penalties=(THETA, FREQ, PRES)):
+    """The book's beam with a rule: each hypothesis penalizes from its own history; candidates
+    score the sum of the penalized log-probabilities; every beam's top k, all sorted, best k kept.
+    Returns [(tokens, score, model log-probability)] best first."""
+    prompt = [int(t) for t in prompt]
+    beams = [(0.0, 0.0, [])]  # (score, model log-probability, generated)
+    for _ in range(n):
+        seqs = [prompt + g for _, _, g in beams]
+        L = len(seqs[0])
+        x = np.zeros((len(seqs), cfg.T), np.int32)
+        for r, q in enumerate(seqs):
+            x[r, :min(L, cfg.T)] = q[-cfg.T:]
+        raw = np.asarray(_forward(params, cfg, jnp.asarray(x)), np.float64)[:, min(L, cfg.T) - 1]
+        cand = []
+        for (score, lp, g), z in zip(beams, raw):
+            proc = _log_softmax64(_penalized(z, prompt, g, *penalties))
+            model = _log_softmax64(z)
+            for i in np.argsort(-proc, kind="stable")[:k]:
+                cand.append((score + proc[i], lp + model[i], g + [int(i)]))
+        beams = sorted(cand, key=lambda c: -c[0])[:k]
+    return [(g, score, lp) for score, lp, g in beams]
+
+
+def test_beam_with_stateful_rule_equals_plain_beam(tiny_lm):
+    """The rule state follows the parent beam: a beam that continues another beam's hypothesis
+    must penalize that hypothesis's tokens (a state left in its slot would penalize others)."""
+    from jaxdecode import rules
+
+    cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
+    rule = rules.chain(rules.repetition_penalty(THETA), rules.frequency_penalty(FREQ),
+                       rules.presence_penalty(PRES))
+    n, k = 8, 3  # the third prompt (10 tokens) runs past T = 16: the window mode too
+    res = BS.beam_search(model, params, PROMPTS, n, k, n_best=k, rule=rule, chunk=8)
+    differs = 0
+    for i, p in enumerate(PROMPTS):
+        want = _plain_beam_with_penalties(params, cfg, p, n, k)
+        got = res.hypotheses[i]
+        assert len(got) == k
+        for h, (tokens, score, lp) in zip(got, want):
+            assert h.tokens.tolist() == tokens, i
+            assert h.score == pytest.approx(score, abs=1e-4)
+            assert h.logprob == pytest.approx(lp, abs=1e-4)
+        unpenalized = _plain_beam_with_penalties(params, cfg, p, n, k, penalties=(1.0, 0.0, 0.0))
+        differs += [t for t, _, _ in want] != [t for t, _, _ in unpenalized]
+    assert differs >= 3  # the penalties change the search's outcome: the comparison is not vacuous
 
 
 # ----------------------------------------------------------------------------- exhaustive search
@@ -335,11 +404,33 @@ def test_beam_curse_study(tiny_lm, tmp_path):
     out = beam_curse.run(tiny_lm, tmp_path / "out", n_prompts=4, n=4, data_path=corpus, ks=(1, 2))
     assert json.loads((tmp_path / "out" / "beam_curse.json").read_text())["per_k"] == out["per_k"]
     assert out["prompts_solved"] == 4 and len(out["prompts"]) == 4
+    found = {"1": 0, "2": 0}
+    gaps = {"1": [], "2": []}
+    next_logits = exact.model_next_logits(tiny_lm.params, tiny_lm.cfg)  # a forward over the last T tokens
     for row in out["prompts"]:
         assert 32 <= len(row["prompt"]) <= 64 and row["prompt"][-1] in " \n"
         assert row["prompt"] in corpus.read_text()
-        # no beam beats the mode, and beam k=1 is the greedy continuation
-        assert all(b["logprob"] <= row["mode_logprob"] + 1e-5 for b in row["beams"].values())
+        ids = tiny_lm.vocab.encode(row["prompt"])
+        # the mode by brute force: all 12**4 continuations, each with its exact probability
+        probs = exact.exact_distribution(next_logits, ids, 4, V=tiny_lm.cfg.V)
+        assert len(probs) == tiny_lm.cfg.V ** 4
+        ranked = sorted(probs, key=probs.get, reverse=True)
+        assert np.log(probs[ranked[0]]) - np.log(probs[ranked[1]]) > 1e-4  # a unique mode
+        assert row["mode"] == tiny_lm.vocab.decode(ranked[0])
+        assert row["mode_logprob"] == pytest.approx(np.log(probs[ranked[0]]), abs=1e-4)
+        # beam k=1 is the greedy continuation
+        greedy = S.sample_tokens(tiny_lm.decoder, tiny_lm.params, [ids], 4, jax.random.PRNGKey(0),
+                                 greedy=True)
+        assert row["beams"]["1"]["text"] == tiny_lm.vocab.decode(greedy.tokens[0])
+        for k, b in row["beams"].items():
+            tokens = tuple(tiny_lm.vocab.encode(b["text"]).tolist())
+            assert b["logprob"] == pytest.approx(np.log(probs[tokens]), abs=1e-4)
+            assert b["is_mode"] == (tokens == ranked[0])
+            found[k] += tokens == ranked[0]
+            gaps[k].append(np.log(probs[ranked[0]]) - np.log(probs[tokens]))
+            assert b["gap"] == pytest.approx(gaps[k][-1], abs=1e-4)
     for k in ("1", "2"):
         s = out["per_k"][k]
-        assert 0 <= s["found_mode"] <= 4 and s["max_gap"] >= s["mean_gap"] >= 0
+        assert s["found_mode"] == found[k] and s["solved"] == 4
+        assert s["mean_gap"] == pytest.approx(np.mean(gaps[k]), abs=1e-4)
+        assert s["max_gap"] == pytest.approx(np.max(gaps[k]), abs=1e-4)

@@ -513,8 +513,12 @@ def test_settings_may_be_traced():
     x = jnp.asarray([[0.0, 1.0, 2.0]])
     out = jax.jit(lambda p, k: _apply(R.chain(R.top_p(p), R.top_k(k)), x))(0.3, 2)
     assert list(kept(out)[0]) == [False, False, True]
-    # out-of-range traced values are not checked (they cannot be)
-    jax.jit(lambda p: R.top_p(p).p)(1.5)
+    # out-of-range traced values are not checked (they cannot be): the value passes through
+    # unchanged, and p >= 1 keeps every token, as it does for a checked p = 1
+    assert float(jax.jit(lambda p: R.top_p(p).p)(1.5)) == 1.5
+    wide = jnp.asarray([[0.0, 1.0, 2.0, -30.0]])
+    assert kept(jax.jit(lambda p: _apply(R.top_p(p), wide))(1.5)).all()
+    assert list(kept(jax.jit(lambda p: _apply(R.top_p(p), wide))(0.5))[0]) == [False, False, True, False]
 
 
 # ----------------------------------------------------------------------------- validation

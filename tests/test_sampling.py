@@ -168,29 +168,64 @@ from collections import Counter
 
 from jaxdecode import exact, rules
 
+def _penalties(f=0.7):
+    return rules.chain(rules.repetition_penalty(1.5), rules.frequency_penalty(f),
+                       rules.presence_penalty(0.4), rules.temperature(0.9))
+
+
+# each case: (the rule, a named wrong implementation the test must be able to tell from it)
 EXACT_CASES = {
-    "plain": lambda: None,
-    "top_p": lambda: rules.top_p(0.8),
-    "min_p": lambda: rules.min_p(0.1),
-    "penalties": lambda: rules.chain(rules.repetition_penalty(1.5), rules.frequency_penalty(0.7),
-                                     rules.presence_penalty(0.4), rules.temperature(0.9)),
+    "plain": (lambda: None, lambda: rules.temperature(1.1)),
+    "top_p": (lambda: rules.top_p(0.8), lambda: rules.top_p(0.7)),
+    "min_p": (lambda: rules.min_p(0.1), lambda: rules.min_p(0.2)),
+    "penalties": (_penalties, lambda: _penalties(f=0.5)),  # frequency penalty 0.7 taken as 0.5
 }
+EXACT_PROMPT = np.array([9, 9, 9], np.int32)  # the model repeats itself here: penalties matter
+ALPHA = 1e-3
+
+
+def _chi2_power(p_true: dict, p_wrong: dict, samples: int, alpha: float = ALPHA) -> float:
+    """The power of ``exact.chisquare_pvalue(counts, p_true) <= alpha`` when ``samples`` draws come
+    from ``p_wrong``: the noncentral chi-square approximation over the cells the test forms
+    (pooled from the smallest expected count up, as it pools), combined with the chance that a
+    draw falls outside the support of ``p_true`` (which rejects outright)."""
+    from scipy import stats
+
+    keys = sorted(p_true, key=p_true.get)
+    expected = np.array([p_true[k] for k in keys]) * samples
+    cut, pooled = 0, 0.0
+    while cut < len(keys) and (expected[cut] < 5.0 or 0 < pooled < 5.0):
+        pooled += expected[cut]
+        cut += 1
+    cells = ([keys[:cut]] if cut else []) + [[k] for k in keys[cut:]]
+    p = np.array([sum(p_true[k] for k in c) for c in cells])
+    q = np.array([sum(p_wrong.get(k, 0.0) for k in c) for c in cells])
+    outside = max(0.0, 1.0 - q.sum())
+    df = len(cells) - 1
+    lam = samples * np.sum((q / max(q.sum(), 1e-300) - p) ** 2 / p)
+    inside = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam))
+    return 1.0 - (1.0 - outside) ** samples * (1.0 - inside)
 
 
 @pytest.mark.parametrize("case", sorted(EXACT_CASES))
 def test_sampling_matches_exact_distribution(tiny_lm, case):
-    """Empirical frequencies of 3-token continuations against the enumerated distribution."""
+    """Empirical frequencies of 3-token continuations against the enumerated distribution, with
+    the test's power (at least 0.99) against a named wrong implementation of each rule."""
     cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
-    rule = EXACT_CASES[case]()
-    prompt = np.array([1, 2, 3, 1], np.int32)
-    probs = exact.exact_distribution(exact.model_next_logits(params, cfg), prompt, 3, rule=rule, V=cfg.V)
+    make, make_wrong = EXACT_CASES[case]
+    rule = make()
+    prompt = EXACT_PROMPT
+    next_logits = exact.model_next_logits(params, cfg)
+    probs = exact.exact_distribution(next_logits, prompt, 3, rule=rule, V=cfg.V)
     rows, rounds = 2048, 8
+    wrong = exact.exact_distribution(next_logits, prompt, 3, rule=make_wrong(), V=cfg.V)
+    assert _chi2_power(probs, wrong, rows * rounds) > 0.99
     counts = Counter()
     for r in range(rounds):
         res = S.sample_tokens(model, params, [prompt] * rows, 3, jax.random.PRNGKey(11 + r), rule=rule)
         counts.update(map(tuple, res.tokens.tolist()))
     assert sum(counts.values()) == rows * rounds
-    assert exact.chisquare_pvalue(counts, probs) > 1e-3
+    assert exact.chisquare_pvalue(counts, probs) > ALPHA
     # the processed log-probability reported for each draw is the product the enumeration gives
     seq = tuple(res.tokens[0].tolist())
     np.testing.assert_allclose(res.sample_logprobs[0].sum(), np.log(probs[seq]), atol=1e-4)
@@ -237,6 +272,93 @@ def test_make_rule_order_and_errors():
         rules.make_rule(top_p=1.5)
     with pytest.raises(rules.RuleError, match="unknown"):
         rules.make_rule(top_q=0.5)
+
+
+# ----------------------------------------------------------------------------- penalties, chunks, past T
+
+THETA, FREQ, PRES = 1.8, 0.9, 0.5  # repetition (prompt and output), frequency, presence penalties
+
+
+@pytest.fixture(scope="module")
+def window8(backend):
+    """A random model with a window of only T = 8 (V = 12), far from uniform, on each backend."""
+    from jaxdecode.models import decoder_for
+
+    cfg = M.ModelConfig(V=12, T=8, d=16, L=2, heads=2)
+    params = jax.tree_util.tree_map(lambda a: a * 3.0, M.init_params(cfg, jax.random.PRNGKey(8)))
+    return cfg, params, decoder_for(cfg, backend)
+
+
+def _penalize32(z, prompt, generated, theta, f, p):
+    """The penalties in numpy, float32 like the rules: seen tokens (prompt and output) get
+    positive logits / theta and negative ones * theta; then count * f and [count > 0] * p for
+    the generated tokens."""
+    z = np.array(z, np.float32)
+    seen = np.zeros(len(z), bool)
+    seen[list(prompt) + list(generated)] = True
+    z = np.where(seen, np.where(z > 0, z / np.float32(theta), z * np.float32(theta)), z).astype(np.float32)
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=len(z)).astype(np.float32)
+    z = (z - counts * np.float32(f)).astype(np.float32)
+    return (z - (counts > 0).astype(np.float32) * np.float32(p)).astype(np.float32)
+
+
+def _log_softmax64(z):
+    z = np.asarray(z, np.float64)
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))
+
+
+@jax.jit
+def _draw(key, row_id, step, logits):
+    return jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, row_id), step), logits)
+
+
+def _numpy_penalty_loop(params, cfg, prompt, n, penalties, greedy, key=None, row_id=0):
+    """A full forward over the last T tokens per step, the penalties in numpy, then the argmax or
+    a draw with the loop's key for (row, step): fold_in(fold_in(key, row_id), step).
+    Returns (tokens, model log-probabilities, processed log-probabilities)."""
+    ids, out, mlp, slp = [int(t) for t in prompt], [], [], []
+    for s in range(n):
+        z = np.asarray(_full_forward_next(params, cfg, ids), np.float32)[0]
+        proc = _penalize32(z, prompt, out, *penalties)
+        if greedy:
+            tok = int(np.argmax(proc))
+        else:
+            tok = int(_draw(key, row_id, s, jnp.asarray(proc)))
+        mlp.append(_log_softmax64(z)[tok])
+        slp.append(_log_softmax64(proc)[tok])
+        ids.append(tok)
+        out.append(tok)
+    return out, np.array(mlp), np.array(slp)
+
+
+# prompts within T (the longest has 4 tokens: 4 steps through the cache, then the window mode) and
+# prompts longer than T = 8 (the window mode from the first step)
+SHORT_PROMPTS = [np.array([1, 2, 3]), np.array([4]), np.array([5, 5, 0, 5])]
+LONG_PROMPTS = [np.array([0, 5, 5, 7, 2, 9, 1, 3, 3, 4]), np.array([6, 6, 6, 1, 2, 6, 6, 8, 11])]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+def test_penalties_across_chunks_and_past_T_equal_numpy_loop(window8, greedy):
+    """The rule state is carried across chunk boundaries, from the cache phase into the window
+    mode, and in the window mode from the first step; every token equals the numpy loop's."""
+    cfg, params, model = window8
+    rule = rules.chain(rules.repetition_penalty(THETA), rules.frequency_penalty(FREQ),
+                       rules.presence_penalty(PRES))
+    n, key, chunk = 10, jax.random.PRNGKey(21), 3
+    # chunks: 3, 1 through the cache then 3, 3 in the window mode (short prompts); 3, 3, 3, 1 (long)
+    changed = 0
+    for prompts in (SHORT_PROMPTS, LONG_PROMPTS):
+        res = S.sample_tokens(model, params, prompts, n, key, rule=rule, greedy=greedy, chunk=chunk)
+        assert (res.counts == n).all()
+        for i, p in enumerate(prompts):
+            tokens, mlp, slp = _numpy_penalty_loop(params, cfg, p, n, (THETA, FREQ, PRES), greedy, key, i)
+            assert res.tokens[i].tolist() == tokens, (i, chunk)
+            np.testing.assert_allclose(res.model_logprobs[i], mlp, atol=1e-5)
+            np.testing.assert_allclose(res.sample_logprobs[i], slp, atol=1e-5)
+            free = _numpy_penalty_loop(params, cfg, p, n, (1.0, 0.0, 0.0), greedy, key, i)[0]
+            changed += free != tokens
+    assert changed >= 4  # the penalties change most rows' tokens: the comparison is not vacuous
 
 
 # ----------------------------------------------------------------------------- shipped checkpoint
