@@ -4,11 +4,106 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
 class UsageError(ValueError):
     """Bad input from the command line: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (``jaxdecode: error: ...``, exit code 2) instead of
+    a usage block: :func:`main` reports the :class:`UsageError`."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _known_options(parser) -> set[str]:
+    """Every option string of ``parser`` and its subcommands."""
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _known_options(sub)
+    return found
+
+
+def _argument_hint(parser, argv) -> str:
+    """What to add to an argparse error: where the help is, and, when a word starts with '-' but
+    is no option (a prompt such as "-- Enter ROMEO"), how to pass it."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    where = f"jaxdecode {command}" if sub is not None and command in sub.choices else "jaxdecode"
+    known = _known_options(parser)
+
+    def is_option(word):
+        head = word.split("=", 1)[0]
+        return head in known or (head.startswith("--") and any(k.startswith(head) for k in known))
+
+    for word in argv:
+        if word == "--":
+            break
+        if word.startswith("-") and len(word) > 1 and not is_option(word):
+            try:
+                float(word)
+                continue  # a negative number
+            except ValueError:
+                pass
+            return f" (a text that starts with '-' goes after '--', as in: {where} -- {word!r})"
+    return f" (see: {where} --help)"
+
+
+SEED_MAX = 2**32 - 1  # PRNGKey keeps 32 bits of a seed: larger seeds would repeat smaller ones
+
+
+def _seed(text: str) -> int:
+    """A --seed value: an integer in [0, SEED_MAX]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"the seed must be an integer from 0 to {SEED_MAX}, got {text!r}")
+    return value
+
+
+def _plain(obj):
+    """``obj`` with every non-finite float as None (JSON has no NaN: an output of no characters
+    has no mean log-probability)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _print_json(obj, **kwargs) -> None:
+    """``obj`` as strict JSON on stdout."""
+    print(json.dumps(_plain(obj), ensure_ascii=False, allow_nan=False, **kwargs))
+
+
+def _note(args, message: str) -> None:
+    """A one-line note on stderr (none with --quiet)."""
+    if not getattr(args, "quiet", False):
+        print(f"jaxdecode: note: {message}", file=sys.stderr, flush=True)
+
+
+def _encode(lm, text: str, what: str):
+    """``lm.vocab.encode(text)``; a character outside the vocabulary is a UsageError naming ``what``."""
+    from .vocab import UnknownCharacterError
+
+    try:
+        return lm.vocab.encode(text)
+    except UnknownCharacterError as e:
+        shown = ", ".join(f"{c!r} at position {i}" for i, c in e.unknown[:10])
+        more = f" (and {len(e.unknown) - 10} more)" if len(e.unknown) > 10 else ""
+        raise UsageError(f"{what} contains characters outside the model's vocabulary: {shown}{more} "
+                         f"('jaxdecode info' lists the vocabulary)") from None
 
 
 def _unescape(s: str) -> str:
@@ -41,11 +136,12 @@ def cmd_info(args):
         "backend_reason": getattr(lm.decoder, "why", ""),
         "jax_backend": __import__("jax").default_backend(),
         "vocabulary": lm.vocab.chars,
+        # the shape, the vocabulary and the parameter count are shown above, not again here
         "provenance": {k: v for k, v in lm.meta.items()
-                       if k not in ("V", "T", "d", "L", "heads", "chars")},
+                       if k not in ("V", "T", "d", "L", "heads", "chars", "parameters")},
     }
     if args.json:
-        print(json.dumps(info, indent=2, ensure_ascii=False))
+        _print_json(info, indent=2)
         return
     c = info["config"]
     print(f"checkpoint  {info['path']}")
@@ -81,12 +177,19 @@ def cmd_eval(args):
     from . import data as data_lib
     from .train import held_out_loss
 
+    if args.windows < 1:
+        raise UsageError(f"--windows must be >= 1, got {args.windows}")
+    if args.text is None and args.prompt is not None:
+        raise UsageError("--prompt needs --text (the text to score after it)")
+    if args.text is not None and not _unescape(args.text):
+        raise UsageError("the text to score is empty")
     lm = checkpoint.load(args.ckpt)
     out = {"checkpoint": str(lm.path)}
     if args.text is None or args.held_out:
         text = data_lib.read_corpus(args.data)
         _, val = data_lib.split(text)
-        windows = data_lib.eval_windows(lm.vocab.encode(val), lm.cfg.T, args.windows)
+        held = _encode(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")
+        windows = data_lib.eval_windows(held, lm.cfg.T, args.windows)
         out["held_out_loss"] = held_out_loss(lm.params, lm.cfg, windows)
         out["held_out_windows"] = int(windows.shape[0])
         if "held_out_loss" in lm.meta and lm.meta.get("held_out_windows") == windows.shape[0]:
@@ -94,14 +197,14 @@ def cmd_eval(args):
     if args.text is not None:
         from .score import score_texts
 
-        text = _unescape(args.text)
-        if not text:
-            raise UsageError("the text to score is empty")
-        res = score_texts(lm, [text], prompts=[_unescape(args.prompt or "")])[0]
+        text, prompt = _unescape(args.text), _unescape(args.prompt or "")
+        _encode(lm, prompt, "the prompt")
+        _encode(lm, text, "the text")
+        res = score_texts(lm, [text], prompts=[prompt])[0]
         out["mean_logprob"] = res.mean_logprob
         out["characters"] = len(res.logprobs)
     if args.json:
-        print(json.dumps(out, indent=2))
+        _print_json(out, indent=2)
     else:
         for k, v in out.items():
             print(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}")
@@ -182,11 +285,98 @@ def _streaming(args, prompt):
     return True, on_text
 
 
+def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None, bar: bool = True):
+    """Generation that reaches past the model's window ``T`` runs the exact window path (a forward
+    over the last ``T`` characters per step, much slower than a cached step): say so on stderr and,
+    with ``bar``, show a progress bar with the time left, advanced through ``on_text``.
+
+    Returns ``(on_text, close)``: the callback to give the loop (``on_text`` that also advances the
+    bar) and what to call when generation ends. No bar when the text itself streams to a terminal,
+    or with --quiet."""
+    T = lm.decoder.T
+    if prompt_len + n <= T or n == 0:
+        return on_text, lambda: None
+    if prompt_len > T:
+        _note(args, f"the prompt has {prompt_len} characters: the model sees only the last {T} (its window "
+                    f"T), and each character generated past T runs the exact window path (a forward over "
+                    f"the last {T} characters per step), much slower than within T")
+    else:
+        past = prompt_len + n - T
+        _note(args, f"{past} of the {n} characters {'lies' if past == 1 else 'lie'} past the model's window "
+                    f"T={T}: each runs the exact window path (a forward over the last {T} characters per step), much "
+                    f"slower than within T")
+    if not bar or args.quiet or (on_text is not None and sys.stdout.isatty()):
+        return on_text, lambda: None
+    from tqdm import tqdm
+
+    # the bar counts only the slow characters (those past T), so that its rate and time left are theirs
+    fast = max(0, T - prompt_len)
+    progress = tqdm(total=(n - fast) * rows, unit="char", desc="past the window", file=sys.stderr,
+                    leave=False, dynamic_ncols=True)
+    made = [0] * rows
+
+    def advance(row, text):
+        before = made[row]
+        made[row] += len(text)
+        slow = max(0, made[row] - fast) - max(0, before - fast)
+        if slow:
+            progress.update(slow)
+        if on_text is not None:
+            on_text(row, text)
+
+    return advance, progress.close
+
+
 def _print_samples(outs):
     for i, o in enumerate(outs):
         if len(outs) > 1:
             print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
         print(o.prompt + o.text)
+
+
+def _stops(args, lm):
+    """The --stop strings, unescaped and checked against the vocabulary, or None."""
+    if not args.stop:
+        return None
+    stops = [_unescape(s) for s in args.stop]
+    for s in stops:
+        if not s:
+            raise UsageError("--stop: a stop string must not be empty")
+        _encode(lm, s, f"the stop string {s!r}")
+    return stops
+
+
+def _check_combinations(args):
+    """Flags that contradict each other or would be ignored: refused by name, before any work."""
+    if args.beam is not None and args.speculative is not None:
+        raise UsageError("--beam and --speculative cannot be combined")
+    if args.smc is not None and (args.beam is not None or args.speculative is not None):
+        raise UsageError("--smc does not combine with --beam or --speculative")
+    if args.stream:
+        if args.json:
+            raise UsageError("--stream and --json do not combine: --json prints one object when generation "
+                             "ends (drop --json to stream the text)")
+        if args.num_samples != 1:
+            raise UsageError(f"--stream shows one sample as it is generated; it does not combine with "
+                             f"--num-samples {args.num_samples}")
+        if args.beam is not None:
+            raise UsageError("--stream does not apply to --beam: a beam's text is final only when the search ends")
+        if args.smc is not None:
+            raise UsageError("--stream does not apply to --smc: the estimate is known only at the end")
+    if args.greedy and args.beam is not None:
+        raise UsageError("--greedy does not combine with --beam (beam search is deterministic; --beam 1 is "
+                         "greedy search)")
+    if args.beam is None:
+        for flag in ("length_penalty", "n_best"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --beam")
+    if args.speculative is None and args.gamma is not None:
+        raise UsageError("--gamma needs --speculative")
+    if args.speculative not in ("ngram", "distilled"):
+        if args.ngram_order is not None or args.ngram_backoff is not None:
+            raise UsageError("--ngram-order and --ngram-backoff need --speculative ngram or distilled")
+        if args.data is not None:
+            raise UsageError("--data (the draft's corpus) needs --speculative ngram or distilled")
 
 
 def cmd_generate(args):
@@ -198,7 +388,11 @@ def cmd_generate(args):
         raise UsageError(f"-n must be >= 0, got {args.n}")
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    _check_combinations(args)
     settings = _settings(args)
+    for name, value in settings.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
     rule = make_rule(**settings)  # validates before anything is loaded or traced
@@ -206,35 +400,30 @@ def cmd_generate(args):
 
     if args.contrastive is not None:
         return G.generate_contrastive(args, prompt, settings)
-    if args.smc is not None and (args.beam is not None or args.speculative is not None):
-        raise UsageError("--smc does not combine with --beam or --speculative")
     if args.beam is not None:
-        if args.speculative is not None:
-            raise UsageError("--beam and --speculative cannot be combined")
         return G.generate_beam(args, prompt, rule, settings)
     if args.speculative is not None:
         return G.generate_speculative(args, prompt, rule, settings)
-    if args.gamma is not None:
-        raise UsageError("--gamma needs --speculative")
-    for flag in ("length_penalty", "n_best"):
-        if getattr(args, flag) is not None:
-            raise UsageError(f"--{flag.replace('_', '-')} needs --beam")
     lm = _load(args)
-    lm.vocab.encode(prompt)  # unknown characters: a clear error before any work
+    ids = _encode(lm, prompt, "the prompt")  # unknown characters: a clear error before any work
     constraint = _constraint(args, lm)
     if args.smc is not None:
         return G.generate_smc(args, lm, prompt, constraint, settings)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    stop = _stops(args, lm)
     stream, on_text = _streaming(args, prompt)
-    outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
-                    num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint)
+    on_text, done = _past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
+    try:
+        outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
+                        num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint)
+    finally:
+        done()
     if args.json:
         doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
                             "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
                             "greedy": bool(args.greedy), "stop": stop, "checkpoint": str(lm.path),
                             **_constraint_settings(args), **settings}}
-        print(json.dumps(doc, ensure_ascii=False))
+        _print_json(doc)
         return
     if stream:
         sys.stdout.write("\n")
@@ -258,25 +447,65 @@ def cmd_mode(args):
     prompt = _read_prompt(args)
     if args.n < 1:
         raise UsageError(f"-n must be >= 1, got {args.n}")
+    if args.budget < 1:
+        raise UsageError(f"--budget must be >= 1 node, got {args.budget}")
     lm = _load(args)
-    tokens, logprob, nodes = mode_search(lm.decoder, lm.params, lm.vocab.encode(prompt), args.n,
-                                         node_budget=args.budget)
+    ids = _encode(lm, prompt, "the prompt")
+    _past_window(args, lm, len(ids), args.n, bar=False)
+    from .search import SearchBudgetExceeded
+
+    try:
+        tokens, logprob, nodes = mode_search(lm.decoder, lm.params, ids, args.n, node_budget=args.budget)
+    except SearchBudgetExceeded as e:
+        raise UsageError(f"{str(e).split(';')[0]}: raise --budget or lower -n") from None
     text = lm.vocab.decode(tokens)
     if args.json:
-        print(json.dumps({"prompt": prompt, "text": text, "logprob": logprob, "nodes_expanded": nodes},
-                         ensure_ascii=False))
+        _print_json({"prompt": prompt, "text": text, "logprob": logprob, "nodes_expanded": nodes})
     else:
         print(f"--- mode of {args.n} characters: log-probability {logprob:.4f} ({nodes} nodes expanded)")
         print(prompt + text)
 
 
+def _study_folders(args):
+    """The folders ``study`` may create that do not exist yet, deepest last (``all``: the parent,
+    its parents and one per study)."""
+    from pathlib import Path
+
+    from .studies import STUDIES
+
+    if args.name != "all":
+        targets = [Path(args.out or f"results/{args.name}")]
+    else:
+        root = Path(args.out or "results")
+        targets = [root / name for name in STUDIES]
+    new = []
+    for target in targets:
+        for folder in [*reversed(target.parents), target]:
+            if not folder.exists() and folder not in new:
+                new.append(folder)
+    return new
+
+
 def cmd_study(args):
     """The chapter's experiments (:mod:`jaxdecode.studies`): JSON, PNG and Markdown in --out."""
     from .studies import run_command
+    from .studies.common import require_matplotlib
 
+    for flag, value in (("--prompts", args.prompts), ("-n", args.n), ("--budget", args.budget)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    require_matplotlib()  # the figures: before minutes of work, not after
     options = {"prompts": args.prompts, "n": args.n, "budget": args.budget}
-    run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
-                progress=not args.quiet, options=options)
+    created = _study_folders(args)
+    try:
+        run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
+                    progress=not args.quiet, options=options)
+    except BaseException:
+        # a study that failed (no corpus, a bad option) leaves no empty folder behind
+        for folder in reversed(created):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
 
 
 def cmd_score(args):
@@ -286,11 +515,12 @@ def cmd_score(args):
     if not text:
         raise UsageError("the text to score is empty")
     lm = _load(args)
+    _encode(lm, prompt, "the prompt")
+    _encode(lm, text, "the text")
     res = score_texts(lm, [text], [prompt])[0]
     if args.json:
-        print(json.dumps({"prompt": prompt, "text": text, "mean_logprob": res.mean_logprob,
-                          "logprobs": res.logprobs.tolist(),
-                          "probabilities": res.probabilities.tolist()}, ensure_ascii=False))
+        _print_json({"prompt": res.prompt, "text": text, "mean_logprob": res.mean_logprob,
+                     "logprobs": res.logprobs.tolist(), "probabilities": res.probabilities.tolist()})
     else:
         print(f"{res.mean_logprob:.4f} nats per character over {len(text)} characters")
 
@@ -300,19 +530,22 @@ def cmd_score(args):
 def build_parser() -> argparse.ArgumentParser:
     from .speculative import DRAFTS
 
-    p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__)
+    p = _Parser(prog="jaxdecode", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("generate", help="generate text after a prompt")
     s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
     s.add_argument("-n", type=int, default=300, help="characters to generate (default 300)")
     s.add_argument("--num-samples", type=int, default=1)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
     s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
     s.add_argument("--greedy", action="store_true", help="always take the most probable character")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    s.add_argument("--stream", action="store_true", help="stream text even when stdout is not a terminal")
+    s.add_argument("--stream", action="store_true",
+                   help="stream text even when stdout is not a terminal (one sample; not with --json, "
+                        "--beam or --smc, whose output is known only at the end)")
+    s.add_argument("--quiet", action="store_true", help="no notes or progress bars on stderr")
     for spec in _rule_specs():
         s.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=spec.metavar,
                        help=spec.help)
@@ -324,7 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrain the continuation to JSON text valid under the schema in FILE")
     s.add_argument("--smc", type=int, default=None, metavar="PARTICLES",
                    help="with a constraint: exact conditional sampling by sequential Monte Carlo")
-    s.add_argument("--beam", type=int, default=None, metavar="K", help="beam search with K beams")
+    s.add_argument("--beam", type=int, default=None, metavar="K",
+                   help="beam search with K beams; rule flags (--temperature, --top-p, the penalties, "
+                        "...) apply to the beam scores: each step adds the log-probabilities of the "
+                        "processed distribution, while the reported log-probability stays the model's")
     s.add_argument("--contrastive", type=_contrastive_setting, default=None, metavar="K,ALPHA",
                    help="contrastive search: of the K most probable characters, the one maximizing "
                         "(1-ALPHA) p - ALPHA * (max cosine similarity to earlier hidden states)")
@@ -368,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name", choices=[*STUDIES, "all"], help="the study, or all of them in turn")
     s.add_argument("--out", default=None, help="output folder (default results/NAME; with all, "
                                                "one folder per study in it, default results/)")
-    s.add_argument("--seed", type=int, default=None, help="random seed (default: each study's, 0)")
+    s.add_argument("--seed", type=_seed, default=None, help="random seed (default: each study's, 0)")
     s.add_argument("--ckpt", default=None)
     s.add_argument("--data", default=None)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -400,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=3000)
     s.add_argument("--lr", type=float, default=2e-3)
     s.add_argument("--warmup", type=int, default=100)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("--eval-every", type=int, default=250)
     s.add_argument("--eval-windows", type=int, default=32)
     s.add_argument("--resume", action="store_true", help="continue from the optimizer state in out_dir")
@@ -416,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--held-out", action="store_true", help="with --text, also compute the held-out loss")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_eval)
+
+    from .cli_serve import add_serve_bench  # serve-bench: static against continuous batching
+
+    add_serve_bench(sub, _seed)
     return p
 
 
@@ -438,9 +678,21 @@ def _enable_compilation_cache():
         pass  # a read-only home or an older jax: run without the cache
 
 
+def _one_line(e: BaseException) -> str:
+    """An error's message on one line (a message of several lines, such as a compiler's output,
+    is joined; a very long one is cut)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 600 else text[:597] + "..."
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        hint = _argument_hint(parser, sys.argv[1:] if argv is None else list(argv))
+        print(f"jaxdecode: error: {_one_line(e)}{hint}", file=sys.stderr)
+        return 2
     if argv is None:  # the console script, not a test calling main([...])
         _enable_compilation_cache()
     from .checkpoint import CheckpointError
@@ -448,12 +700,19 @@ def main(argv=None) -> int:
 
     try:
         args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
     except (UsageError, CheckpointError, CorpusError, ValueError, RuntimeError, FileExistsError,
             FileNotFoundError) as e:
-        print(f"jaxdecode: error: {e}", file=sys.stderr)
+        print(f"jaxdecode: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("jaxdecode: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`jaxdecode generate ... | head`): not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 0
 
 

@@ -3,13 +3,24 @@ and sequential Monte Carlo (plain sampling and greedy stay in :mod:`jaxdecode.cl
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import numpy as np
 
-from .cli import UsageError, _constraint, _constraint_settings, _load, _print_samples, _streaming, _unescape
+from .cli import (
+    UsageError,
+    _constraint,
+    _constraint_settings,
+    _encode,
+    _load,
+    _past_window,
+    _print_json,
+    _print_samples,
+    _stops,
+    _streaming,
+)
+
 
 def generate_contrastive(args, prompt, settings):
     from .contrastive import contrastive_generate
@@ -24,18 +35,21 @@ def generate_contrastive(args, prompt, settings):
         raise UsageError(f"--contrastive is deterministic and ranks the model's own top-k; it does not "
                          f"combine with {', '.join(clash)}")
     lm = _load(args)
-    lm.vocab.encode(prompt)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    ids = _encode(lm, prompt, "the prompt")
+    stop = _stops(args, lm)
     stream, on_text = _streaming(args, prompt)
+    on_text, done = _past_window(args, lm, len(ids), args.n, 1, on_text)
     try:
         out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text)[0]
     except ValueError as e:
         raise UsageError(str(e)) from None
+    finally:
+        done()
     if args.json:
-        print(json.dumps({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
-                                       "tokens": out.tokens.tolist(), "finish_reason": out.finish_reason}],
-                          "settings": {"n": args.n, "contrastive": {"k": k, "alpha": alpha}, "stop": stop,
-                                       "checkpoint": str(lm.path)}}, ensure_ascii=False))
+        _print_json({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
+                                  "tokens": out.tokens.tolist(), "finish_reason": out.finish_reason}],
+                     "settings": {"n": args.n, "contrastive": {"k": k, "alpha": alpha}, "stop": stop,
+                                  "checkpoint": str(lm.path)}})
     elif stream:
         sys.stdout.write("\n")
         print(f"--- mean log-probability {out.mean_logprob:.3f} nats per character", file=sys.stderr)
@@ -61,12 +75,11 @@ def generate_smc(args, lm, prompt, constraint, settings):
     draws = rng.choice(len(ranked), size=args.num_samples, p=np.array([p for _, p in ranked]) / sum(p for _, p in ranked))
     texts = [ranked[i][0] for i in draws]
     if args.json:
-        print(json.dumps({"outputs": [{"prompt": prompt, "text": t} for t in texts],
-                          "distribution": [{"text": t, "probability": p} for t, p in ranked],
-                          "log_marginal_likelihood": res.log_marginal,
-                          "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
-                                       "smc": args.smc, "checkpoint": str(lm.path), **_constraint_settings(args)}},
-                         ensure_ascii=False))
+        _print_json({"outputs": [{"prompt": prompt, "text": t} for t in texts],
+                     "distribution": [{"text": t, "probability": p} for t, p in ranked],
+                     "log_marginal_likelihood": res.log_marginal,
+                     "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
+                                  "smc": args.smc, "checkpoint": str(lm.path), **_constraint_settings(args)}})
         return
     for t in texts:
         print(prompt + t)
@@ -87,9 +100,10 @@ def generate_beam(args, prompt, rule, settings):
         raise UsageError("--num-samples does not apply to beam search (use --n-best)")
     alpha = args.length_penalty if args.length_penalty is not None else 0.0
     lm = _load(args)
-    lm.vocab.encode(prompt)
+    ids = _encode(lm, prompt, "the prompt")
     constraint = _constraint(args, lm)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
+    stop = _stops(args, lm)
+    _past_window(args, lm, len(ids), args.n, bar=False)  # beam search reports nothing until the end
     hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha,
                          stop=stop, rule=rule, constraint=constraint)[0]
     if args.json:
@@ -98,7 +112,7 @@ def generate_beam(args, prompt, rule, settings):
                             "logprob": h.logprob, "finished": bool(h.finished)} for h in hyps],
                "settings": {"n": args.n, "beam": args.beam, "n_best": n_best, "length_penalty": alpha,
                             "stop": stop, "checkpoint": str(lm.path), **_constraint_settings(args), **settings}}
-        print(json.dumps(doc, ensure_ascii=False))
+        _print_json(doc)
         return
     for i, h in enumerate(hyps):
         print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per character")
@@ -115,18 +129,16 @@ def generate_speculative(args, prompt, rule, settings):
     if gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
     order, backoff = args.ngram_order, args.ngram_backoff
-    if (order is not None or backoff is not None) and args.speculative not in ("ngram", "distilled"):
-        raise UsageError("--ngram-order and --ngram-backoff need --speculative ngram or distilled")
     if order is not None and not 1 <= order <= 6:
         raise UsageError(f"--ngram-order must be between 1 and 6, got {order}")
     if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
         raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
     lm = _load(args)
-    check_request(lm.decoder, len(lm.vocab.encode(prompt)), args.n, gamma)  # before building a draft
+    check_request(lm.decoder, len(_encode(lm, prompt, "the prompt")), args.n, gamma)  # before building a draft
     constraint = _constraint(args, lm)
+    stop = _stops(args, lm)
     draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
-                       progress=True)
-    stop = [_unescape(s) for s in args.stop] if args.stop else None
+                       progress=not args.quiet)
     stream, on_text = _streaming(args, prompt)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
                                 greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text,
@@ -145,7 +157,7 @@ def generate_speculative(args, prompt, rule, settings):
                             "ngram_order": order, "ngram_backoff": backoff,
                             "checkpoint": str(lm.path), **settings},
                "stats": total.as_dict()}
-        print(json.dumps(doc, ensure_ascii=False))
+        _print_json(doc)
         return
     if stream:
         sys.stdout.write("\n")

@@ -43,16 +43,43 @@ def locate_corpus(path: str | os.PathLike | None = None, download: bool = True) 
     if DEFAULT_PATH.is_file():
         return DEFAULT_PATH
     if download:
-        try:
-            DEFAULT_PATH.parent.mkdir(parents=True, exist_ok=True)
-            tmp = DEFAULT_PATH.with_suffix(".part")
-            with urllib.request.urlopen(CORPUS_URL, timeout=20) as r:
-                tmp.write_bytes(r.read())
-            tmp.replace(DEFAULT_PATH)
-            return DEFAULT_PATH
-        except OSError as e:
-            raise CorpusError(f"corpus not found and the download failed ({e}): {HOW_TO_GET}") from None
+        return _download(DEFAULT_PATH)
     raise CorpusError(f"corpus not found: {HOW_TO_GET}")
+
+
+def _download(dest: Path) -> Path:
+    """Download the corpus to ``dest``. Its folder is created only once the whole file has arrived
+    and checks out; a failed or partial download leaves nothing behind (no file, no folder)."""
+    import http.client
+    import sys
+
+    print(f"jaxdecode: downloading the corpus from {CORPUS_URL} to {dest}", file=sys.stderr, flush=True)
+    try:
+        with urllib.request.urlopen(CORPUS_URL, timeout=20) as r:
+            data = r.read()
+        text = data.decode("utf-8")
+    except (OSError, http.client.HTTPException, UnicodeDecodeError, ValueError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise CorpusError(f"corpus not found and the download failed ({reason}): {HOW_TO_GET}") from None
+    if len(text) != CORPUS_CHARS:
+        raise CorpusError(f"corpus not found and the download is not the expected file ({len(text):,} "
+                          f"characters, expected {CORPUS_CHARS:,}): {HOW_TO_GET}")
+    made = [p for p in reversed(dest.parents) if not p.exists()]  # the folders this call creates
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        tmp.replace(dest)  # atomic: a reader never sees half the file
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise CorpusError(f"corpus downloaded but could not be written to {dest} ({e.strerror or e}): "
+                          f"{HOW_TO_GET}") from None
+    return dest
 
 
 def read_corpus(path=None) -> str:

@@ -118,7 +118,7 @@ def build(verbose: bool = False) -> Path:
         os.close(fd)
         cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
                f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
-        print("jaxdecode: compiling the native CPU kernels (once, ~10 s)...", file=sys.stderr, flush=True)
+        print("jaxdecode: compiling the native CPU kernels (once, under a minute)...", file=sys.stderr, flush=True)
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if res.returncode != 0:

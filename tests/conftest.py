@@ -3,6 +3,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from hypothesis import settings
 
 # The native CPU layer is required in the tests: a failed build fails them instead of silently
 # testing the portable path twice. Loop tests run on both backends (the `backend` fixture).
@@ -20,6 +21,13 @@ try:
 except OSError:
     pass
 
+# Hypothesis draws the same examples on every run (a seed derived from each test), so a failure
+# reproduces and a pass means the same thing on every machine; HYPOTHESIS_PROFILE=explore draws
+# new examples on each run instead.
+settings.register_profile("derandomized", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
+
 BACKENDS = ("native", "portable")
 
 
@@ -36,12 +44,22 @@ def key():
     return jax.random.PRNGKey(0)
 
 
+def locate_test_corpus() -> str:
+    """The corpus named by $JAXDECODE_DATA. Unset: the test is skipped. Set to a path that is not
+    a file: the test fails (a misconfigured run must not pass by skipping the corpus tests)."""
+    p = os.environ.get("JAXDECODE_DATA")
+    if not p:
+        pytest.skip("the corpus is not available: set $JAXDECODE_DATA to Tiny Shakespeare's input.txt")
+    if not Path(p).is_file():
+        pytest.fail(f"$JAXDECODE_DATA names {p}, which is not a file: point it at Tiny Shakespeare's "
+                    f"input.txt, or unset it to skip the tests that need the corpus", pytrace=False)
+    return p
+
+
 @pytest.fixture(scope="session")
 def corpus_path():
-    p = os.environ.get("JAXDECODE_DATA")
-    if not p or not Path(p).is_file():
-        pytest.skip("the corpus is not available ($JAXDECODE_DATA)")
-    return p
+    """See :func:`locate_test_corpus`."""
+    return locate_test_corpus()
 
 
 @pytest.fixture(scope="session")

@@ -175,7 +175,7 @@ def test_study_decoders(tiny_ckpt, tmp_path):
 
 
 # the flags of `generate` that are not rules
-NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--seed", "--ckpt", "--stop", "--greedy", "--json", "--stream",
+NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--seed", "--ckpt", "--stop", "--greedy", "--json", "--stream", "--quiet",
                   "--beam", "--length-penalty", "--n-best", "--speculative", "--gamma", "--ngram-order",
                   "--ngram-backoff", "--data", "--contrastive", "--regex", "--choice", "--json-schema", "--smc"}
 
@@ -217,8 +217,10 @@ def test_rule_flags_convert_and_reach_make_rule():
     assert type(settings["no_repeat_ngram"]) is int and type(settings["top_k"]) is int
     assert [type(r) for r in rules.make_rule(**settings).rules] == [
         rules.NoRepeatNGram, rules.Temperature, rules.TopK]
-    with pytest.raises(SystemExit):
-        parser.parse_args(["abc", "--top-k", "2.5"])  # argparse: invalid int value
+    from jaxdecode.cli import UsageError
+
+    with pytest.raises(UsageError, match="argument --top-k: invalid int value: '2.5'"):
+        parser.parse_args(["abc", "--top-k", "2.5"])
 
 
 def _record_jax_config(monkeypatch):
@@ -248,3 +250,443 @@ def test_compilation_cache_lives_under_the_cache_root(monkeypatch, tmp_path):
     cli._enable_compilation_cache()
     assert dict(calls)["jax_compilation_cache_dir"] == str(tmp_path / "xla")
     assert (tmp_path / "xla").is_dir()
+
+
+
+# ----------------------------------------------------------------------------- bad input, one line
+
+
+def _one_line_error(capsys, *needles):
+    """The captured stderr: exactly one line, ``jaxdecode: error: ...``, containing every needle."""
+    cap = capsys.readouterr()
+    err = cap.err
+    assert err.startswith("jaxdecode: error: ") and len(err.strip().splitlines()) == 1, err
+    assert "usage:" not in err and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert cap.out == ""
+    return err.strip()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "abc", "-n", "abc"], ["argument -n: invalid int value: 'abc'", "jaxdecode generate --help"]),
+    (["generate", "abc", "--seed", "x"], ["argument --seed", "0 to 4294967295", "'x'"]),
+    (["generate", "abc", "--seed", "-1"], ["argument --seed", "'-1'"]),
+    (["generate", "abc", "--seed", str(2**32)], ["argument --seed", "4294967296"]),  # would repeat seed 0
+    (["generate"], ["required: prompt", "(see: jaxdecode generate --help)"]),
+    (["generate", "-x"], ["required: prompt", "goes after '--', as in: jaxdecode generate -- '-x'"]),
+    (["score", "-abc"], ["required: text", "jaxdecode score -- '-abc'"]),
+    (["generate", "abc", "--speculative", "foo"], ["invalid choice: 'foo'", "lookup"]),
+    (["generate", "abc", "--contrastive", "4"], ["expected K,ALPHA"]),
+    (["generate", "abc", "--top-k", "2.5"], ["argument --top-k: invalid int value"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'", "(see: jaxdecode --help)"]),
+    (["study", "nope"], ["invalid choice: 'nope'", "beam-curse"]),
+    (["train", "out", "--seed", "1.5"], ["argument --seed"]),
+])
+def test_argparse_errors_are_one_line(capsys, argv, needles):
+    assert main(argv) == 2
+    _one_line_error(capsys, *needles)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "abc", "--json", "--stream"], ["--stream and --json do not combine"]),
+    (["generate", "abc", "--stream", "--num-samples", "2"], ["--stream shows one sample", "--num-samples 2"]),
+    (["generate", "abc", "--stream", "--beam", "2"], ["--stream does not apply to --beam"]),
+    (["generate", "abc", "--stream", "--choice", "ab", "--smc", "8"], ["--stream does not apply to --smc"]),
+    (["generate", "abc", "--greedy", "--beam", "2"], ["--greedy does not combine with --beam"]),
+    (["generate", "abc", "--data", "corpus.txt"], ["--data", "needs --speculative ngram or distilled"]),
+    (["generate", "abc", "--ngram-order", "3"], ["need --speculative ngram or distilled"]),
+    (["generate", "abc", "--speculative", "lookup", "--n-best", "2"], ["--n-best needs --beam"]),
+    (["generate", "abc", "--beam", "2", "--gamma", "2"], ["--gamma needs --speculative"]),
+    (["generate", "abc", "--contrastive", "4,0.6", "--length-penalty", "1"], ["--length-penalty needs --beam"]),
+    (["generate", "abc", "--temperature", "inf"], ["--temperature must be a finite number, got inf"]),
+    (["generate", "abc", "--beam", "2", "--top-p", "nan"], ["--top-p must be a finite number, got nan"]),
+    (["generate", "abc", "--stop", ""], ["stop string must not be empty"]),
+    (["generate", "abc", "--stop", "Z"], ["the stop string 'Z'", "'Z' at position 0"]),
+    (["generate", "abXc"], ["the prompt contains characters outside the model's vocabulary: 'X' at position 2",
+                            "jaxdecode info"]),
+    (["generate", "abc", "--beam", "2", "-n", "3", "--stop", "Z"], ["the stop string 'Z'"]),
+    (["score", "aZ"], ["the text contains", "'Z' at position 1"]),
+    (["mode", "abc", "--budget", "0"], ["--budget must be >= 1"]),
+    (["mode", "abc", "-n", "3", "--budget", "2"], ["exceeded its node budget of 2", "raise --budget or lower -n"]),
+    (["eval", "--prompt", "ab"], ["--prompt needs --text"]),
+    (["eval", "--windows", "0"], ["--windows must be >= 1"]),
+    (["eval", "--text", ""], ["the text to score is empty"]),
+])
+def test_conflicting_or_bad_flags_are_refused_by_name(tiny_ckpt, capsys, argv, needles):
+    assert main(argv + ["--ckpt", tiny_ckpt] if argv[0] != "eval" else argv[:1] + [tiny_ckpt] + argv[1:]) == 2
+    _one_line_error(capsys, *needles)
+
+
+def test_json_is_strict_without_characters(tiny_ckpt, capsys):
+    """No characters: no mean log-probability, written as null (JSON has no NaN)."""
+    assert main(["generate", "abc", "-n", "0", "--ckpt", tiny_ckpt, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and json.loads(out)["outputs"][0] == {
+        "prompt": "abc", "text": "", "mean_logprob": None, "tokens": [], "finish_reason": "length"}
+
+
+def test_a_multi_line_error_message_is_printed_on_one_line(tiny_ckpt, capsys, monkeypatch):
+    from jaxdecode import sampling
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("compiling failed:\nline one\nline two")
+
+    monkeypatch.setattr(sampling, "generate", fail)
+    assert main(["generate", "abc", "-n", "2", "--ckpt", tiny_ckpt]) == 2
+    assert _one_line_error(capsys) == "jaxdecode: error: compiling failed: line one line two"
+
+
+def test_beam_help_says_rules_apply_to_the_beam_scores(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "rule flags (--temperature, --top-p, the penalties, ...) apply to the beam scores" in text
+    assert "not with --json, --beam or --smc" in text  # --stream
+
+
+def test_beam_with_a_rule_ranks_by_the_processed_scores(tiny_ckpt, capsys):
+    """--beam with --top-k 1 keeps one token per step, of processed log-probability 0: the score is
+    0, while the reported log-probability stays the model's."""
+    assert main(["generate", "abc", "-n", "6", "--ckpt", tiny_ckpt, "--json", "--beam", "3", "--top-k", "1"]) == 0
+    beam = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert beam["score"] == pytest.approx(0.0, abs=1e-5) and beam["logprob"] < -0.1
+
+
+# ----------------------------------------------------------------------------- notes and progress
+
+
+def test_prompt_longer_than_the_window_gets_a_note_and_a_bar(tiny_ckpt, capsys):
+    prompt = "abc def. ghi abc de"  # 19 characters, T = 16
+    assert main(["generate", prompt, "-n", "5", "--ckpt", tiny_ckpt, "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["outputs"][0]["prompt"] == prompt  # stdout: the JSON only
+    lines = [line for line in cap.err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[0] == ("jaxdecode: note: the prompt has 19 characters: the model sees only the last 16 (its "
+                        "window T), and each character generated past T runs the exact window path (a "
+                        "forward over the last 16 characters per step), much slower than within T")
+    assert any(line.startswith("past the window:") and "/5 " in line for line in lines[1:])
+    # --quiet: nothing on stderr
+    assert main(["generate", prompt, "-n", "5", "--ckpt", tiny_ckpt, "--json", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_generation_past_the_window_counts_the_slow_characters(tiny_ckpt, capsys):
+    # (the shapes of the test above: one row, chunks of 8 steps, so nothing new compiles)
+    assert main(["generate", "abc def. gh", "-n", "8", "--ckpt", tiny_ckpt]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.startswith("jaxdecode: note: 3 of the 8 characters lie past the model's window T=16: each runs "
+                              "the exact window path")
+    assert "past the window:   0%" in cap.err and "/3 " in cap.err  # the bar counts the 3 slow characters
+    assert cap.out.startswith("abc def. gh") and len(cap.out) == 11 + 8 + 1
+    # within the window: nothing on stderr
+    assert main(["generate", "abc", "-n", "8", "--ckpt", tiny_ckpt]) == 0
+    assert capsys.readouterr().err == ""
+    # exact search: the note, no bar
+    assert main(["mode", "abc def. ghi abc", "-n", "1", "--ckpt", tiny_ckpt, "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: note: 1 of the 1 characters lies past the model's window T=16") and "%|" not in err
+
+
+def test_the_native_build_says_so_once(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    from jaxdecode import kernels
+
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_compiler(cmd, **kwargs):  # "compiles" into the temporary file the build names
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(kernels.subprocess, "run", fake_compiler)
+    first = kernels.build()
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: compiling the native CPU kernels (once") and err.count("\n") == 1
+    assert kernels.build() == first and len(calls) == 1
+    assert capsys.readouterr().err == ""  # built: nothing to say
+
+
+# ----------------------------------------------------------------------------- studies
+
+
+def test_study_without_matplotlib_fails_before_any_work(tiny_ckpt, tiny_corpus, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from jaxdecode.studies import common
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    out = tmp_path / "out"
+    assert main(["study", "beam-curse", "--ckpt", tiny_ckpt, "--data", tiny_corpus, "--out", str(out)]) == 2
+    _one_line_error(capsys, "the studies' figures need matplotlib", "pip install")
+    assert not out.exists()
+    with pytest.raises(common.MissingMatplotlib, match="matplotlib"):
+        common.new_figure()
+
+
+def test_study_that_fails_leaves_no_empty_folder(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "results" / "bc"
+    argv = ["study", "beam-curse", "--ckpt", tiny_ckpt, "--data", str(tmp_path / "missing.txt"), "--out", str(out)]
+    assert main(argv) == 2
+    _one_line_error(capsys, "corpus not found at")
+    assert not (tmp_path / "results").exists()
+    assert main(["study", "beam-curse", "--prompts", "0", "--out", str(out)]) == 2
+    _one_line_error(capsys, "--prompts must be >= 1, got 0")
+    assert not (tmp_path / "results").exists()
+
+
+def test_study_beam_curse_defaults_are_the_published_run(capsys):
+    """The defaults of `study beam-curse` (run(), and what --help says) are the settings of the run
+    in docs/results, whose numbers the README quotes."""
+    import inspect
+    from pathlib import Path
+
+    from jaxdecode.studies import beam_curse
+
+    root = Path(__file__).resolve().parent.parent
+    published = json.loads((root / "docs" / "results" / "beam-curse" / "beam_curse.json").read_text())
+    defaults = {k: p.default for k, p in inspect.signature(beam_curse.run).parameters.items()
+                if p.default is not p.empty}
+    assert (defaults["n_prompts"], defaults["n"], list(defaults["ks"]), defaults["node_budget"], defaults["seed"]) == (
+        published["prompts_total"], published["n"], published["ks"], published["node_budget"], published["seed"])
+    with pytest.raises(SystemExit):
+        main(["study", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"beam-curse: held-out prompts (default {defaults['n_prompts']})" in help_text
+    assert f"beam-curse: characters searched (default {defaults['n']})" in help_text
+    assert f"node budget (default {defaults['node_budget']:,})" in help_text
+    # the README quotes exactly these numbers
+    per_k = [published["per_k"][str(k)] for k in published["ks"]]
+    rates = [f"{100 * p['mode_rate']:.0f}% (k = {k})" for k, p in zip(published["ks"], per_k)]
+    gaps = [f"{p['mean_gap']:.2f}" for p in per_k]
+    sentence = (f"exact mode of {published['n']} characters on {published['prompts_total']} held-out prompts: "
+                f"beam search returns the mode for {', '.join(rates[:-1])} and {rates[-1]} of prompts, with mean "
+                f"log-probability gaps of {', '.join(gaps[:-1])} and {gaps[-1]} nats")
+    assert sentence in " ".join((root / "README.md").read_text().split())
+
+
+def test_study_speculative_from_the_command_line(tiny_ckpt, tiny_corpus, tmp_path, capsys, monkeypatch):
+    """`study speculative` reads the draft's corpus from --data and writes its three files (a small
+    sweep: the defaults run 8 x 400 characters on the shipped model)."""
+    import functools
+
+    from jaxdecode.studies import speculative
+
+    monkeypatch.setattr(speculative, "run", functools.partial(speculative.run, n=6, gammas=(2,), samples=1,
+                                                              prompt="abc"))
+    out = tmp_path / "spec"
+    assert main(["study", "speculative", "--ckpt", tiny_ckpt, "--data", tiny_corpus, "--out", str(out),
+                 "--quiet"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}: speculative.json, speculative.md, speculative.png\n"
+    doc = json.loads((out / "speculative.json").read_text())
+    assert list(doc["sweep"]["per_gamma"]) == ["2"] and doc["draft"] == "NGramDraft"
+    assert doc["sweep"]["per_gamma"]["2"]["passes"] >= 1
+
+
+# ----------------------------------------------------------------------------- info, the corpus
+
+
+def test_info_lists_each_field_once(capsys):
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    keys = [line.split()[0] for line in lines if line.strip()]
+    assert len(keys) == len(set(keys)), keys
+    assert keys.count("parameters") == 1 and "held_out_loss" in keys
+    assert main(["info", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["parameters"] == 3_307_264 and "parameters" not in doc["provenance"]
+
+
+class _Response:
+    """What urlopen returns: ``body`` (bytes), or an exception raised while reading."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self):
+        if isinstance(self.body, BaseException):
+            raise self.body
+        return self.body
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """A fresh working directory, no $JAXDECODE_DATA, and urlopen answering with ``offline.body``
+    (default: no network)."""
+    import urllib.error
+
+    from jaxdecode import data as data_lib
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JAXDECODE_DATA", raising=False)
+    state = {"body": urllib.error.URLError("[Errno -3] Temporary failure in name resolution")}
+
+    def urlopen(url, timeout=None):
+        assert url == data_lib.CORPUS_URL
+        if isinstance(state["body"], OSError):
+            raise state["body"]
+        return _Response(state["body"])
+
+    monkeypatch.setattr(data_lib.urllib.request, "urlopen", urlopen)
+    return state
+
+
+def test_offline_corpus_lookup_leaves_nothing_behind(offline, tmp_path, tiny_ckpt, capsys):
+    import http.client
+
+    from jaxdecode import data as data_lib
+
+    for body, message in [(offline["body"], "the download failed (<urlopen error [Errno -3]"),
+                          (http.client.IncompleteRead(b"First Citizen"), "the download failed (IncompleteRead"),
+                          (b"<html>a captive portal</html>", "not the expected file (29 characters")]:
+        offline["body"] = body
+        with pytest.raises(data_lib.CorpusError, match="--data PATH") as e:
+            data_lib.locate_corpus()
+        assert message in str(e.value) and "\n" not in str(e.value)
+        assert list(tmp_path.iterdir()) == []  # no data/ folder, no partial file
+    capsys.readouterr()
+    assert main(["eval", tiny_ckpt]) == 2  # the command line: one line, nothing left behind either
+    err = capsys.readouterr().err
+    assert err.count("jaxdecode: error: corpus not found and the download") == 1 and err.count("\n") == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corpus_download_writes_the_file_or_nothing(offline, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from jaxdecode import data as data_lib
+
+    text = ("First Citizen:\n" * 80_000)[:data_lib.CORPUS_CHARS]
+    offline["body"] = text.encode()
+
+    def disk_full(self, target):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "replace", disk_full)
+        with pytest.raises(data_lib.CorpusError, match="could not be written .*No space left on device"):
+            data_lib.locate_corpus()
+    assert list(tmp_path.iterdir()) == []
+    assert data_lib.locate_corpus() == data_lib.DEFAULT_PATH
+    assert (tmp_path / "data" / "tinyshakespeare.txt").read_text() == text
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["tinyshakespeare.txt"]
+
+
+def test_corpus_fixture_fails_on_a_missing_file_and_skips_when_unset(monkeypatch, tmp_path):
+    import conftest
+    from hypothesis import settings
+
+    monkeypatch.setenv("JAXDECODE_DATA", str(tmp_path / "missing.txt"))
+    with pytest.raises(pytest.fail.Exception, match="names .*missing.txt, which is not a file"):
+        conftest.locate_test_corpus()
+    monkeypatch.delenv("JAXDECODE_DATA")
+    with pytest.raises(pytest.skip.Exception, match="set \\$JAXDECODE_DATA"):
+        conftest.locate_test_corpus()
+    # hypothesis draws the same examples on every run, unless a profile says otherwise
+    import os
+
+    if os.environ.get("HYPOTHESIS_PROFILE", "derandomized") == "derandomized":
+        assert settings.default.derandomize and settings.default.database is None
+
+
+# ----------------------------------------------------------------------------- eval, stop, escapes, train
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    """A corpus in the tiny model's vocabulary, long enough for read_corpus (>= 10,000 characters)."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("abc def. ghi\nabcab ba\n" * 600, encoding="utf-8")
+    return str(path)
+
+
+def test_eval_held_out_loss_and_text_score(tiny_ckpt, tiny_corpus, capsys):
+    assert main(["eval", tiny_ckpt, "--data", tiny_corpus, "--windows", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["held_out_windows"] == 3 and 0 < doc["held_out_loss"] < 10
+    assert main(["eval", tiny_ckpt, "--text", r"ab\nc", "--prompt", "ha", "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert set(scored) == {"checkpoint", "mean_logprob", "characters"} and scored["characters"] == 4
+    assert main(["score", r"ab\nc", "--prompt", "ha", "--ckpt", tiny_ckpt, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_logprob"] == pytest.approx(scored["mean_logprob"], abs=1e-6)
+    assert main(["eval", tiny_ckpt, "--text", "abc", "--held-out", "--data", tiny_corpus, "--windows", "3"]) == 0
+    text = capsys.readouterr().out
+    assert f"held_out_loss          {doc['held_out_loss']:.4f}" in text and "mean_logprob" in text
+    # a corpus the checkpoint cannot read: named
+    assert main(["eval", tiny_ckpt, "--windows", "3"]) == 2  # Tiny Shakespeare: capitals, punctuation
+    _one_line_error(capsys, "the held-out part of the corpus", "outside the model's vocabulary")
+
+
+def test_stop_strings_and_finish_reason(tiny_ckpt, capsys):
+    assert main(["generate", "abc", "-n", "12", "--stop", r"a\n", "--stop", "ab", "--num-samples", "8",
+                 "--seed", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["stop"] == ["a\n", "ab"]  # the escape unescaped
+    reasons = [o["finish_reason"] for o in doc["outputs"]]
+    assert "stop" in reasons and "length" in reasons, reasons
+    for o in doc["outputs"]:
+        first = min((o["text"].find(s) + len(s) for s in ("a\n", "ab") if s in o["text"]), default=None)
+        if o["finish_reason"] == "stop":  # the text ends at the first stop string, which it keeps
+            assert first == len(o["text"]) == len(o["tokens"])
+        else:
+            assert first is None and len(o["text"]) == 12
+
+
+def test_escapes():
+    from jaxdecode.cli import _unescape
+
+    assert _unescape(r"a\tb\\n\nc\q\\") == "a\tb\\n\nc\\q\\"
+    assert _unescape("x\\") == "x\\"  # a trailing backslash stays
+
+
+@pytest.mark.parametrize("text, shown", [(r"a\tb", r"'\t' at position 1"), (r"a\\nb", r"'\\' at position 1")])
+def test_escapes_reach_the_model(tiny_ckpt, capsys, text, shown):
+    """\\t becomes a tab and \\\\ one backslash (neither is in the tiny vocabulary: the error shows
+    which character arrived)."""
+    assert main(["score", text, "--ckpt", tiny_ckpt]) == 2
+    _one_line_error(capsys, shown, "the text contains")
+
+
+@pytest.mark.slow
+def test_train_then_resume_then_eval(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    tiny = ["--data", tiny_corpus, "--d", "16", "--layers", "1", "--heads", "2", "--T", "32", "--batch", "2",
+            "--warmup", "1", "--eval-every", "2", "--eval-windows", "2", "--quiet"]
+    assert main(["train", str(out), "--steps", "2"] + tiny) == 0
+    first = json.loads((out / "config.json").read_text())
+    assert first["steps"] == 2 and len(first["loss_curve"]) == 1
+    assert main(["train", str(out), "--steps", "4", "--resume"] + tiny) == 0
+    assert f"resuming {out} at step 2" in capsys.readouterr().out
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["steps"] == 4 and [s for s, _ in meta["loss_curve"]] == [2, 4]
+    assert meta["loss_curve"][0] == first["loss_curve"][0]
+    # the checkpoint loads, and eval reproduces the loss the run recorded
+    assert main(["eval", str(out), "--data", tiny_corpus, "--windows", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recorded_held_out_loss"] == pytest.approx(doc["held_out_loss"], abs=1e-4)
+    # resuming with other settings: refused by name, one line
+    assert main(["train", str(out), "--steps", "6", "--resume", "--lr", "0.001"] + tiny) == 2
+    _one_line_error(capsys, "cannot resume with different settings", "'lr'")
+
+
+def test_speculative_with_the_shipped_draft_model(capsys):
+    """--speculative draft: the shipped small model drafts for the shipped model; under --greedy
+    the text is greedy decoding's."""
+    argv = ["generate", r"KATHARINA:\nMoved! in good time: ", "-n", "24", "--greedy", "--json"]
+    assert main(argv + ["--speculative", "draft"]) == 0
+    cap = capsys.readouterr()
+    spec = json.loads(cap.out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]
+    assert spec["settings"]["speculative"] == "draft" and spec["settings"]["gamma"] == 2
+    st = spec["stats"]
+    assert st["accepted"] > 0 and st["passes"] < 24  # the draft is right often enough to save passes

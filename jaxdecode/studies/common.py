@@ -94,8 +94,24 @@ def write_markdown(path, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(data))
 
 
+class MissingMatplotlib(RuntimeError):
+    """matplotlib, which draws the studies' figures, cannot be imported."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`MissingMatplotlib` (one line, with the fix) unless matplotlib imports: a study
+    never ends without the figure it promises, and the command line checks before any work."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError as e:
+        raise MissingMatplotlib(f"the studies' figures need matplotlib, which cannot be imported ({e}): "
+                                "pip install 'matplotlib>=3.8'") from None
+
+
 def new_figure(nrows: int = 1, ncols: int = 1, figsize=(9, 3.5)):
-    """A matplotlib figure and its axes, without pyplot (no global state, no GUI backend)."""
+    """A matplotlib figure and its axes, without pyplot (no global state, no GUI backend);
+    :class:`MissingMatplotlib` without matplotlib."""
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize)
