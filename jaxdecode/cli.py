@@ -285,6 +285,28 @@ def _streaming(args, prompt):
     return True, on_text
 
 
+BIG_REQUEST = 50_000  # characters: a request this large shows a progress bar
+
+
+def _memory_size(text: str) -> int:
+    from .budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None, bar: bool = True):
     """Generation that reaches past the model's window ``T`` runs the exact window path (a forward
     over the last ``T`` characters per step, much slower than a cached step): say so on stderr and,
@@ -412,9 +434,13 @@ def cmd_generate(args):
     stop = _stops(args, lm)
     stream, on_text = _streaming(args, prompt)
     on_text, done = _past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
+    # a large request (within the window) shows a bar of its own; it runs in batches that fit memory
+    big = (not args.quiet and not stream and len(ids) + args.n <= lm.decoder.T
+           and args.num_samples * args.n >= BIG_REQUEST)
     try:
         outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
-                        num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint)
+                        num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint,
+                        memory_budget=args.memory_budget, max_rows=args.max_rows, progress=big)
     finally:
         done()
     if args.json:
@@ -537,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
     s.add_argument("-n", type=int, default=300, help="characters to generate (default 300)")
     s.add_argument("--num-samples", type=int, default=1)
+    s.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
+                   help="run the samples in batches that fit SIZE bytes (e.g. 2G; default: "
+                        "$JAXDECODE_MEMORY_BUDGET, else from the device's memory)")
+    s.add_argument("--max-rows", type=_positive_int, default=None, metavar="N",
+                   help="at most N samples per batch (default 256: larger batches are no faster)")
     s.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
     s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")

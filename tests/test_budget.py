@@ -1,6 +1,8 @@
 """Requests of any size and per-prompt seeds: splitting a request by the memory budget never
 changes a text, and a prompt's samples do not depend on its position among the prompts."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -131,3 +133,23 @@ def test_score_split_equals_one_batch(lm):
     split = score_texts(lm, texts_, max_rows=1)
     for a, b in zip(whole, split):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_cli_batches_and_bar(tiny_ckpt, capsys, monkeypatch):
+    from jaxdecode import cli
+
+    argv = ["generate", "abc", "-n", "12", "--num-samples", "5", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]
+    assert cli.main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)["outputs"]
+    monkeypatch.setattr(cli, "BIG_REQUEST", 10)  # a "large" request: a bar on stderr, JSON alone on stdout
+    assert cli.main(argv[:-1] + ["--max-rows", "2", "--memory-budget", "1G", "--json"]) == 0
+    out = capsys.readouterr()
+    split = json.loads(out.out)["outputs"]
+    assert [o["tokens"] for o in split] == [o["tokens"] for o in whole]  # log-probs: to the last bit or so
+    assert [o["mean_logprob"] for o in split] == pytest.approx([o["mean_logprob"] for o in whole], abs=1e-5)
+    assert "generate" in out.err
+    for flag, value, message in [("--max-rows", "0", "expected an integer >= 1, got '0'"),
+                                 ("--memory-budget", "lots", "a memory budget must be a positive size")]:
+        assert cli.main(argv[:-1] + [flag, value]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
