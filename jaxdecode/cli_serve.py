@@ -150,6 +150,17 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _request_entry(res) -> dict:
+    """One request of the continuous run for --json: its prompt, settings, text and timings (one
+    sample: its text and finish reason; several: lists)."""
+    one = len(res.outputs) == 1
+    texts = [g.text for g in res.outputs]
+    reasons = [g.finish_reason for g in res.outputs]
+    return dict(index=res.index, prompt=res.request.prompt, arrival=res.arrival, **request_settings(res.request),
+                text=texts[0] if one else texts, finish_reason=reasons[0] if one else reasons, ttft=res.ttft,
+                latency=res.latency)
+
+
 def _figure(path, sweep: list[dict], runs: list[dict], title: str):
     from .studies.common import new_figure, save_figure
 
@@ -243,10 +254,7 @@ def cmd_serve_bench(args):
             "identical_outputs": identical,
             "sweep": sweep,
             "figure": figure,
-            "requests": [dict(index=r.index, prompt=r.request.prompt, arrival=r.arrival, **request_settings(r.request),
-                              text=r.outputs[0].text if len(r.outputs) == 1 else [g.text for g in r.outputs],
-                              finish_reason=[g.finish_reason for g in r.outputs], ttft=r.ttft, latency=r.latency)
-                         for r in cont.results],
+            "requests": [_request_entry(r) for r in cont.results],
         }
         print(json.dumps(clean(doc), indent=2, ensure_ascii=False))
         return

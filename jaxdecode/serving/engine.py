@@ -258,17 +258,22 @@ def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greed
 
 def _scatter_rows(big, small, src, dst):
     """Rows ``small[src[i]]`` written into ``big[dst[i]]`` for pytrees of batch-first leaves; a
-    ``dst`` past the end is dropped (padding). The dense cache's insert; a paged cache would
-    write block tables instead."""
-    return jax.tree_util.tree_map(lambda b, s: b.at[dst].set(jnp.take(s, src, axis=0).astype(b.dtype), mode="drop"),
-                                  big, small)
+    ``dst`` past the end is dropped (padding). A leaf of ``small`` whose rows are smaller (a
+    prefill's cache, which holds only its prompt's positions) fills the leading corner of the row:
+    the positions past it are left as they are, garbage past the row's length. The dense cache's
+    insert; a paged cache would write block tables instead."""
+    def put(b, s):
+        corner = (dst,) + tuple(slice(0, n) for n in s.shape[1:])
+        return b.at[corner].set(jnp.take(s, src, axis=0).astype(b.dtype), mode="drop")
+
+    return jax.tree_util.tree_map(put, big, small)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "capacity"), donate_argnames=("cache", "logits"))
-def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model, capacity):
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache", "logits"))
+def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model):
     """Prefill right-padded prompt pieces ``tokens`` ``[U, W]`` and write prefill row ``src[i]`` into
-    slot ``dst[i]`` (cache row and next-token logits)."""
-    first, _, sub = model.prefill(params, tokens, lengths, capacity)
+    slot ``dst[i]`` (its ``W`` cache positions and its next-token logits)."""
+    first, _, sub = model.prefill(params, tokens, lengths, tokens.shape[1])
     return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, first, src, dst)
 
 
@@ -296,9 +301,10 @@ class ModelExecutor:
     """The device side of an :class:`Engine`: a dense cache of ``slots`` rows of ``lm``'s model,
     with each slot's logits, rule settings and rule state.
 
-    The cache's leaves must be batch-first (the reference model's and :class:`FunctionModel`'s
-    are). Its capacity is the model window ``T``; a decode step attends over the filled span,
-    rounded up to :data:`jaxdecode.core.SPAN_BUCKET` positions.
+    The cache's leaves must be batch-first, and the cache a prefill returns for ``W`` positions
+    must be the leading corner of one of capacity ``T`` (the reference model's and
+    :class:`FunctionModel`'s are). The capacity is the model window ``T``; a decode step attends
+    over the filled span, rounded up to :data:`jaxdecode.core.SPAN_BUCKET` positions.
     """
 
     def __init__(self, lm, slots: int):
@@ -338,9 +344,10 @@ class ModelExecutor:
             self.rule_state = _init_state(self._rule(), prompt, jnp.ones((self.S,), jnp.int32), V=self.V)
 
     def _rule(self):
+        """The layout with every slot's settings (copies: the host arrays change as rows come)."""
         if not self._treedefs:
             return None
-        return Chain(tuple(jax.tree_util.tree_unflatten(td, leaves)
+        return Chain(tuple(jax.tree_util.tree_unflatten(td, [a.copy() for a in leaves])
                            for td, leaves in zip(self._treedefs, self._settings)))
 
     def admit(self, entries):
@@ -376,8 +383,8 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self.cache, self.logits = _prefill_insert(self.params, self.cache, self.logits, tokens, lengths, src, dst,
-                                                      model=self.model, capacity=self.capacity)
+            self.cache, self.logits = _prefill_insert(self.params, self.cache, self.logits, tokens, lengths, src,
+                                                      dst, model=self.model)
         if more:
             G, K = batch_bucket(len(more)), self._rows_bucket
             C = len(more[0][1])
@@ -390,8 +397,8 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens, src,
-                                                     dst, model=self.model, span=self.capacity)
+            self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens,
+                                                     src, dst, model=self.model, span=self.capacity)
 
     def decode(self, decoding, steps, lengths):
         """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
@@ -399,8 +406,9 @@ class ModelExecutor:
         model_logprobs, sample_logprobs)`` ``[S]``."""
         span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
         token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
-            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys, self.row_ids,
-            steps.astype(np.int32), self.greedy, lengths.astype(np.int32), decoding, model=self.model, span=span)
+            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
+            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
+            model=self.model, span=span)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
 
 
@@ -534,9 +542,9 @@ class Engine:
 
     ``policy``: ``"continuous"`` or ``"static"`` (see the module docstring). ``prefill_chunk``:
     the most prompt tokens a row reads per step. ``layout``: a rule chain whose kinds every
-    request must fit (settings ignored; default: chosen as requests come). ``clock``: :class:`RealClock` (default) or a
-    virtual clock. ``executor``: the device side (default :class:`ModelExecutor` on ``lm``);
-    ``lm`` supplies the vocabulary and the window either way.
+    request must fit (its settings are ignored; default: chosen as requests come). ``clock``:
+    :class:`RealClock` (default) or a virtual clock. ``executor``: the device side (default
+    :class:`ModelExecutor` on ``lm``); ``lm`` supplies the vocabulary and the window either way.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -565,6 +573,7 @@ class Engine:
             self._layout = rule_parts(layout)
             self.executor.set_layout(self._layout)
         self.step_records: list[StepRecord] = []
+        self._reported = 0  # requests before this one were returned by an earlier run
 
     # --- requests
     def submit(self, request: Request) -> int:
@@ -592,13 +601,13 @@ class Engine:
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
         if len(prompt) + n > self.T:
-            raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds the "
-                             f"model window T = {self.T}; the engine keeps every row within the window "
+            raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
+                             f"the model window T = {self.T}; the engine keeps every row within the window "
                              f"(jaxdecode.generate serves longer requests in its exact window mode)")
         if self._pinned and _embed(parts, self._layout, self.V) is None:
-            raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's layout "
-                             f"({_kinds_text(self._layout)}): it must be the layout with parts left out, and only "
-                             f"parts with a neutral setting may be left out")
+            raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's "
+                             f"layout ({_kinds_text(self._layout)}): it must be the layout with parts left out, "
+                             f"and only parts with a neutral setting may be left out")
         keys = np.asarray(keys, np.uint32)
         return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i))
                 for j in row_ids]
@@ -722,7 +731,8 @@ class Engine:
 
     def run(self, requests: Sequence[Request] = ()) -> Report:
         """Serve ``requests`` (each arriving ``request.arrival`` seconds after the start; all are
-        checked before any work) and any submitted before, until every one is done."""
+        checked before any work) and any submitted since the last run, until every one is done;
+        returns those (in submission order) and this run's steps."""
         requests = list(requests)
         first = len(self.requests)
         rows = [self._make_rows(r, first + k) for k, r in enumerate(requests)]
@@ -734,7 +744,8 @@ class Engine:
                 if not self._pending:
                     raise RuntimeError("the engine stalled with requests queued and no slot busy")
                 self.clock.wait_until(self._pending[0][0])
-        return self.report()
+        start, self._reported = self._reported, len(self.requests)
+        return self.report(range(start, len(self.requests)))
 
     def report(self, indices=None) -> Report:
         """The finished requests (default: all) as a :class:`Report`."""
@@ -745,10 +756,11 @@ class Engine:
             if any(r.finish is None for r in rows):
                 raise ValueError(f"request {i} has not finished")
             outs = [Generation(prompt=self.requests[i].prompt, text=self.lm.vocab.decode(r.tokens),
-                               tokens=np.asarray(r.tokens, np.int32), model_logprobs=np.asarray(r.mlp, np.float32),
+                               tokens=np.asarray(r.tokens, np.int32),
+                               model_logprobs=np.asarray(r.mlp, np.float32),
                                sample_logprobs=np.asarray(r.slp, np.float32), finish_reason=r.finish)
                     for r in rows]
             firsts = [r.t_first for r in rows if r.t_first is not None]
-            results.append(RequestResult(i, self.requests[i], outs, self._arrival[i], min(firsts) if firsts else None,
-                                         max(r.t_done for r in rows)))
+            results.append(RequestResult(i, self.requests[i], outs, self._arrival[i],
+                                         min(firsts) if firsts else None, max(r.t_done for r in rows)))
         return Report(self.policy, self.S, results, list(self.step_records))

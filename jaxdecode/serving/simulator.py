@@ -29,8 +29,8 @@ import numpy as np
 
 from .engine import DEFAULT_PREFILL_CHUNK, POLICIES, Engine, Report, Request
 
-__all__ = ["DEFAULT_STEP_MODEL", "ReplayExecutor", "StepTimeModel", "VirtualClock", "compare", "poisson_arrivals",
-           "simulate", "with_arrivals"]
+__all__ = ["DEFAULT_STEP_MODEL", "ReplayExecutor", "StepTimeModel", "VirtualClock", "compare",
+           "poisson_arrivals", "scripts_of", "simulate", "with_arrivals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +112,11 @@ class StepTimeModel:
         return cls.from_dict(d, f"step-time model in {path}")
 
 
-# Fitted to the shipped model's engine steps on the native CPU backend (scripts/bench_serving.py on a
-# 2-core machine); what --simulate uses unless given a fit of its own.
-DEFAULT_STEP_MODEL = StepTimeModel(a=2.0e-3, b=2.5e-4, c=2.0e-5, note="shipped model, native CPU backend, 2 cores")
+# The fit in docs/bench_serving.json: the shipped model's engine steps on the native CPU backend of a
+# 2-core machine shared with other work (steps slowed by it are trimmed from the fit). What
+# `serve-bench --simulate` uses unless given a fit of its own.
+DEFAULT_STEP_MODEL = StepTimeModel(a=1.105e-3, b=2.72e-4, c=2.51e-4,
+                                   note="shipped model, native CPU backend, 2 CPUs (docs/bench_serving.json)")
 
 
 class VirtualClock:

@@ -1,0 +1,129 @@
+"""Serving benchmark: static against continuous batching on the shipped model, on the wall clock.
+
+For each slot count, the ``jaxdecode serve-bench`` workload (requests arriving as a Poisson process,
+prompts from the held-out text, lengths up to ``--n``, each with its own seed and settings) is
+served by static and by continuous batching (after a first pass on a virtual clock that compiles
+every program), ``--repeats`` times each, interleaved; the run of median throughput is reported.
+Every engine step is recorded; the step-time model
+``t = a + b * rows + c * prefill_tokens`` is fitted to all of them (several slot counts separate
+``a`` from ``b``) and the simulator, replaying each run's outputs with that fit, predicts every run:
+how far the prediction is from the measurement says how far to trust ``serve-bench --simulate``.
+
+Writes ``docs/bench_serving.json`` (its ``step_model`` is what ``serve-bench --step-model`` reads).
+
+    python scripts/bench_serving.py                                   # 32 requests at 4/s, 1,2,4,8 slots
+    python scripts/bench_serving.py --requests 8 --slots 1,2 --n 16 --out /tmp/smoke.json   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+import jaxdecode  # noqa: E402
+from jaxdecode.cli_serve import build_workload, heldout_text  # noqa: E402
+from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine, RealClock  # noqa: E402
+from jaxdecode.serving.simulator import (  # noqa: E402
+    DEFAULT_STEP_MODEL,
+    StepTimeModel,
+    VirtualClock,
+    scripts_of,
+    simulate,
+)
+from jaxdecode.studies.common import write_json  # noqa: E402
+
+
+def _rel(pred, real):
+    if pred is None or real is None or real == 0:
+        return None
+    return (pred - real) / real
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    p.add_argument("--slots", default="1,2,4,8", help="slot counts, separated by commas")
+    p.add_argument("--n", type=int, default=64, help="the most characters a request generates")
+    p.add_argument("--shared-prefix", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each policy per slot count; the one of median throughput is reported")
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--data", default=None)
+    p.add_argument("--backend", default=None, help="native or portable (default: auto)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench_serving.json"))
+    args = p.parse_args(argv)
+    slot_counts = [int(s) for s in args.slots.split(",") if s.strip()]
+
+    lm = jaxdecode.load(args.ckpt, backend=args.backend)
+    requests = build_workload(lm, heldout_text(lm, args.data), args.requests, args.rate, args.n,
+                              args.shared_prefix, args.seed)
+    load_before = os.getloadavg()
+    runs, records, t0 = [], [], time.perf_counter()
+    for S in slot_counts:
+        for policy in ("static", "continuous"):  # compile every program first
+            Engine(lm, S, policy=policy, prefill_chunk=args.prefill_chunk,
+                   clock=VirtualClock(DEFAULT_STEP_MODEL)).run(requests)
+        tries = {"static": [], "continuous": []}
+        for _ in range(args.repeats):  # interleaved, so that a busy spell of the machine hits both
+            for policy in tries:
+                rep = Engine(lm, S, policy=policy, prefill_chunk=args.prefill_chunk, clock=RealClock()).run(requests)
+                records += rep.steps
+                tries[policy].append(rep)
+        for policy, reps in tries.items():
+            reps = sorted(reps, key=lambda r: r.summary()["throughput"])
+            rep = reps[len(reps) // 2]  # the run of median throughput
+            runs.append((S, policy, rep, [r.summary()["throughput"] for r in reps]))
+            s = rep.summary()
+            print(f"slots {S:>2} {policy:10} {s['throughput']:8.1f} tok/s  latency p50 {s['latency']['p50']:.3f} "
+                  f"p99 {s['latency']['p99']:.3f} s  ttft p50 {s['ttft']['p50']:.3f} p99 {s['ttft']['p99']:.3f} s  "
+                  f"step {1e3 * s['mean_step_seconds']:.2f} ms", flush=True)
+    fit = StepTimeModel.fit(records, note=f"{args.ckpt or 'shipped model'}, {lm.decoder.backend} backend, "
+                                          f"{os.cpu_count()} CPUs")
+    print(f"fit: t = {fit.a * 1e3:.3f} ms + {fit.b * 1e3:.4f} ms/row + {fit.c * 1e3:.5f} ms/prefill token "
+          f"(rms error {fit.residual(records) * 1e3:.3f} ms over {len(records)} steps)")
+
+    results = []
+    for S, policy, rep, throughputs in runs:
+        real = rep.summary()
+        sim = simulate(lm, requests, slots=S, policy=policy, step_model=fit, scripts=scripts_of(rep),
+                       prefill_chunk=args.prefill_chunk).summary()
+        results.append({
+            "slots": S, "policy": policy, "measured": real, "simulated": sim,
+            "throughput_of_each_repeat": throughputs,
+            "relative_error": {"throughput": _rel(sim["throughput"], real["throughput"]),
+                               "latency_p50": _rel(sim["latency"]["p50"], real["latency"]["p50"]),
+                               "latency_p99": _rel(sim["latency"]["p99"], real["latency"]["p99"]),
+                               "ttft_p50": _rel(sim["ttft"]["p50"], real["ttft"]["p50"])},
+        })
+    doc = {
+        "command": "python scripts/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "settings": {"requests": args.requests, "rate": args.rate, "slots": slot_counts, "n": args.n,
+                     "shared_prefix": args.shared_prefix, "prefill_chunk": args.prefill_chunk, "seed": args.seed,
+                     "repeats": args.repeats},
+        "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                    "platform": platform.platform(), "jax": jax.__version__, "backend": lm.decoder.backend},
+        "wall_seconds": time.perf_counter() - t0,
+        "step_model": fit.to_dict(),
+        "step_model_rms_error": fit.residual(records),
+        "steps_measured": len(records),
+        "results": results,
+    }
+    write_json(args.out, doc)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

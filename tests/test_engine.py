@@ -1,0 +1,307 @@
+"""The serving engine (continuous batching), its scheduler simulator and ``jaxdecode serve-bench``.
+
+The engine must give every request the tokens and text ``jaxdecode.generate`` gives it alone (and
+its log-probabilities up to the last float32 unit), whatever the arrival order, the slot count and
+the requests it shares the batch with."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode import rules
+from jaxdecode.checkpoint import LanguageModel
+from jaxdecode.serving.engine import Engine, Request, neutral_rule
+from jaxdecode.serving.simulator import (
+    ReplayExecutor,
+    StepTimeModel,
+    VirtualClock,
+    poisson_arrivals,
+    simulate,
+    with_arrivals,
+)
+
+
+@pytest.fixture(scope="module")
+def lm_portable(tiny_model):
+    cfg, params, vocab = tiny_model
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend="portable")
+
+
+def _requests():
+    """Six requests (T = 16): mixed samples, seeds, n, a stop string, greedy, per-sample settings,
+    several settings of one chain, a part of it alone, and no rule. Prompts longer than the prefill
+    chunk of the tests (4) are read in pieces. (The native backend is checked against generate by
+    the serve-bench test, whose checkpoint loads on it.)"""
+    chain = lambda theta, p: rules.chain(rules.repetition_penalty(theta), rules.top_p(p))
+    return [
+        Request("abc da", 9, seed=3, num_samples=2, rule=chain(1.3, 0.9)),
+        Request("hi", 12, seed=1, greedy=True),
+        Request("bad caf", 9, seed=7, num_samples=2, rule=chain(1.1, np.array([0.5, 1.0], np.float32))),
+        Request("e", 12, seed=2, num_samples=2, stop="a"),
+        Request("ga.", 10, seed=5, num_samples=2, rule=chain(1.5, 0.7)),
+        Request("ccc dd", 10, seed=11, rule=rules.top_p(0.8)),
+    ]
+
+
+def _reference(lm, reqs):
+    return [jaxdecode.generate(lm, r.prompt, r.n, seed=r.seed, num_samples=r.num_samples, rule=r.rule,
+                               greedy=r.greedy, stop=r.stop) for r in reqs]
+
+
+def _assert_same(report, refs):
+    assert len(report.results) == len(refs)
+    for res, ref in zip(report.results, refs):
+        assert len(res.outputs) == len(ref)
+        for got, want in zip(res.outputs, ref):
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            assert got.text == want.text and got.finish_reason == want.finish_reason
+            # the logits come from batches of other shapes: equal up to the last float32 unit
+            np.testing.assert_allclose(got.model_logprobs, want.model_logprobs, rtol=0, atol=2e-6)
+            np.testing.assert_allclose(got.sample_logprobs, want.sample_logprobs, rtol=0, atol=2e-6)
+
+
+def test_engine_matches_generate_any_order_and_slots(lm_portable):
+    lm = lm_portable
+    reqs = _requests()
+    refs = _reference(lm, reqs)
+    assert any(g.finish_reason == "stop" for g in refs[3])  # the stop string is exercised
+    rng = np.random.default_rng(0)
+    for slots, orders in ((2, 2), (3, 1)):
+        for _ in range(orders):
+            # arrivals in a random order, on a virtual clock: the schedule differs run to run
+            perm = rng.permutation(len(reqs))
+            arrivals = np.empty(len(reqs))
+            arrivals[perm] = np.cumsum(rng.exponential(2.0, len(reqs)))
+            engine = Engine(lm, slots, prefill_chunk=4, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
+            report = engine.run(with_arrivals(reqs, arrivals))
+            _assert_same(report, refs)
+            assert engine.occupied == 0 and engine.idle
+            assert max(s.active for s in report.steps) <= slots
+            assert any(s.active == slots for s in report.steps)  # rows really shared the batch
+            for res in report.results:
+                assert res.arrival == pytest.approx(arrivals[res.index])
+                assert res.first_token > res.arrival and res.finish >= res.first_token
+    # on the wall clock: the engine sleeps until each arrival
+    engine = Engine(lm, 2, prefill_chunk=4)
+    report = engine.run(with_arrivals(reqs, np.linspace(0.0, 0.25, len(reqs))))
+    _assert_same(report, refs)
+    for res in report.results:
+        assert res.first_token > res.arrival >= 0.0 and res.finish >= res.first_token
+    assert report.results[-1].first_token > 0.25 and engine.idle
+
+
+def test_neutral_settings_leave_logits_exactly_unchanged():
+    V = 12
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, V)) * 3.0
+    logits = logits.at[1, 3].set(-jnp.inf).at[2, :5].set(-jnp.inf).at[3].set(1.5)  # removed tokens, a flat row
+    prompt = jnp.array([[1, 2, 2, 0], [3, 3, 3, 3], [4, 5, 0, 0], [7, 0, 0, 0]], jnp.int32)
+    lengths = jnp.array([3, 4, 2, 1])
+    kinds = [rules.temperature(0.5), rules.top_k(3), rules.top_p(0.5), rules.min_p(0.2), rules.typical(0.5),
+             rules.epsilon(0.1), rules.eta(0.1), rules.repetition_penalty(1.5), rules.frequency_penalty(0.7),
+             rules.presence_penalty(0.7)]
+    @jax.jit
+    def applied(rule, logits):
+        state = rule.init(prompt, lengths, V, 4)
+        state = rule.update(state, jnp.array([1, 3, 4, 7]))  # seen and counted tokens
+        return rule.apply(logits, state)
+
+    for part in kinds:
+        out = applied(neutral_rule(part, V), logits)
+        assert np.asarray(out).tobytes() == np.asarray(logits).tobytes(), type(part).__name__
+        assert not np.array_equal(np.asarray(applied(part, logits)), np.asarray(logits)), type(part).__name__
+    assert neutral_rule(rules.top_n_sigma(1.0), V) is None and neutral_rule(rules.no_repeat_ngram(2), V) is None
+
+
+def test_rule_state_width_does_not_change_ngram_blocking():
+    """The engine keeps every slot's rule state at one width (the prompt padded to T, no room past
+    it), generate sizes it per request: n-gram blocking, the one rule whose state has that width,
+    bans the same tokens either way."""
+    V, T = 12, 16
+    prompt = jnp.array([[1, 2, 1, 3, 0], [4, 4, 5, 0, 0]], jnp.int32)
+    lengths = jnp.array([4, 3])
+    logits = jax.random.normal(jax.random.PRNGKey(1), (2, V))
+
+    @functools.partial(jax.jit, static_argnames=("width", "max_new"))
+    def run(rule, *, width, max_new):
+        state = rule.init(jnp.pad(prompt, ((0, 0), (0, width - prompt.shape[1]))), lengths, V, max_new)
+        outs = []
+        for tok in ([2, 5], [1, 4], [2, 5]):
+            outs.append(rule.apply(logits, state))
+            state = rule.update(state, jnp.array(tok))
+        return jnp.stack(outs)
+
+    rule = rules.no_repeat_ngram(2)
+    engine_like, generate_like = run(rule, width=T, max_new=0), run(rule, width=5, max_new=256)
+    assert np.asarray(engine_like).tobytes() == np.asarray(generate_like).tobytes()
+    assert np.isinf(np.asarray(engine_like)).any()  # something was banned
+
+
+def test_chains_without_a_neutral_setting_never_share_the_batch(lm_portable):
+    """A request whose chain does not fit the running layout waits for the engine to drain; the
+    scheduler (here with replayed outputs) never runs the two kinds together."""
+    sigma = rules.top_n_sigma(1.0)
+    reqs = [Request("ab", 5, rule=rules.top_p(0.9), arrival=0.0), Request("cd", 5, rule=sigma, arrival=0.0),
+            Request("ef", 5, rule=rules.top_p(0.5), arrival=0.0), Request("gh", 5, rule=sigma, arrival=1.0)]
+    report = simulate(lm_portable, reqs, slots=2, policy="continuous", step_model=StepTimeModel(1.0, 0.0, 0.0))
+    span = {r.index: (r.first_token, r.finish) for r in report.results}
+    by_kind = lambda k: [span[i] for i, r in enumerate(reqs) if isinstance(r.rule, k)]
+    for a0, a1 in by_kind(rules.TopP):
+        for b0, b1 in by_kind(rules.TopNSigma):
+            assert a1 < b0 or b1 < a0
+    # first in, first out: the top-p request behind the first top-n-sigma one waits for it
+    assert span[2][0] > span[1][0]
+
+
+def test_requests_are_checked(lm_portable):
+    engine = Engine(lm_portable, 2, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
+    with pytest.raises(ValueError, match=r"request 0: prompt \(6 tokens\) \+ n \(11\) = 17 exceeds the model window T = 16"):
+        engine.run([Request("abcdef", 11)])
+    with pytest.raises(ValueError, match="request 1: .*outside the vocabulary"):
+        engine.run([Request("ab", 2), Request("xyz", 2)])
+    assert engine.idle and not engine.requests  # a bad request fails the run before any work
+    with pytest.raises(ValueError, match=r"request 0: a rule setting has shape \(3,\).*\(2,\)"):
+        engine.submit(Request("ab", 2, num_samples=2, rule=rules.top_p(np.array([0.5, 0.6, 0.7]))))
+    with pytest.raises(ValueError, match="request 0: a stop string must not be empty"):
+        engine.submit(Request("ab", 2, stop=""))
+    with pytest.raises(ValueError, match="request 0: arrival must be"):
+        engine.submit(Request("ab", 2, arrival=-1.0))
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        Engine(lm_portable, 2, policy="fifo")
+    with pytest.raises(ValueError, match="slots must be an integer >= 1"):
+        Engine(lm_portable, 0)
+    pinned = Engine(lm_portable, 2, layout=rules.chain(rules.temperature(1.0), rules.top_p(1.0)),
+                    executor=ReplayExecutor(2), clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
+    with pytest.raises(ValueError, match=r"request 0: its rule chain \(TopK\) does not fit the engine's layout "
+                                         r"\(Temperature, TopP\)"):
+        pinned.submit(Request("ab", 2, rule=rules.top_k(3)))
+    # n = 0: done on arrival, nothing generated
+    rep = pinned.run([Request("ab", 0, arrival=2.0), Request("ab", 3, rule=rules.top_p(0.5))])
+    assert rep.results[0].outputs[0].text == "" and rep.results[0].ttft is None
+    assert rep.results[0].latency == 0.0 and len(rep.results[1].outputs[0].tokens) == 3
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+def test_continuous_beats_static_where_it_must(lm_portable):
+    """Two slots, one long request and seven short ones, all at t = 0, steps of 1 s: continuous
+    batching finishes in 8 steps, static in 8 + 3 (each later pair waits for the long one)."""
+    reqs = [Request("ab", 8)] + [Request("cd", 1, seed=k) for k in range(7)]
+    unit = StepTimeModel(1.0, 0.0, 0.0)
+    cont = simulate(lm_portable, reqs, slots=2, policy="continuous", step_model=unit).summary()
+    static = simulate(lm_portable, reqs, slots=2, policy="static", step_model=unit).summary()
+    assert cont["seconds"] == 8.0 and static["seconds"] == 11.0
+    assert cont["throughput"] == pytest.approx(15 / 8) and static["throughput"] == pytest.approx(15 / 11)
+    assert cont["latency"]["p50"] == pytest.approx(4.5) and static["latency"]["p50"] == pytest.approx(9.5)
+    # static batching waits for a full batch while more requests are on their way
+    late = [Request("ab", 2, arrival=0.0), Request("cd", 2, arrival=5.0)]
+    r = simulate(lm_portable, late, slots=2, policy="static", step_model=unit)
+    assert [x.first_token for x in r.results] == [6.0, 6.0]
+    r = simulate(lm_portable, late, slots=2, policy="continuous", step_model=unit)
+    assert [x.first_token for x in r.results] == [1.0, 6.0]
+
+
+def test_simulator_is_deterministic_and_counts_prefill(lm_portable):
+    # distinct prompts (rows of one prompt admitted together would share their prefill)
+    letters = "abcdefghi"
+    prompts = [letters[k % 9] * 9 if k % 2 else letters[k % 9] + "a" for k in range(12)]
+    reqs = with_arrivals([Request(p, 3 + k % 4, seed=k, stop="a") for k, p in enumerate(prompts)],
+                         poisson_arrivals(12, 2.0, seed=1))
+    model = StepTimeModel(0.01, 0.002, 0.001)
+    runs = [simulate(lm_portable, reqs, slots=3, policy=p, step_model=model, prefill_chunk=4)
+            for p in ("continuous", "continuous", "static")]
+    key = lambda rep: [(r.first_token, r.finish) for r in rep.results]
+    assert key(runs[0]) == key(runs[1]) and runs[0].summary() == runs[1].summary()
+    assert key(runs[0]) != key(runs[2])
+    steps = runs[0].steps
+    # prompts of 9 tokens with chunks of 4: pieces of 1, 4, 4; the others 2
+    assert sum(s.prefill_tokens for s in steps) == 6 * 9 + 6 * 2
+    assert max(s.prefill_tokens for s in steps) <= 3 * 4
+    for s in steps:
+        assert s.seconds == pytest.approx(model(s.rows, s.prefill_tokens))
+
+
+def test_step_time_model_fit_and_json(tmp_path):
+    from jaxdecode.serving.engine import StepRecord
+
+    true = StepTimeModel(0.003, 0.0005, 0.00002)
+    rng = np.random.default_rng(0)
+    recs, t = [], 0.0
+    for _ in range(40):
+        rows, tok = int(rng.choice([0, 1, 2, 4, 8])), int(rng.integers(0, 200))
+        recs.append(StepRecord(t, t + true(rows, tok), rows, rows, tok))
+        t += 1.0
+    fit = StepTimeModel.fit(recs)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((true.a, true.b, true.c), rel=1e-6)
+    assert fit.residual(recs) < 1e-9
+    # steps paused by another process are left out of the fit (and skew a plain least squares)
+    noisy = [dataclasses.replace(r, end=r.end + rng.normal(0, 1e-5) + (0.05 if k % 10 == 3 else 0.0))
+             for k, r in enumerate(recs)]
+    robust, plain = StepTimeModel.fit(noisy), StepTimeModel.fit(noisy, trim=None)
+    assert robust.a == pytest.approx(true.a, abs=2e-5) and robust.b == pytest.approx(true.b, abs=5e-6)
+    assert abs(plain.a - true.a) > 1e-3
+    fit.save(tmp_path / "fit.json")  # 6 significant digits, as every JSON the package writes
+    back = StepTimeModel.load(tmp_path / "fit.json")
+    assert (back.a, back.b, back.c) == pytest.approx((fit.a, fit.b, fit.c), rel=1e-5)
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="coefficients a, b and c"):
+        StepTimeModel.load(tmp_path / "bad.json")
+    # one slot count: the rows column never varies and is left out, not guessed
+    same = [StepRecord(0.0, 0.01 + 0.001 * k, 4, 4, k) for k in range(5)]
+    assert StepTimeModel.fit(same).b == 0.0
+
+
+def test_poisson_arrivals():
+    a = poisson_arrivals(20000, 4.0, seed=3)
+    assert np.all(np.diff(a) > 0) and a[0] > 0
+    assert np.mean(np.diff(a)) == pytest.approx(0.25, rel=0.03)
+    assert np.array_equal(a, poisson_arrivals(20000, 4.0, seed=3))
+    with pytest.raises(ValueError, match="rate must be a finite number > 0"):
+        poisson_arrivals(3, 0.0)
+
+
+# ----------------------------------------------------------------------------- serve-bench
+
+
+def test_serve_bench_simulate_json(tiny_ckpt, corpus_path, tmp_path, capsys):
+    from jaxdecode.cli import main
+
+    fig = tmp_path / "serve.png"
+    argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "5", "--rate", "2",
+            "--slots", "2", "--n", "6", "--shared-prefix", "3", "--simulate", "--json", "--sweep", "1,2,4",
+            "--prefill-chunk", "4", "--out", str(fig), "--seed", "1"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["identical_outputs"] is True
+    assert [r["policy"] for r in doc["runs"]] == ["static", "continuous"]
+    assert {(r["policy"], r["slots"]) for r in doc["sweep"]} == {(p, s) for p in ("static", "continuous")
+                                                                 for s in (1, 2, 4)}
+    reqs = doc["requests"]
+    assert len(reqs) == 5 and fig.is_file() and fig.stat().st_size > 0
+    prefix = reqs[0]["prompt"][:3]
+    for r in reqs:
+        assert r["prompt"].startswith(prefix) and len(r["text"]) <= r["n"] <= 6
+        assert {"seed", "greedy", "rule", "stop", "arrival", "ttft", "latency"} <= set(r)
+    # the simulated run at 2 slots is the sweep's, replayed: the same schedule
+    cont = doc["runs"][1]
+    swept = next(r for r in doc["sweep"] if r["policy"] == "continuous" and r["slots"] == 2)
+    assert cont["latency"] == swept["latency"] and cont["throughput"] == swept["throughput"]
+    # every request's text is what generate gives it alone (on the native backend: the
+    # checkpoint loads on it in the tests)
+    lm = jaxdecode.load(tiny_ckpt)
+    assert lm.decoder.backend == "native"
+    for r in reqs:
+        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                     rules.top_p(r["rule"]["TopP"]))
+        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
+                                  stop=r["stop"])[0]
+        assert r["text"] == want.text and r["finish_reason"] == want.finish_reason
+
+    assert main(argv[:-2] + ["--shared-prefix", "20", "--out", str(fig)]) == 2
+    assert "exceed the model window T = 16" in capsys.readouterr().err
