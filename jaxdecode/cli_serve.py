@@ -12,6 +12,11 @@ Both policies serve the same requests with ``--slots`` slots, on the wall clock,
 ``scripts/bench_serving.py`` writes). Either way the model runs and the texts are real, and the two
 policies give the same texts. A slot sweep (simulated, replaying the texts of the run) shows
 both policies at other slot counts; the figure plots it.
+
+``--paged`` serves them on the paged KV cache (``Engine(cache="paged")``: a pool of
+``--num-blocks`` blocks of ``--block-size`` positions, prompts sharing their cached leading blocks)
+and prints each run's peak cache memory beside that of a contiguous cache of ``slots`` rows of the
+window ``T``, with the prompt tokens found in the pool (prefix hits).
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="slot counts of the simulated sweep (default 1,2,4,...,2*S and S)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens a row reads per engine step (default 128)")
+    s.add_argument("--paged", action="store_true",
+                   help="the paged KV cache: a pool of blocks, prompts sharing cached prefix blocks")
+    s.add_argument("--num-blocks", type=int, default=None, metavar="B",
+                   help="--paged: blocks in the pool (default: slots x T / block size, the dense cache's memory)")
+    s.add_argument("--block-size", type=int, default=16, metavar="P", help="--paged: positions per block (default 16)")
     s.add_argument("--seed", type=seed_type, default=0, help="seed of the arrivals, prompts and settings (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object, with every request and its text")
     s.add_argument("--out", default="results/serve-bench.png", metavar="FIG.png",
@@ -161,6 +171,16 @@ def _request_entry(res) -> dict:
                 latency=res.latency)
 
 
+def cache_line(policy: str, c: dict, slots: int, T: int) -> str:
+    """A paged run's cache memory against a contiguous cache, and its prefix hits, in one line."""
+    kib = lambda b: "–" if b is None else f"{b / 1024:.1f} KiB"
+    ratio = "" if not c["contiguous_bytes"] else f", {c['peak_bytes'] / c['contiguous_bytes']:.0%} of it"
+    return (f"paged KV cache, {policy}: peak {c['peak_blocks']} of {c['num_blocks']} blocks of {c['block_size']} "
+            f"positions = {kib(c['peak_bytes'])} against {kib(c['contiguous_bytes'])} contiguous ({slots} x T = "
+            f"{T} positions){ratio}; prefix hits {c['prefix_hit_tokens']} prompt tokens; "
+            f"{c['block_waits']} admissions waited for blocks")
+
+
 def _figure(path, sweep: list[dict], runs: list[dict], title: str):
     from .studies.common import new_figure, save_figure
 
@@ -204,6 +224,11 @@ def cmd_serve_bench(args):
     chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     if chunk < 1:
         raise UsageError(f"--prefill-chunk must be an integer >= 1, got {chunk}")
+    if not args.paged and args.num_blocks is not None:
+        raise UsageError("--num-blocks needs --paged")
+    if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
+        raise UsageError("--block-size and --num-blocks must be integers >= 1")
+    cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size) if args.paged else {}
     sweep_slots = _slot_sweep(args.sweep, args.slots)
     step_model = DEFAULT_STEP_MODEL if args.step_model is None else StepTimeModel.load(args.step_model)
     if args.out:
@@ -216,13 +241,15 @@ def cmd_serve_bench(args):
     if not args.simulate:
         _note(args, "compiling: a first pass on a virtual clock")
         for policy in ("static", "continuous"):
-            Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=VirtualClock(step_model)).run(requests)
+            Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=VirtualClock(step_model),
+                   **cache).run(requests)
         _note(args, f"serving {len(requests)} requests on the wall clock, twice "
                     f"(about {requests[-1].arrival:.0f} s of arrivals each)")
     reports = {}
     for policy in ("static", "continuous"):
         clock = VirtualClock(step_model) if args.simulate else RealClock()
-        reports[policy] = Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=clock).run(requests)
+        reports[policy] = Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=clock,
+                                 **cache).run(requests)
     texts = {p: [[g.text for g in r.outputs] for r in rep.results] for p, rep in reports.items()}
     identical = texts["static"] == texts["continuous"]
     runs = [dict(reports[p].summary(), kind=kind) for p in ("static", "continuous")]
@@ -233,7 +260,7 @@ def cmd_serve_bench(args):
         measured_fit = dict(fit.to_dict(), rms_error=fit.residual(records))
     sweep = [dict(r, kind="simulated") for r in
              compare(lm, requests, sweep_slots, step_model, scripts=scripts_of(reports["continuous"]),
-                     prefill_chunk=chunk)]
+                     prefill_chunk=chunk, **cache)]
 
     figure = None
     if args.out:
@@ -247,7 +274,8 @@ def cmd_serve_bench(args):
         doc = {
             "settings": {"requests": args.requests, "rate": args.rate, "slots": args.slots,
                          "shared_prefix": args.shared_prefix, "n": args.n, "seed": args.seed,
-                         "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend},
+                         "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
+                         "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
             "runs": runs,
@@ -262,6 +290,9 @@ def cmd_serve_bench(args):
           f"{lm.decoder.backend} backend; {'virtual' if args.simulate else 'wall'} clock")
     print(_table(runs + sweep))
     print(f"static and continuous batching gave {'the same' if identical else 'DIFFERENT'} texts")
+    for run in runs:
+        if run.get("cache"):
+            print(cache_line(run["policy"], run["cache"], args.slots, lm.decoder.T))
     if measured_fit is not None:
         decode = measured_fit["a"] + measured_fit["b"] * args.slots
         print(f"measured steps: {decode * 1e3:.2f} ms a decode pass of {args.slots} slots + "

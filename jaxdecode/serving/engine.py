@@ -41,6 +41,23 @@ and sampled rows share any batch: each row has its own flag.
 ``T`` is refused with an error (:func:`jaxdecode.generate` serves such requests in its exact window
 mode, a full forward per step).
 
+**Paged cache** (``cache="paged"``; the dense cache is the default). Every slot's keys and values
+live in one pool of ``num_blocks`` blocks of ``block_size`` positions (:class:`PagedExecutor`),
+found through the slot's row of a block table that a
+:class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host. Admission gives a row its
+prompt's blocks: full leading blocks already in the pool with the same tokens (a shared
+instruction) are reused and not computed again (prefix hits: only the rest of the prompt is run);
+the samples of a request admitted together share all of its prompt's blocks and each copies the
+partly filled last one when it first writes into it (copy on write). Blocks for generated tokens
+are taken as rows grow, one step at a time, but admission **reserves** them: a row is admitted only
+if the free blocks cover what it and every running row may still take (up to prompt + n - 1
+positions each, plus one copy of a shared block), so a running row never runs out and nothing is
+ever preempted. A row that does not fit waits at the head of the queue (the rows behind it wait
+too) until finished rows free their blocks; a request one of whose samples could not fit even in
+the empty pool is refused when it is submitted. A decode step chooses the tokens first, then
+writes the tokens of the rows that go on (a finished row's last token is never written).
+:meth:`Engine.cache_stats` reports the peak of blocks in use and the prefix hits.
+
 The engine runs on a clock: :class:`RealClock` (wall time, sleeping until arrivals) or a virtual
 one (:class:`jaxdecode.serving.simulator.VirtualClock`, each step costing what a step-time model
 says). The device work is done by an executor: :class:`ModelExecutor` runs the model; the
@@ -50,371 +67,28 @@ simulator's executor replays known outputs without one. The scheduling code is t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..core import (
-    PROMPT_BUCKET,
-    SPAN_BUCKET,
-    Generation,
-    batch_bucket,
-    check_int,
-    encode_stop_strings,
-    round_up,
-    sample_keys,
-)
-from ..rules import Chain, Rule, processed_logprobs
-from ..rules import penalties as _pen
-from ..rules import truncation as _trunc
+from ..core import Generation, check_int, encode_stop_strings, sample_keys
+from .blocks import BlockAllocator, OutOfBlocks
+from .executors import ModelExecutor, PagedExecutor
+from .requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
 
-__all__ = ["POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "RealClock", "Report", "Request",
+__all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
+           "Report", "Request",
            "RequestResult", "StepRecord", "neutral_rule", "rule_parts", "percentiles"]
 
 POLICIES = ("continuous", "static")
+CACHES = ("dense", "paged")
 LAYOUT_LOOKAHEAD = 64  # rows in line an empty engine looks at to choose its rule layout
 DEFAULT_PREFILL_CHUNK = 128
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request: ``num_samples`` continuations of ``n`` tokens after ``prompt``.
-
-    ``seed``: sample ``j`` is drawn with ``PRNGKey(seed)`` and row id ``j`` (as
-    :func:`jaxdecode.generate`). ``rule``: a :mod:`jaxdecode.rules` rule or chain, or None; its
-    settings are scalars or one per sample (``[num_samples]``). ``greedy``: the argmax of the
-    processed logits. ``stop``: a string or strings ending a sample once generated (included in
-    its text). ``arrival``: seconds after the start of :meth:`Engine.run`.
-    """
-
-    prompt: str
-    n: int
-    seed: int = 0
-    num_samples: int = 1
-    rule: Any = None
-    greedy: bool = False
-    stop: str | Sequence[str] | None = None
-    arrival: float = 0.0
-
-
-@dataclasses.dataclass(eq=False)
-class _Row:
-    """One sample of a request, as the scheduler tracks it."""
-
-    req: int  # request index
-    j: int  # sample index (the row id of the PRNG)
-    prompt: np.ndarray  # int32 tokens
-    n: int
-    stops: list  # of int32 token arrays
-    greedy: bool
-    key: np.ndarray  # uint32 [2]
-    parts: tuple  # the request's rule parts, settings cut to this row
-    slot: int = -1
-    prefilled: int = 0  # prompt tokens in the cache
-    tokens: list = dataclasses.field(default_factory=list)
-    mlp: list = dataclasses.field(default_factory=list)
-    slp: list = dataclasses.field(default_factory=list)
-    finish: str | None = None
-    t_first: float | None = None
-    t_done: float | None = None
-
-    @property
-    def length(self) -> int:
-        """Positions of this row in its slot's cache."""
-        return self.prefilled + len(self.tokens)
-
-
-# ----------------------------------------------------------------------------- rule layouts
-
-
-_NEUTRAL = {
-    _trunc.Temperature: 1.0,
-    _trunc.TopP: 1.0,
-    _trunc.MinP: 0.0,
-    _trunc.Typical: 1.0,
-    _trunc.Epsilon: 0.0,
-    _trunc.Eta: 0.0,
-    _pen.RepetitionPenalty: 1.0,
-    _pen.FrequencyPenalty: 0.0,
-    _pen.PresencePenalty: 0.0,
-    _trunc.TopK: None,  # V: every token
-}
-
-
-def rule_parts(rule) -> tuple:
-    """The rules a rule (or chain, nested or not) applies, in order; ``()`` for None."""
-    if rule is None:
-        return ()
-    if isinstance(rule, Chain):
-        return tuple(p for r in rule.rules for p in rule_parts(r))
-    if isinstance(rule, Rule):
-        return (rule,)
-    raise ValueError(f"a request's rule must be a jaxdecode rule, a chain of rules or None, "
-                     f"got {type(rule).__name__}")
-
-
-def neutral_rule(part, V: int):
-    """``part``'s kind with the setting that leaves logits exactly unchanged, or None if the kind
-    has none."""
-    kind = type(part)
-    if kind not in _NEUTRAL:
-        return None
-    value = V if _NEUTRAL[kind] is None else _NEUTRAL[kind]
-    leaves, treedef = jax.tree_util.tree_flatten(part)
-    return jax.tree_util.tree_unflatten(treedef, [np.asarray(value, np.asarray(a).dtype) for a in leaves])
-
-
-def _kind(part):
-    return jax.tree_util.tree_structure(part)
-
-
-def _embed(parts: tuple, layout: tuple, V: int):
-    """Each layout part's rule for a row with ``parts``: its own where it has that part, else the
-    neutral one; None if ``parts`` is not the layout with neutral-capable parts left out."""
-    out, i = [], 0
-    for lp in layout:
-        if i < len(parts) and _kind(parts[i]) == _kind(lp):
-            out.append(parts[i])
-            i += 1
-        else:
-            neutral = neutral_rule(lp, V)
-            if neutral is None:
-                return None
-            out.append(neutral)
-    return out if i == len(parts) else None
-
-
-def _kinds_text(parts) -> str:
-    return ", ".join(type(p).__name__ for p in parts) or "no rule"
-
-
-def _row_settings(parts: tuple, j: int, num_samples: int, index: int) -> tuple:
-    """The parts with every setting cut to sample ``j`` (settings are scalars or one per sample)."""
-    def cut(a):
-        a = np.asarray(a)
-        if a.ndim == 0:
-            return a
-        if a.shape != (num_samples,):
-            raise ValueError(f"request {index}: a rule setting has shape {a.shape}; give a scalar or one value "
-                             f"per sample ({num_samples},)")
-        return a[j]
-
-    return tuple(jax.tree_util.tree_map(cut, p) for p in parts)
-
-
-# ----------------------------------------------------------------------------- one decode step
-
-
-def _select(logits, rule, rule_state, keys, row_ids, steps, greedy):
-    """One token per row, each at its own step: the sampling loop's choice (see
-    ``jaxdecode.sampling._choose``) with a step and a greedy flag per row."""
-    processed = logits if rule is None else rule.apply(logits, rule_state)
-    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    row_keys = jax.vmap(lambda k, r, s: jax.random.fold_in(jax.random.fold_in(k, r), s))(keys, row_ids, steps)
-    drawn = jax.vmap(jax.random.categorical)(row_keys, processed).astype(jnp.int32)
-    token = jnp.where(greedy, best, drawn)
-    take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
-    model_lp = take(jax.nn.log_softmax(logits, axis=-1))
-    sample_lp = take(processed_logprobs(processed))
-    if rule is not None:
-        rule_state = rule.update(rule_state, token)
-    return token, model_lp, sample_lp, rule_state
-
-
-def _rows_where(mask, new, old):
-    """``new`` in the rows where ``mask`` ``[B]``, else ``old`` (pytrees of batch-first leaves)."""
-    def pick(a, b):
-        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
-
-    return jax.tree_util.tree_map(pick, new, old)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "rule_state"))
-def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
-            model, span):
-    """Choose a token in every slot and append it. ``lengths``: each slot's cache length (0 for a
-    free slot); only ``decoding`` slots advance (a slot still reading its prompt keeps its cache
-    length and rule state: the position written for it is overwritten by its next piece)."""
-    cache = model.truncate(cache, lengths)
-    token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
-    if rule_state is not None:
-        rule_state = _rows_where(decoding, new_state, rule_state)
-    out, _, cache = model.extend(params, cache, token[:, None], span)
-    cache = model.truncate(cache, lengths + decoding.astype(jnp.int32))
-    return token, mlp, slp, out[:, 0], cache, rule_state
-
-
-def _scatter_rows(big, small, src, dst):
-    """Rows ``small[src[i]]`` written into ``big[dst[i]]`` for pytrees of batch-first leaves; a
-    ``dst`` past the end is dropped (padding). A leaf of ``small`` whose rows are smaller (a
-    prefill's cache, which holds only its prompt's positions) fills the leading corner of the row:
-    the positions past it are left as they are, garbage past the row's length. The dense cache's
-    insert; a paged cache would write block tables instead."""
-    def put(b, s):
-        corner = (dst,) + tuple(slice(0, n) for n in s.shape[1:])
-        return b.at[corner].set(jnp.take(s, src, axis=0).astype(b.dtype), mode="drop")
-
-    return jax.tree_util.tree_map(put, big, small)
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache", "logits"))
-def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model):
-    """Prefill right-padded prompt pieces ``tokens`` ``[U, W]`` and write prefill row ``src[i]`` into
-    slot ``dst[i]`` (its ``W`` cache positions and its next-token logits)."""
-    first, _, sub = model.prefill(params, tokens, lengths, tokens.shape[1])
-    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, first, src, dst)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "logits"))
-def _extend_insert(params, cache, logits, rows, real, tokens, src, dst, *, model, span):
-    """Append the next prompt piece ``tokens`` ``[G, C]`` to the cache rows of slots ``rows``
-    (``real`` marks the rows that are not padding) and write result ``src[i]`` into slot
-    ``dst[i]``."""
-    sub = model.reorder(cache, rows)
-    sub = model.truncate(sub, jnp.where(real, model.lengths(sub), 0))
-    out, _, sub = model.extend(params, sub, tokens, span, in_place=False)
-    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, out[:, -1], src, dst)
-
-
-@functools.partial(jax.jit, static_argnames=("V",), donate_argnames=("rule_state",))
-def _init_rule_rows(rule, rule_state, prompt, lengths, dst, *, V):
-    """The rule state of new rows (prompts ``[K, T]``) written into slots ``dst``."""
-    return _scatter_rows(rule_state, rule.init(prompt, lengths, V, 0), jnp.arange(prompt.shape[0]), dst)
-
-
-# ----------------------------------------------------------------------------- executors
-
-
-class ModelExecutor:
-    """The device side of an :class:`Engine`: a dense cache of ``slots`` rows of ``lm``'s model,
-    with each slot's logits, rule settings and rule state.
-
-    The cache's leaves must be batch-first, and the cache a prefill returns for ``W`` positions
-    must be the leading corner of one of capacity ``T`` (the reference model's and
-    :class:`FunctionModel`'s are). The capacity is the model window ``T``; a decode step attends
-    over the filled span, rounded up to :data:`jaxdecode.core.SPAN_BUCKET` positions.
-    """
-
-    def __init__(self, lm, slots: int):
-        self.model = lm.decoder
-        self.S, self.T, self.V = slots, self.model.T, self.model.V
-        self.capacity = self.T
-        self.params = self.model.prepare(lm.params, slots)
-        # one buffer per leaf (an empty cache may share one zero array between leaves; the steps
-        # donate the cache, and a buffer cannot be donated twice)
-        self.cache = jax.tree_util.tree_map(jnp.copy, self.model.empty_cache(slots, self.capacity))
-        for leaf in jax.tree_util.tree_leaves(self.cache):
-            if leaf.ndim == 0 or leaf.shape[0] != slots:
-                raise ValueError(f"the engine needs a cache whose leaves are batch-first; "
-                                 f"{type(self.model).__name__} has a leaf of shape {leaf.shape} for {slots} rows")
-        self.logits = jnp.zeros((slots, self.V), jnp.float32)
-        # rows written into slots per call, padded to one size (one program per prefill shape)
-        self._rows_bucket = batch_bucket(slots)
-        self.keys = np.zeros((slots, 2), np.uint32)
-        self.row_ids = np.zeros((slots,), np.uint32)
-        self.greedy = np.zeros((slots,), bool)
-        self._treedefs: list = []
-        self._settings: list = []  # per layout part: one [slots] array per leaf
-        self.rule_state = None
-
-    def set_layout(self, layout: tuple):
-        """Start a new rule layout (every slot is free)."""
-        self._treedefs, self._settings = [], []
-        for part in layout:
-            neutral = neutral_rule(part, self.V)
-            leaves, treedef = jax.tree_util.tree_flatten(part if neutral is None else neutral)
-            self._treedefs.append(treedef)
-            self._settings.append([np.full((self.S,), np.asarray(a).reshape(-1)[0], np.asarray(a).dtype)
-                                   for a in leaves])
-        self.rule_state = None
-        if layout:
-            prompt = jnp.zeros((self.S, self.T), jnp.int32)
-            self.rule_state = _init_state(self._rule(), prompt, jnp.ones((self.S,), jnp.int32), V=self.V)
-
-    def _rule(self):
-        """The layout with every slot's settings (copies: the host arrays change as rows come)."""
-        if not self._treedefs:
-            return None
-        return Chain(tuple(jax.tree_util.tree_unflatten(td, [a.copy() for a in leaves])
-                           for td, leaves in zip(self._treedefs, self._settings)))
-
-    def admit(self, entries):
-        """``entries``: ``(slot, row, rules)`` with ``rules`` the row's rule for each layout part."""
-        for slot, row, rules in entries:
-            self.keys[slot], self.row_ids[slot], self.greedy[slot] = row.key, row.j, row.greedy
-            for store, rule in zip(self._settings, rules):
-                for arr, value in zip(store, jax.tree_util.tree_leaves(rule)):
-                    arr[slot] = np.asarray(value)
-        if self.rule_state is not None and entries:
-            K = self._rows_bucket
-            prompt = np.zeros((K, self.T), np.int32)
-            lengths = np.ones((K,), np.int32)
-            dst = np.full((K,), self.S, np.int32)
-            for i, (slot, row, _) in enumerate(entries):
-                prompt[i, :len(row.prompt)] = row.prompt
-                lengths[i], dst[i] = len(row.prompt), slot
-            self.rule_state = _init_rule_rows(self._rule(), self.rule_state, prompt, lengths, dst, V=self.V)
-
-    def prefill(self, first, more):
-        """Run prompt pieces: ``first`` and ``more`` list ``(slots, tokens)``, a piece for the rows in
-        ``slots`` (one prompt, at the same point); ``first`` pieces start their prompts, ``more``
-        pieces (all of one length) continue them."""
-        if first:
-            U, K = batch_bucket(len(first)), self._rows_bucket
-            W = min(round_up(max(len(t) for _, t in first), PROMPT_BUCKET), self.T)
-            tokens = np.zeros((U, W), np.int32)
-            lengths = np.ones((U,), np.int32)
-            src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
-            i = 0
-            for g, (slots, piece) in enumerate(first):
-                tokens[g, :len(piece)], lengths[g] = piece, len(piece)
-                for s in slots:
-                    src[i], dst[i] = g, s
-                    i += 1
-            self.cache, self.logits = _prefill_insert(self.params, self.cache, self.logits, tokens, lengths, src,
-                                                      dst, model=self.model)
-        if more:
-            G, K = batch_bucket(len(more)), self._rows_bucket
-            C = len(more[0][1])
-            rows, real = np.zeros((G,), np.int32), np.zeros((G,), bool)
-            tokens = np.zeros((G, C), np.int32)
-            src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
-            i = 0
-            for g, (slots, piece) in enumerate(more):
-                rows[g], real[g], tokens[g] = slots[0], True, piece
-                for s in slots:
-                    src[i], dst[i] = g, s
-                    i += 1
-            self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens,
-                                                     src, dst, model=self.model, span=self.capacity)
-
-    def decode(self, decoding, steps, lengths):
-        """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
-        steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
-        model_logprobs, sample_logprobs)`` ``[S]``."""
-        span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
-        token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
-            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
-            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
-            model=self.model, span=span)
-        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
-
-
-@functools.partial(jax.jit, static_argnames=("V",))
-def _init_state(rule, prompt, lengths, *, V):
-    return rule.init(prompt, lengths, V, 0)
 
 
 # ----------------------------------------------------------------------------- clock and records
@@ -508,6 +182,7 @@ class Report:
     slots: int
     results: list
     steps: list
+    cache: dict | None = None  # a paged engine's cache figures (Engine.cache_stats), else None
 
     def summary(self) -> dict:
         """Throughput (generated tokens per second from the first arrival to the last finish),
@@ -531,7 +206,7 @@ class Report:
             "steps": len(self.steps),
             "mean_active": float(np.mean([s.active for s in busy])) if busy else 0.0,
             "mean_step_seconds": float(np.mean([s.seconds for s in self.steps])) if self.steps else None,
-        }
+        } | ({} if self.cache is None else {"cache": dict(self.cache)})
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -545,21 +220,42 @@ class Engine:
     request must fit (its settings are ignored; default: chosen as requests come). ``clock``:
     :class:`RealClock` (default) or a virtual clock. ``executor``: the device side (default
     :class:`ModelExecutor` on ``lm``); ``lm`` supplies the vocabulary and the window either way.
+    ``cache``: ``"dense"`` (default) or ``"paged"`` (see the module docstring), with
+    ``num_blocks`` (default: ``slots`` rows of the window, the dense cache's memory),
+    ``block_size``, ``prefix_caching`` and ``attention`` (the paged attention implementation;
+    default native on the native backend, else portable).
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
     """
 
     def __init__(self, lm, slots: int, *, policy: str = "continuous", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 layout=None, clock=None, executor=None):
+                 layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
+                 block_size: int = 16, prefix_caching: bool = True, attention: str | None = None):
         self.S = check_int("slots", slots, 1)
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if cache not in CACHES:
+            raise ValueError(f"unknown cache {cache!r}: choose one of {', '.join(CACHES)}")
         self.policy = policy
         self.chunk = check_int("prefill_chunk", prefill_chunk, 1)
         self.lm = lm
         self.T, self.V = lm.decoder.T, lm.decoder.V
+        self.paged = cache == "paged"
+        self.allocator: BlockAllocator | None = None
+        if self.paged:
+            block_size = check_int("block_size", block_size, 1)
+            width = -(-self.T // block_size)
+            num_blocks = self.S * width if num_blocks is None else check_int("num_blocks", num_blocks, 1)
+            self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+            if attention is None:
+                attention = "native" if getattr(lm.decoder, "backend", "") == "native" else "portable"
+            if executor is None:
+                executor = PagedExecutor(lm, slots, num_blocks, block_size, attention)
+        elif num_blocks is not None:
+            raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
         self.executor = ModelExecutor(lm, slots) if executor is None else executor
+        self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
         self.requests: list[Request] = []
         self._rows: list[list[_Row]] = []
@@ -604,6 +300,12 @@ class Engine:
             raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
                              f"the model window T = {self.T}; the engine keeps every row within the window "
                              f"(jaxdecode.generate serves longer requests in its exact window mode)")
+        if self.paged and n > 0:
+            need = self.allocator.blocks_for(len(prompt) + n - 1)
+            if need > self.allocator.num_blocks:
+                raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) needs {need} blocks of "
+                                 f"{self.allocator.block_size} positions per sample, more than the whole pool of "
+                                 f"{self.allocator.num_blocks} blocks: it could never be served")
         if self._pinned and _embed(parts, self._layout, self.V) is None:
             raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's "
                              f"layout ({_kinds_text(self._layout)}): it must be the layout with parts left out, "
@@ -655,17 +357,127 @@ class Engine:
         if len(free) == self.S and not self._pinned:
             self._choose_layout()
         entries = []
+        group: dict = {}  # request -> its first row admitted in this call (paged: the others fork it)
         while free and self._waiting:
             row = self._waiting[0]
             rules = _embed(row.parts, self._layout, self.V)
             if rules is None:
                 break  # waits until the engine drains (first in, first out)
+            if self.paged and not self._place(row, group):
+                self.block_waits += 1
+                break  # too few free blocks: it waits, and the rows behind it too (first in, first out)
             self._waiting.popleft()
             row.slot = free.pop(0)
             self._slots[row.slot] = row
             entries.append((row.slot, row, rules))
         if entries:
             self.executor.admit(entries)
+
+    # --- the paged cache
+    def _reset_cache_stats(self):
+        self.peak_blocks = 0 if self.allocator is None else self.allocator.num_used
+        self.prefix_hit_tokens = 0  # prompt tokens whose keys and values were found in the pool
+        self.block_waits = 0  # admissions refused for too few free blocks
+
+    def _note_peak(self):
+        self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
+
+    def _reserved(self, rows) -> int:
+        """Blocks ``rows`` may still take from the pool before they finish: each its blocks up to
+        ``prompt + n - 1`` positions (the last token is never written), plus one for the copy on
+        write of a shared, partly filled last block."""
+        a, bs = self.allocator, self.allocator.block_size
+        total = 0
+        for r in rows:
+            table, length = a.table(r.seq), a.length(r.seq)
+            cow = length % bs != 0 and a.refcount(table[-1]) > 1
+            total += max(0, a.blocks_for(len(r.prompt) + r.n - 1) - len(table)) + int(cow)
+        return total
+
+    def _place(self, row: _Row, group: dict) -> bool:
+        """Give a row its blocks if the pool can hold it to the end: the prompt's blocks now (shared
+        with a sample of its request admitted in the same call, or cached full prefix blocks), and
+        what it and every running row may still take reserved. False (nothing changed): it waits."""
+        a = self.allocator
+        first = group.get(row.req)
+        if first is not None:  # a sample of the same prompt: share its blocks, copy on write later
+            a.fork(first.seq, row.seq)
+            row.prefilled, row.leader, cached = first.prefilled, first.seq, 0
+        else:
+            try:
+                alloc = a.allocate(row.seq, row.prompt)
+            except OutOfBlocks:
+                return False
+            row.prefilled, row.leader, cached = alloc.cached, row.seq, alloc.cached
+        if self._reserved([r for r in self._slots if r is not None] + [row]) > a.num_free:
+            a.free(row.seq)
+            row.prefilled, row.leader = 0, None
+            return False
+        group.setdefault(row.req, row)
+        self.prefix_hit_tokens += cached
+        self._note_peak()
+        return True
+
+    def _prefill_paged(self) -> int:
+        """One prompt piece (up to ``prefill_chunk`` tokens, from the first position not cached) for
+        every group of rows writing one prompt into the same blocks; returns the tokens run."""
+        groups: dict = {}
+        for row in self._slots:
+            if row is not None and row.prefilled < len(row.prompt):
+                groups.setdefault(row.leader, []).append(row)
+        if not groups:
+            return 0
+        pieces, tokens = [], 0
+        for rows in groups.values():
+            start = rows[0].prefilled
+            size = min(self.chunk, len(rows[0].prompt) - start)
+            pieces.append(([r.slot for r in rows], start, rows[0].prompt[start:start + size]))
+            tokens += size
+            for r in rows:
+                r.prefilled = start + size
+        self.executor.prefill_pieces(pieces, self.allocator.tables(list(groups), width=self._width))
+        for rows in groups.values():
+            for r in rows:  # their full blocks are now written: shareable by later prompts
+                self.allocator.mark_computed(r.seq, r.prefilled)
+        return tokens
+
+    def _append_paged(self, rows):
+        """Write each row's newest token into its blocks (a new block when its last is full, a copy
+        of a shared, partly filled one) and compute its next-token logits."""
+        a = self.allocator
+        go_on = np.zeros((self.S,), bool)
+        tokens, positions = np.zeros((self.S,), np.int32), np.zeros((self.S,), np.int32)
+        tables = np.zeros((self.S, self._width), np.int32)
+        copies = []
+        for row in rows:
+            copies += a.append(row.seq, row.tokens[-1])
+            s = row.slot
+            go_on[s], tokens[s], positions[s] = True, row.tokens[-1], row.length - 1
+            table = a.table(row.seq)
+            tables[s, :len(table)] = table
+        self._note_peak()
+        self.executor.append(go_on, tokens, positions, tables, copies)
+        for row in rows:
+            a.mark_computed(row.seq)
+
+    @property
+    def _width(self) -> int:
+        return -(-self.T // self.allocator.block_size)
+
+    def cache_stats(self) -> dict | None:
+        """A paged engine's cache figures since its last :meth:`run` started (None for the dense
+        cache): the pool, the peak of blocks in use and its bytes, what a contiguous cache of
+        ``slots`` rows of the window ``T`` takes, and the prompt tokens served from cached
+        prefix blocks."""
+        if not self.paged:
+            return None
+        a, cfg = self.allocator, getattr(self.lm, "cfg", None)
+        per = None if cfg is None else 2 * cfg.L * cfg.d * np.dtype(np.float32).itemsize
+        nbytes = lambda positions: None if per is None else int(positions * per)
+        return {"block_size": a.block_size, "num_blocks": a.num_blocks, "peak_blocks": self.peak_blocks,
+                "peak_bytes": nbytes(self.peak_blocks * a.block_size),
+                "pool_bytes": nbytes(a.num_blocks * a.block_size), "contiguous_bytes": nbytes(self.S * self.T),
+                "prefix_hit_tokens": self.prefix_hit_tokens, "block_waits": self.block_waits}
 
     def _choose_layout(self):
         """For an empty engine: of the chains of the first rows in line that the first row fits,
@@ -705,26 +517,38 @@ class Engine:
         self._admit()
         if self.occupied == 0:
             return None
-        prefill_tokens = self._prefill()
+        prefill_tokens = self._prefill_paged() if self.paged else self._prefill()
         decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
         active = int(decoding.sum())
         if active:
             steps = np.array([len(r.tokens) if d else 0 for r, d in zip(self._slots, decoding)], np.int32)
             lengths = np.array([0 if r is None else r.length for r in self._slots], np.int32)
             tokens, mlp, slp = self.executor.decode(decoding, steps, lengths)
-        end = self.clock.step_done(self.S if active else 0, prefill_tokens)
+        stepped, done = [], []
         for s in np.flatnonzero(decoding):
             row = self._slots[s]
             row.tokens.append(int(tokens[s]))
             row.mlp.append(float(mlp[s]))
             row.slp.append(float(slp[s]))
-            if row.t_first is None:
-                row.t_first = end
+            stepped.append(row)
             hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
                       for stop in row.stops)
             if hit or len(row.tokens) == row.n:
-                row.finish, row.t_done, row.slot = ("stop" if hit else "length"), end, -1
+                row.finish, row.slot = ("stop" if hit else "length"), -1
                 self._slots[s] = None
+                done.append(row)
+        if self.paged:
+            for row in done:
+                self.allocator.free(row.seq)
+            going = [r for r in stepped if r.finish is None]
+            if going:  # the chosen tokens are written once the rows that go on have their blocks
+                self._append_paged(going)
+        end = self.clock.step_done(self.S if active else 0, prefill_tokens)
+        for row in stepped:
+            if row.t_first is None:
+                row.t_first = end
+        for row in done:
+            row.t_done = end
         record = StepRecord(start, end, self.S if active else 0, active, prefill_tokens)
         self.step_records.append(record)
         return record
@@ -739,6 +563,8 @@ class Engine:
         self._queue(rows, requests)
         self.clock.start()
         self.step_records = []
+        if self.paged:
+            self._reset_cache_stats()
         while not self.idle:
             if self.step() is None:  # nothing to run until the next arrival
                 if not self._pending:
@@ -763,4 +589,4 @@ class Engine:
             firsts = [r.t_first for r in rows if r.t_first is not None]
             results.append(RequestResult(i, self.requests[i], outs, self._arrival[i],
                                          min(firsts) if firsts else None, max(r.t_done for r in rows)))
-        return Report(self.policy, self.S, results, list(self.step_records))
+        return Report(self.policy, self.S, results, list(self.step_records), self.cache_stats())

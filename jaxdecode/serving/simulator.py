@@ -162,6 +162,12 @@ class ReplayExecutor:
     def prefill(self, first, more):
         pass
 
+    def prefill_pieces(self, pieces, tables):  # a paged engine's prompt pieces
+        pass
+
+    def append(self, go_on, tokens, positions, tables, copies):  # a paged engine's new tokens
+        pass
+
     def decode(self, decoding, steps, lengths):
         tokens = np.zeros((self.S,), np.int32)
         for s in np.flatnonzero(decoding):
@@ -179,23 +185,26 @@ def scripts_of(report: Report) -> dict:
 
 
 def simulate(lm, requests: Sequence[Request], *, slots: int, policy: str, step_model: StepTimeModel,
-             scripts: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Report:
+             scripts: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **cache) -> Report:
     """Serve ``requests`` with the engine's scheduler on a virtual clock (see the module docstring).
     ``lm`` supplies the vocabulary and window only; ``scripts``: each row's tokens from a real run
-    (:func:`scripts_of`), so stop strings end rows where they really did."""
+    (:func:`scripts_of`), so stop strings end rows where they really did. ``cache``: the engine's
+    cache settings (``cache="paged"``, ``num_blocks``, ``block_size``, ``prefix_caching``): a paged
+    engine's admission, with its block allocator, is simulated too."""
     engine = Engine(lm, slots, policy=policy, prefill_chunk=prefill_chunk, clock=VirtualClock(step_model),
-                    executor=ReplayExecutor(slots, scripts))
+                    executor=ReplayExecutor(slots, scripts), **cache)
     return engine.run(requests)
 
 
 def compare(lm, requests: Sequence[Request], slot_counts: Sequence[int], step_model: StepTimeModel, *,
-            scripts: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[dict]:
-    """:meth:`Report.summary` of every policy at every slot count (simulated)."""
+            scripts: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **cache) -> list[dict]:
+    """:meth:`Report.summary` of every policy at every slot count (simulated; ``cache`` as
+    :func:`simulate`)."""
     out = []
     for S in slot_counts:
         for policy in POLICIES[::-1]:
             rep = simulate(lm, requests, slots=S, policy=policy, step_model=step_model, scripts=scripts,
-                           prefill_chunk=prefill_chunk)
+                           prefill_chunk=prefill_chunk, **cache)
             out.append(rep.summary())
     return out
 

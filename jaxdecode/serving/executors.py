@@ -1,0 +1,314 @@
+"""The engine's device work: one decode step for every slot, prefill pieces written into their
+slots, on a dense slot cache (:class:`ModelExecutor`) or a paged pool (:class:`PagedExecutor`).
+See :mod:`jaxdecode.serving.engine`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from ..rules import Chain, processed_logprobs
+from . import paged as _paged
+from .requests import neutral_rule
+
+
+# ----------------------------------------------------------------------------- one decode step
+
+
+def _select(logits, rule, rule_state, keys, row_ids, steps, greedy):
+    """One token per row, each at its own step: the sampling loop's choice (see
+    ``jaxdecode.sampling._choose``) with a step and a greedy flag per row."""
+    processed = logits if rule is None else rule.apply(logits, rule_state)
+    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    row_keys = jax.vmap(lambda k, r, s: jax.random.fold_in(jax.random.fold_in(k, r), s))(keys, row_ids, steps)
+    drawn = jax.vmap(jax.random.categorical)(row_keys, processed).astype(jnp.int32)
+    token = jnp.where(greedy, best, drawn)
+    take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
+    model_lp = take(jax.nn.log_softmax(logits, axis=-1))
+    sample_lp = take(processed_logprobs(processed))
+    if rule is not None:
+        rule_state = rule.update(rule_state, token)
+    return token, model_lp, sample_lp, rule_state
+
+
+def _rows_where(mask, new, old):
+    """``new`` in the rows where ``mask`` ``[B]``, else ``old`` (pytrees of batch-first leaves)."""
+    def pick(a, b):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "rule_state"))
+def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
+            model, span):
+    """Choose a token in every slot and append it. ``lengths``: each slot's cache length (0 for a
+    free slot); only ``decoding`` slots advance (a slot still reading its prompt keeps its cache
+    length and rule state: the position written for it is overwritten by its next piece)."""
+    cache = model.truncate(cache, lengths)
+    token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
+    if rule_state is not None:
+        rule_state = _rows_where(decoding, new_state, rule_state)
+    out, _, cache = model.extend(params, cache, token[:, None], span)
+    cache = model.truncate(cache, lengths + decoding.astype(jnp.int32))
+    return token, mlp, slp, out[:, 0], cache, rule_state
+
+
+def _scatter_rows(big, small, src, dst):
+    """Rows ``small[src[i]]`` written into ``big[dst[i]]`` for pytrees of batch-first leaves; a
+    ``dst`` past the end is dropped (padding). A leaf of ``small`` whose rows are smaller (a
+    prefill's cache, which holds only its prompt's positions) fills the leading corner of the row:
+    the positions past it are left as they are, garbage past the row's length. The dense cache's
+    insert; a paged cache would write block tables instead."""
+    def put(b, s):
+        corner = (dst,) + tuple(slice(0, n) for n in s.shape[1:])
+        return b.at[corner].set(jnp.take(s, src, axis=0).astype(b.dtype), mode="drop")
+
+    return jax.tree_util.tree_map(put, big, small)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache", "logits"))
+def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model):
+    """Prefill right-padded prompt pieces ``tokens`` ``[U, W]`` and write prefill row ``src[i]`` into
+    slot ``dst[i]`` (its ``W`` cache positions and its next-token logits)."""
+    first, _, sub = model.prefill(params, tokens, lengths, tokens.shape[1])
+    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, first, src, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "logits"))
+def _extend_insert(params, cache, logits, rows, real, tokens, src, dst, *, model, span):
+    """Append the next prompt piece ``tokens`` ``[G, C]`` to the cache rows of slots ``rows``
+    (``real`` marks the rows that are not padding) and write result ``src[i]`` into slot
+    ``dst[i]``."""
+    sub = model.reorder(cache, rows)
+    sub = model.truncate(sub, jnp.where(real, model.lengths(sub), 0))
+    out, _, sub = model.extend(params, sub, tokens, span, in_place=False)
+    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, out[:, -1], src, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("V",), donate_argnames=("rule_state",))
+def _init_rule_rows(rule, rule_state, prompt, lengths, dst, *, V):
+    """The rule state of new rows (prompts ``[K, T]``) written into slots ``dst``."""
+    return _scatter_rows(rule_state, rule.init(prompt, lengths, V, 0), jnp.arange(prompt.shape[0]), dst)
+
+
+# ----------------------------------------------------------------------------- executors
+
+
+class ModelExecutor:
+    """The device side of an :class:`Engine`: a dense cache of ``slots`` rows of ``lm``'s model,
+    with each slot's logits, rule settings and rule state.
+
+    The cache's leaves must be batch-first, and the cache a prefill returns for ``W`` positions
+    must be the leading corner of one of capacity ``T`` (the reference model's and
+    :class:`FunctionModel`'s are). The capacity is the model window ``T``; a decode step attends
+    over the filled span, rounded up to :data:`jaxdecode.core.SPAN_BUCKET` positions.
+    """
+
+    def __init__(self, lm, slots: int):
+        self.model = lm.decoder
+        self.S, self.T, self.V = slots, self.model.T, self.model.V
+        self.capacity = self.T
+        self.params = self.model.prepare(lm.params, slots)
+        # one buffer per leaf (an empty cache may share one zero array between leaves; the steps
+        # donate the cache, and a buffer cannot be donated twice)
+        self.cache = jax.tree_util.tree_map(jnp.copy, self.model.empty_cache(slots, self.capacity))
+        for leaf in jax.tree_util.tree_leaves(self.cache):
+            if leaf.ndim == 0 or leaf.shape[0] != slots:
+                raise ValueError(f"the engine needs a cache whose leaves are batch-first; "
+                                 f"{type(self.model).__name__} has a leaf of shape {leaf.shape} for {slots} rows")
+        self._init_slots(slots)
+
+    def _init_slots(self, slots: int):
+        """Each slot's logits, key, row id, greedy flag and rule settings (no layout yet)."""
+        self.logits = jnp.zeros((slots, self.V), jnp.float32)
+        # rows written into slots per call, padded to one size (one program per prefill shape)
+        self._rows_bucket = batch_bucket(slots)
+        self.keys = np.zeros((slots, 2), np.uint32)
+        self.row_ids = np.zeros((slots,), np.uint32)
+        self.greedy = np.zeros((slots,), bool)
+        self._treedefs: list = []
+        self._settings: list = []  # per layout part: one [slots] array per leaf
+        self.rule_state = None
+
+    def set_layout(self, layout: tuple):
+        """Start a new rule layout (every slot is free)."""
+        self._treedefs, self._settings = [], []
+        for part in layout:
+            neutral = neutral_rule(part, self.V)
+            leaves, treedef = jax.tree_util.tree_flatten(part if neutral is None else neutral)
+            self._treedefs.append(treedef)
+            self._settings.append([np.full((self.S,), np.asarray(a).reshape(-1)[0], np.asarray(a).dtype)
+                                   for a in leaves])
+        self.rule_state = None
+        if layout:
+            prompt = jnp.zeros((self.S, self.T), jnp.int32)
+            self.rule_state = _init_state(self._rule(), prompt, jnp.ones((self.S,), jnp.int32), V=self.V)
+
+    def _rule(self):
+        """The layout with every slot's settings (copies: the host arrays change as rows come)."""
+        if not self._treedefs:
+            return None
+        return Chain(tuple(jax.tree_util.tree_unflatten(td, [a.copy() for a in leaves])
+                           for td, leaves in zip(self._treedefs, self._settings)))
+
+    def admit(self, entries):
+        """``entries``: ``(slot, row, rules)`` with ``rules`` the row's rule for each layout part."""
+        for slot, row, rules in entries:
+            self.keys[slot], self.row_ids[slot], self.greedy[slot] = row.key, row.j, row.greedy
+            for store, rule in zip(self._settings, rules):
+                for arr, value in zip(store, jax.tree_util.tree_leaves(rule)):
+                    arr[slot] = np.asarray(value)
+        if self.rule_state is not None and entries:
+            K = self._rows_bucket
+            prompt = np.zeros((K, self.T), np.int32)
+            lengths = np.ones((K,), np.int32)
+            dst = np.full((K,), self.S, np.int32)
+            for i, (slot, row, _) in enumerate(entries):
+                prompt[i, :len(row.prompt)] = row.prompt
+                lengths[i], dst[i] = len(row.prompt), slot
+            self.rule_state = _init_rule_rows(self._rule(), self.rule_state, prompt, lengths, dst, V=self.V)
+
+    def prefill(self, first, more):
+        """Run prompt pieces: ``first`` and ``more`` list ``(slots, tokens)``, a piece for the rows in
+        ``slots`` (one prompt, at the same point); ``first`` pieces start their prompts, ``more``
+        pieces (all of one length) continue them."""
+        if first:
+            U, K = batch_bucket(len(first)), self._rows_bucket
+            W = min(round_up(max(len(t) for _, t in first), PROMPT_BUCKET), self.T)
+            tokens = np.zeros((U, W), np.int32)
+            lengths = np.ones((U,), np.int32)
+            src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
+            i = 0
+            for g, (slots, piece) in enumerate(first):
+                tokens[g, :len(piece)], lengths[g] = piece, len(piece)
+                for s in slots:
+                    src[i], dst[i] = g, s
+                    i += 1
+            self.cache, self.logits = _prefill_insert(self.params, self.cache, self.logits, tokens, lengths, src,
+                                                      dst, model=self.model)
+        if more:
+            G, K = batch_bucket(len(more)), self._rows_bucket
+            C = len(more[0][1])
+            rows, real = np.zeros((G,), np.int32), np.zeros((G,), bool)
+            tokens = np.zeros((G, C), np.int32)
+            src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
+            i = 0
+            for g, (slots, piece) in enumerate(more):
+                rows[g], real[g], tokens[g] = slots[0], True, piece
+                for s in slots:
+                    src[i], dst[i] = g, s
+                    i += 1
+            self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens,
+                                                     src, dst, model=self.model, span=self.capacity)
+
+    def decode(self, decoding, steps, lengths):
+        """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
+        steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
+        model_logprobs, sample_logprobs)`` ``[S]``."""
+        span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
+        token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
+            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
+            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
+            model=self.model, span=span)
+        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+
+
+@functools.partial(jax.jit, static_argnames=("V",))
+def _init_state(rule, prompt, lengths, *, V):
+    return rule.init(prompt, lengths, V, 0)
+
+
+@functools.partial(jax.jit, donate_argnames=("rule_state",))
+def _paged_select(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding):
+    """The paged engine's choice of a token in every slot (its rule state advanced in the
+    ``decoding`` slots only); the tokens are appended by a separate pass, once the host has given
+    them blocks."""
+    token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
+    if rule_state is not None:
+        rule_state = _rows_where(decoding, new_state, rule_state)
+    return token, mlp, slp, rule_state
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("pool", "logits"))
+def _paged_forward(params, pool, logits, tables, lengths, tokens, counts, src, dst, *, model):
+    """``counts[g]`` new positions of row ``g`` (``tokens`` ``[G, C]``, after ``lengths[g]`` cached
+    ones) through its block table; the logits after row ``src[i]``'s last new position are written
+    into slot ``dst[i]`` (a ``dst`` past the end is dropped)."""
+    out, _, pool = model.pool_forward(params, pool, tables, lengths, tokens, counts)
+    last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    return pool, _scatter_rows(logits, last, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _copy_pool_blocks(pool, src, dst):
+    return _paged.copy_blocks(pool, src, dst)
+
+
+class PagedExecutor(ModelExecutor):
+    """The device side of a paged :class:`Engine`: one pool of ``num_blocks`` blocks of
+    ``block_size`` positions (:class:`jaxdecode.serving.paged.PagedCharLM`, the reference
+    transformer) holding every slot's keys and values, found through block tables the engine's
+    :class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host; with each slot's logits,
+    rule settings and rule state as :class:`ModelExecutor`. ``attention``: the paged attention
+    implementation (:data:`jaxdecode.serving.paged.IMPLS`)."""
+
+    def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
+        cfg = getattr(lm, "cfg", None)
+        if cfg is None:
+            raise ValueError("the paged cache needs the reference transformer (a model loaded with its cfg)")
+        self.model = _paged.PagedCharLM(cfg, int(block_size), attention)
+        self.S, self.T, self.V = slots, self.model.T, self.model.V
+        self.capacity = self.T
+        self.width = self.model.blocks_for(self.T)  # table columns: a row never exceeds the window
+        self.params = lm.params
+        # one buffer per leaf (the empty pool shares its zeros; the passes donate the pool)
+        self.pool = jax.tree_util.tree_map(jnp.copy, self.model.empty_pool(num_blocks))
+        self._copies_bucket = batch_bucket(slots)
+        self._init_slots(slots)
+
+    def prefill_pieces(self, pieces, tables):
+        """``pieces``: ``(slots, start, tokens)``: a prompt piece written at positions ``start..``
+        of the blocks in the matching row of ``tables`` ``[G, width]``, its logits for every slot of
+        ``slots`` (the samples sharing those blocks)."""
+        G, K = batch_bucket(len(pieces)), self._rows_bucket
+        W = min(round_up(max(len(t) for _, _, t in pieces), PROMPT_BUCKET), self.T)
+        tokens = np.zeros((G, W), np.int32)
+        lengths, counts = np.zeros((G,), np.int32), np.zeros((G,), np.int32)
+        tab = np.zeros((G, self.width), np.int32)
+        src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
+        i = 0
+        for g, (slots, start, piece) in enumerate(pieces):
+            tokens[g, :len(piece)], lengths[g], counts[g], tab[g] = piece, start, len(piece), tables[g]
+            for s in slots:
+                src[i], dst[i] = g, s
+                i += 1
+        self.pool, self.logits = _paged_forward(self.params, self.pool, self.logits, tab, lengths, tokens, counts,
+                                                src, dst, model=self.model)
+
+    def decode(self, decoding, steps, lengths):
+        """Choose a token in every slot (see :meth:`ModelExecutor.decode`); nothing is appended:
+        :meth:`append` writes the tokens of the rows that go on."""
+        token, mlp, slp, self.rule_state = _paged_select(
+            self.logits, self._rule(), self.rule_state, self.keys.copy(), self.row_ids.copy(),
+            steps.astype(np.int32), self.greedy.copy(), decoding)
+        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+
+    def append(self, go_on, tokens, positions, tables, copies):
+        """Append ``tokens[s]`` at ``positions[s]`` for the slots ``go_on`` ``[S]`` (bool) through
+        ``tables`` ``[S, width]``, after the block copies ``copies`` (``(src, dst)``, copy on
+        write); each such slot gets its next-token logits."""
+        if copies:
+            C = round_up(len(copies), self._copies_bucket)
+            src, dst = np.zeros((C,), np.int32), np.full((C,), self.pool.num_blocks, np.int32)
+            src[:len(copies)], dst[:len(copies)] = zip(*copies)
+            self.pool = _copy_pool_blocks(self.pool, src, dst)
+        counts = go_on.astype(np.int32)
+        dst = np.where(go_on, np.arange(self.S), self.S).astype(np.int32)
+        self.pool, self.logits = _paged_forward(
+            self.params, self.pool, self.logits, tables.astype(np.int32), positions.astype(np.int32),
+            tokens.astype(np.int32)[:, None], counts, np.arange(self.S, dtype=np.int32), dst, model=self.model)

@@ -1,0 +1,192 @@
+"""The serving engine over the paged KV cache (``Engine(..., cache="paged")``).
+
+Every request must get the tokens and text ``jaxdecode.generate`` gives it alone, whether its
+prompt's leading blocks were found in the pool (prefix hits), its samples share the prompt's
+blocks (fork, copy on write), or it waited for blocks in a pool too small for the whole load; and
+when the run is over every block is back in the pool."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode import rules
+from jaxdecode.checkpoint import LanguageModel
+from jaxdecode.serving.engine import Engine, Request
+from jaxdecode.serving.simulator import StepTimeModel, VirtualClock, simulate, with_arrivals
+
+from test_engine import _assert_same, _reference, _requests
+
+UNIT = StepTimeModel(1.0, 0.0, 0.0)
+BS = 4  # block size of the tests: the tiny model's window (16) is 4 blocks
+
+
+@pytest.fixture(scope="module")
+def lm_portable(tiny_model):
+    cfg, params, vocab = tiny_model
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend="portable")
+
+
+def _paged(lm, slots, num_blocks, **kw):
+    return Engine(lm, slots, cache="paged", num_blocks=num_blocks, block_size=BS, clock=VirtualClock(UNIT),
+                  **kw)
+
+
+def _assert_pool_empty(engine):
+    a = engine.allocator
+    a.check()
+    assert a.num_free == a.num_blocks and not a.sequences()
+    assert all(a.refcount(b) == 0 for b in range(a.num_blocks))
+
+
+def _shared_prefix_requests():
+    """Requests whose prompts start with one 8-token instruction (two full blocks), arriving after
+    the first has written it, with several samples (the partly filled last prompt block is shared
+    and copied on write) and rules with state (repetition penalty)."""
+    head = "abc dabc"
+    chain = rules.chain(rules.repetition_penalty(1.4), rules.top_p(0.9))
+    return [
+        Request(head + "e", 6, seed=4, num_samples=3, rule=chain),
+        Request(head + "fg", 5, seed=9, num_samples=2, arrival=6.0),
+        Request(head + "a.h", 4, seed=1, greedy=True, arrival=7.0),
+        Request(head + "e", 6, seed=4, num_samples=2, rule=chain, arrival=8.0, stop="d"),
+        Request("hi", 7, seed=2, arrival=8.0),
+    ]
+
+
+def test_paged_engine_matches_generate_with_prefix_hits_and_a_small_pool(lm_portable):
+    lm = lm_portable
+    reqs = _requests() + with_arrivals(_shared_prefix_requests(), [20.0, 26.0, 27.0, 28.0, 28.0])
+    refs = _reference(lm, reqs)
+    # a pool of 9 blocks for 3 slots: the load needs up to 3 x 4 blocks at once, so rows queue
+    engine = _paged(lm, 3, 9, prefill_chunk=4)
+    report = engine.run(reqs)
+    _assert_same(report, refs)
+    cache = report.cache
+    assert cache["block_waits"] > 0  # admissions really waited for blocks
+    assert 0 < cache["peak_blocks"] <= 9
+    # the later shared-prefix requests found the 8-token instruction in the pool (2 blocks each),
+    # and ran only the rest of their prompts
+    assert cache["prefix_hit_tokens"] >= 3 * 8
+    prompt_tokens = sum(len(r.prompt) * r.num_samples for r in reqs)
+    assert sum(s.prefill_tokens for s in report.steps) < prompt_tokens - cache["prefix_hit_tokens"] + 1
+    _assert_pool_empty(engine)
+    assert engine.idle and engine.occupied == 0
+
+
+def test_samples_share_the_prompt_blocks_and_copy_the_last_on_write(lm_portable):
+    """Three samples of a 9-token prompt (blocks of 4: two full, one partly filled) generating 3
+    tokens each (at most 11 positions: still three blocks a row): the prompt's 3 blocks are shared
+    and two samples copy the partly filled one (the last writes into it in place): 5 blocks at the
+    peak, where three separate rows take 9."""
+    lm = lm_portable
+    req = Request("abcdefgha", 3, seed=5, num_samples=3, rule=rules.top_p(0.95))
+    engine = _paged(lm, 3, 12, prefill_chunk=16)
+    report = engine.run([req])
+    _assert_same(report, _reference(lm, [req]))
+    assert report.cache["peak_blocks"] == 5
+    assert sum(s.prefill_tokens for s in report.steps) == 9  # one prefill for the three samples
+    assert len({g.text for g in report.results[0].outputs}) > 1  # the samples really differ
+    _assert_pool_empty(engine)
+    # a pool of 4 blocks cannot hold the three forks (5 blocks): the first sample starts alone; once
+    # its prompt is written the others find its two full prompt blocks in the pool and compute
+    # only the last prompt token, in a block of their own (one at a time: 3 + 1 blocks)
+    one = _paged(lm, 3, 4, prefill_chunk=16)
+    rep1 = one.run([req])
+    _assert_same(rep1, _reference(lm, [req]))
+    assert rep1.steps[0].active == 1 and max(s.active for s in rep1.steps) == 2
+    assert rep1.cache["block_waits"] > 0 and rep1.cache["peak_blocks"] == 4
+    assert rep1.cache["prefix_hit_tokens"] == 2 * 8
+    assert sum(s.prefill_tokens for s in rep1.steps) == 9 + 1 + 1
+    _assert_pool_empty(one)
+
+
+def test_a_pool_for_one_row_serves_rows_one_at_a_time(lm_portable):
+    """A pool of 4 blocks holds one row of the full window: with three slots the rows are served
+    one after another (each waits for the blocks of the one before), with the same outputs."""
+    lm = lm_portable
+    reqs = [Request("abc da", 10, seed=3, num_samples=2, rule=rules.top_p(0.9)),
+            Request("ccc dd", 10, seed=11, rule=rules.top_p(0.8)), Request("hi", 14, seed=1, greedy=True)]
+    engine = _paged(lm, 3, 4, prefill_chunk=4)
+    report = engine.run(reqs)
+    _assert_same(report, _reference(lm, reqs))
+    assert max(s.active for s in report.steps) == 1 and report.cache["block_waits"] > 0
+    assert report.cache["peak_blocks"] == 4
+    res = report.results
+    assert res[0].finish < res[1].first_token and res[1].finish < res[2].first_token
+    _assert_pool_empty(engine)
+    # the same load with room for every row runs them side by side
+    roomy = _paged(lm, 3, 12, prefill_chunk=4)
+    rep2 = roomy.run(reqs)
+    _assert_same(rep2, _reference(lm, reqs))
+    assert max(s.active for s in rep2.steps) == 3 and rep2.cache["block_waits"] == 0
+    assert rep2.summary()["seconds"] < report.summary()["seconds"]
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_submit(lm_portable):
+    engine = _paged(lm_portable, 3, 2)  # 8 positions in all
+    with pytest.raises(ValueError, match=r"request 0: prompt \(6 tokens\) \+ n \(4\) needs 3 blocks of 4 "
+                                         r"positions per sample, more than the whole pool of 2 blocks"):
+        engine.submit(Request("abc da", 4))
+    with pytest.raises(ValueError, match="request 1: .*more than the whole pool of 2 blocks"):
+        engine.run([Request("ab", 2), Request("abcdefgh", 2)])
+    assert engine.idle and not engine.requests  # nothing was queued
+    # the largest request that fits (8 positions: prompt + n - 1, the last token is never written)
+    report = engine.run([Request("abc da", 3, seed=2, num_samples=2)])
+    _assert_same(report, _reference(lm_portable, [Request("abc da", 3, seed=2, num_samples=2)]))
+    _assert_pool_empty(engine)
+
+
+def test_paged_settings_are_checked_and_dense_stays_the_default(lm_portable):
+    assert not Engine(lm_portable, 2).paged and Engine(lm_portable, 2).allocator is None
+    with pytest.raises(ValueError, match="unknown cache 'pages'"):
+        Engine(lm_portable, 2, cache="pages")
+    with pytest.raises(ValueError, match="num_blocks is a setting of the paged cache"):
+        Engine(lm_portable, 2, num_blocks=8)
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        Engine(lm_portable, 2, cache="paged", block_size=0)
+    default = Engine(lm_portable, 3, cache="paged", block_size=BS)
+    assert default.allocator.num_blocks == 3 * 4  # as much memory as the dense cache by default
+
+
+def test_paged_scheduling_in_the_simulator(lm_portable):
+    """The simulator runs the paged engine's admission (its block allocator) without a model: a
+    pool for one row serialises the same load that runs side by side in a larger one."""
+    reqs = [Request("abc da", 9, seed=k) for k in range(3)]
+    small = simulate(lm_portable, reqs, slots=3, policy="continuous", step_model=UNIT, cache="paged",
+                     num_blocks=4, block_size=BS)
+    large = simulate(lm_portable, reqs, slots=3, policy="continuous", step_model=UNIT, cache="paged",
+                     num_blocks=12, block_size=BS)
+    assert max(s.active for s in small.steps) == 1 and max(s.active for s in large.steps) == 3
+    assert small.cache["peak_blocks"] == 4 and small.summary()["seconds"] > large.summary()["seconds"]
+
+
+def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path, capsys):
+    from jaxdecode.cli import main
+
+    argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "4", "--rate", "2",
+            "--slots", "3", "--n", "5", "--shared-prefix", "8", "--simulate", "--sweep", "2",
+            "--prefill-chunk", "4", "--paged", "--block-size", "4", "--out", "", "--seed", "1"]
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["identical_outputs"] is True
+    for run in doc["runs"]:
+        cache = run["cache"]
+        per = 2 * 2 * 32 * 4  # keys and values of one position: 2 layers of width 32, float32
+        assert cache["contiguous_bytes"] == 3 * 16 * per  # slots x T
+        assert cache["peak_bytes"] == cache["peak_blocks"] * 4 * per
+        assert 0 < cache["peak_blocks"] <= cache["num_blocks"] == 3 * 4
+    assert doc["runs"][1]["cache"]["prefix_hit_tokens"] >= 8  # the shared prefix, found in the pool
+    lm = jaxdecode.load(tiny_ckpt)
+    for r in doc["requests"]:
+        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                     rules.top_p(r["rule"]["TopP"]))
+        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
+                                  stop=r["stop"])[0]
+        assert r["text"] == want.text
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "paged KV cache" in out and "contiguous" in out and "prefix hits" in out
+    np.testing.assert_equal(main(argv + ["--num-blocks", "1"]), 2)
+    assert "more than the whole pool" in capsys.readouterr().err
