@@ -47,13 +47,10 @@ from ..core import (
     Batch,
     Generation,
     batch_bucket,
-    encode_prompts,
-    encode_stop_strings,
     encode_stops,
     make_batch,
     pad_rule,
     round_up,
-    sample_keys,
 )
 from ..models.base import DecodingModel
 from ..sampling import (
@@ -382,24 +379,11 @@ def sharded_generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: in
                      mesh: Mesh | None = None) -> list[Generation]:
     """:func:`jaxdecode.generate` with the batch split over ``mesh`` (default: every device); the
     same texts, tokens and log-probabilities, on every process."""
-    from ..core import text_streamer
+    from ..sampling import generate
 
-    prompts, rows = encode_prompts(lm, prompts, num_samples)
-    stop_tokens = encode_stop_strings(lm, stop)
-    keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
-    constraint = C.per_sample(constraint, len(prompts), num_samples)
-    res = sharded_sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy,
-                                stops=stop_tokens, row_ids=row_ids, chunk=chunk,
-                                on_chunk=text_streamer(lm, on_text), constraint=constraint, mesh=mesh)
-    out = []
-    for r in range(len(rows)):
-        c = res.counts[r]
-        toks = res.tokens[r, :c]
-        out.append(Generation(prompt=prompts[r // num_samples], text=lm.vocab.decode(toks), tokens=toks,
-                              model_logprobs=res.model_logprobs[r, :c],
-                              sample_logprobs=res.sample_logprobs[r, :c],
-                              finish_reason="stop" if res.stopped[r] else "length"))
-    return out
+    return generate(lm, prompts, n, seed=seed, key=key, rule=rule, greedy=greedy, num_samples=num_samples,
+                    stop=stop, chunk=chunk, on_text=on_text, constraint=constraint,
+                    mesh=make_mesh() if mesh is None else mesh)
 
 
 def gather_prompts(local: Sequence[np.ndarray]) -> tuple[list[np.ndarray], slice]:
