@@ -18,7 +18,9 @@ two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend ove
 span bucket, and past the model window ``T`` the model's exact window mode. The beam axis is
 flattened into the batch for the model: row ``b``'s beam ``j`` is model row ``b * k + j``; each
 step reorders the model's cache by parent through ``model.reorder`` (the loop never sees what a
-cache holds).
+cache holds). The search runs on ``model.for_beams()``: for the reference model on the native
+backend that is its paged-cache twin, where a reorder moves block-table entries and copies only
+each beam's partly filled last block.
 
 Constraints (:mod:`jaxdecode.constraints`): each beam carries its automaton state, reordered by
 parent with the beam's other rows. Its token candidates are the tokens the pattern allows with
@@ -390,6 +392,7 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     if n_best > k:
         raise ValueError(f"n_best={n_best} exceeds the beam width k={k}")
     chunk = check_int("chunk", chunk, 1)
+    model = model.for_beams()
     T = model.T
     batch = make_batch(prompts, n, model.V, T)
     B, Bb = batch.B, batch.Bb

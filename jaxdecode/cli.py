@@ -17,6 +17,8 @@ from .cli_common import (  # noqa: F401 - some are re-exported for the command m
     _note,
     _encode,
     _unescape,
+    _enable_compilation_cache,
+    COMPILED_CACHE_BYTES,
 )
 
 
@@ -584,25 +586,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench(sub, _seed)
     return p
-
-
-def _enable_compilation_cache():
-    """Keep compiled programs between runs, in :func:`jaxdecode.paths.cache_dir` ``("xla")``
-    (``$JAXDECODE_CACHE``/xla, default ~/.cache/jaxdecode/xla; ``$JAXDECODE_CACHE`` set to an
-    empty string turns the cache off)."""
-    from . import paths
-
-    path = paths.cache_dir("xla")
-    if path is None:
-        return
-    try:
-        import jax
-
-        path.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    except (OSError, AttributeError):
-        pass  # a read-only home or an older jax: run without the cache
 
 
 def _one_line(e: BaseException) -> str:

@@ -24,7 +24,7 @@ def cache_root() -> Path | None:
 
 
 def cache_dir(kind: str) -> Path | None:
-    """``cache_root() / kind`` (``"kernels"``, ``"drafts"``, ``"xla"``), or None when caching is off."""
+    """``cache_root() / kind`` (``"kernels"``, ``"drafts"``, ``"compiled"``), or None when caching is off."""
     root = cache_root()
     return None if root is None else root / kind
 

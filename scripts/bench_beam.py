@@ -1,27 +1,56 @@
-"""Beam search speed: jaxdecode's scan against the chapter's Python beam loop.
+"""Beam search speed (k = 5) at 1 and 64 prompts, beside Hugging Face ``generate(num_beams=5)``
+on the same weights and the chapter's Python beam loop, measured in one run.
 
-    python scripts/bench_beam.py [--ckpt DIR] [-k 5] [-n 120] [--batches 1,32] [--out FILE]
+    python scripts/bench_beam.py [--ckpt DIR] [-k 5] [-n 120] [--batches 1,64] [--rounds 2]
+                                 [--hf-python .venv-hf/bin/python] [--out docs/bench_beam.json]
 
-The chapter's loop runs one full forward over each hypothesis per step (jitted here, the text
-padded to a multiple of 64 so it compiles a handful of times) and sorts the k*k candidates in
-Python. Rows: characters per second (prompts x n / wall time); compile time separately.
+Every row continues the same prompt (``B`` copies of it, as HF's rows do), ``n`` characters,
+characters per second = prompts x n / wall time of a warm call (the fastest of ``--rounds``; all
+rows are timed in turn in each round, so a slow moment of the machine hits them alike); compile
+time separately (first call minus warm call). Rows:
+
+- ``book beam loop``: the chapter's loop, one full forward per hypothesis per step (jitted, the
+  text padded to a multiple of 64) and the k*k candidates sorted in Python; one prompt only;
+- ``beam_search, native, paged``: the default on the native backend (``lm.decoder.for_beams()``,
+  the paged cache: a reorder moves block-table entries);
+- ``beam_search, native, dense``: the same loop on the dense cache (a reorder copies the filled
+  span of every beam);
+- ``beam_search, portable``: the ``jax.numpy`` path (dense cache), what GPU and TPU users run;
+- ``greedy, k*B rows``: ``sample_tokens`` greedy on the native backend with as many rows as the
+  beams: the model's own cost per step with no beam work, a floor under any beam search here;
+- ``HF generate num_beams=k``: ``scripts/bench_hf.py --serve`` in its own environment
+  (``--hf-python``; left out when there is none), ``torch.set_num_threads(os.cpu_count())``,
+  ``length_penalty=0``, ``max_new_tokens = min_new_tokens = n``, no end token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import beam, checkpoint
-from jaxdecode import model as M
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import DEFAULT_HF_PYTHON, HF, PROMPT  # noqa: E402
 
-PROMPTS = ["KATHARINA:\nMoved! in good time: ", "ROMEO:\nIs the day so young? ", "KING RICHARD II:\n",
-           "First Citizen:\nBefore we proceed any further, hear me speak.\n"]
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import beam, checkpoint  # noqa: E402
+from jaxdecode import model as M  # noqa: E402
+from jaxdecode.models.charlm import CharLMDecoder  # noqa: E402
+
+
+class DenseBeams(CharLMDecoder):
+    """The native decoder with beam search kept on its dense cache (for comparison only)."""
+
+    def for_beams(self):
+        return self
 
 
 def book_beam(lm, ids, n, k):
@@ -42,40 +71,82 @@ def book_beam(lm, ids, n, k):
     return beams[0]
 
 
+def timed(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("-n", type=int, default=120)
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hf-python", default=str(DEFAULT_HF_PYTHON) if DEFAULT_HF_PYTHON.exists() else None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    lm = checkpoint.load(args.ckpt)
     k, n = args.k, args.n
-    ids = lm.vocab.encode(PROMPTS[0])
-    book_beam(lm, ids, n, k)  # compile every width
-    t = time.perf_counter()
-    book_beam(lm, ids, n, k)
-    book = n / (time.perf_counter() - t)
-    rows = [{"row": "book beam loop", "batch": 1, "chars_per_s": book, "compile_s": None}]
-    print("| row | prompts | chars/s | vs book loop | compile s |\n|---|---:|---:|---:|---:|")
-    print(f"| book beam loop (k={k}) | 1 | {book:,.1f} | 1.0x | |", flush=True)
+    native = checkpoint.load(args.ckpt, backend="native")
+    portable = native.with_backend("portable")
+    dense = DenseBeams(native.cfg, True)
+    ids = native.vocab.encode(PROMPT)
+    hf = HF(args.hf_python, n, args.ckpt) if args.hf_python else None
+
+    def search(model, B):
+        return lambda: beam.beam_search(model, native.params, [ids] * B, n, k).best(0).tokens
+
+    rows = {}  # name -> (B, timer)
     for B in [int(b) for b in args.batches.split(",")]:
-        prompts = [lm.vocab.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
-        t = time.perf_counter()
-        beam.beam_search(lm.decoder, lm.params, prompts, n, k)
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        beam.beam_search(lm.decoder, lm.params, prompts, n, k)
-        warm = time.perf_counter() - t
-        rate = B * n / warm
-        rows.append({"row": "jaxdecode beam_search", "batch": B, "chars_per_s": rate,
-                     "compile_s": max(0.0, first - warm)})
-        print(f"| jaxdecode beam_search (k={k}) | {B} | {rate:,.0f} | {rate / book:.0f}x | {first - warm:.1f} |",
-              flush=True)
+        if B == 1:
+            rows[("book beam loop", B)] = lambda: book_beam(native, ids, n, k)
+        rows[("beam_search, native, paged", B)] = search(native.decoder, B)
+        rows[("beam_search, native, dense", B)] = search(dense, B)
+        rows[("beam_search, portable", B)] = search(portable.decoder, B)
+        rows[(f"greedy, {k * B} rows (no beam work)", B)] = (
+            lambda B=B: [g.text for g in jd.generate(native, [PROMPT] * (k * B), n, greedy=True)])
+        if hf is not None:
+            rows[(f"HF generate num_beams={k}", B)] = None
+    compile_s, best = {}, {}
+    for key, fn in rows.items():  # compile (HF: warm up)
+        if fn is None:
+            hf.ask(f"{key[1]} beam{k}")
+        else:
+            first = timed(fn)
+            compile_s[key] = max(0.0, first - timed(fn))
+    same = [beam.beam_search(m, native.params, [ids], n, k).best(0).tokens.tolist()
+            for m in (native.decoder, dense, portable.decoder)]
+    for r in range(args.rounds):
+        for key, fn in rows.items():
+            dt = float(hf.ask(f"{key[1]} beam{k}")) if fn is None else timed(fn)
+            best[key] = min(best.get(key, float("inf")), dt)
+        print(f"round {r + 1} done", file=sys.stderr, flush=True)
+    if hf is not None:
+        hf.close()
+    out = []
+    print(f"| row | prompts | chars/s | vs HF | compile s |\n|---|---:|---:|---:|---:|")
+    for (name, B), dt in best.items():
+        rate = B * n / dt
+        hf_key = (f"HF generate num_beams={k}", B)
+        vs = rate / (B * n / best[hf_key]) if hf_key in best else None
+        out.append({"row": name, "prompts": B, "chars_per_s": rate, "seconds": dt, "vs_hf": vs,
+                    "compile_s": compile_s.get((name, B))})
+        c = compile_s.get((name, B))
+        print(f"| {name} | {B} | {rate:,.0f} | {'' if vs is None else f'{vs:.2f}x'} | "
+              f"{'' if c is None else f'{c:.1f}'} |")
+    result = {"k": k, "n": n, "prompt": PROMPT, "rounds": args.rounds,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}",
+              "load_average_at_end": os.getloadavg()[0],
+              "hf": None if hf is None else hf.info,
+              "same_best_hypothesis_paged_dense_portable": same[0] == same[1] == same[2],
+              "rows": out}
+    print(f"best hypothesis identical on paged, dense and portable: {result['same_best_hypothesis_paged_dense_portable']}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"k": k, "n": n, "rows": rows}, f, indent=2)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.replace(args.out + ".tmp", args.out)
 
 
 if __name__ == "__main__":

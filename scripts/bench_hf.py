@@ -32,7 +32,8 @@ other work also uses, torch's intra-op threads wait for each other at every oper
 thread count (``--threads 2,1`` on two cores) shows what that costs.
 
 ``--serve`` reads commands from stdin, one a line, and answers each with one line:
-``B MODE [threads=K] [n=N]`` (``MODE``: ``greedy`` or ``top-p``; default ``os.cpu_count()``
+``B MODE [threads=K] [n=N]`` (``MODE``: ``greedy``, ``top-p`` or ``beamK``, beam search with
+``num_beams=K`` and no length penalty; default ``os.cpu_count()``
 threads and ``-n``) runs one ``generate`` and prints its seconds; ``check PATH``
 checks against the jaxdecode reference in the JSON file PATH and prints the result as JSON;
 ``quit`` ends. Its first line is a JSON object describing the environment.
@@ -209,6 +210,8 @@ def generate(model, ids: list[int], B: int, n: int, mode: str, seed: int = 0) ->
     elif mode == "top-p":
         kw.update(do_sample=True, top_p=TOP_P, top_k=0, temperature=1.0)
         torch.manual_seed(seed)
+    elif mode.startswith("beam") and mode[4:].isdigit():  # beam5: num_beams=5, the best beam returned
+        kw.update(do_sample=False, num_beams=int(mode[4:]), num_return_sequences=1, length_penalty=0.0)
     else:
         raise ValueError(f"unknown mode {mode!r}")
     with torch.inference_mode():

@@ -235,7 +235,7 @@ def test_empty_cache_variable_turns_the_compilation_cache_off(monkeypatch):
     from jaxdecode import cli, paths
 
     monkeypatch.setenv("JAXDECODE_CACHE", "")
-    assert paths.cache_root() is None and paths.cache_dir("xla") is None
+    assert paths.cache_root() is None and paths.cache_dir("compiled") is None
     calls = _record_jax_config(monkeypatch)
     cli._enable_compilation_cache()
     assert "jax_compilation_cache_dir" not in dict(calls)
@@ -245,11 +245,12 @@ def test_compilation_cache_lives_under_the_cache_root(monkeypatch, tmp_path):
     from jaxdecode import cli, paths
 
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
-    assert paths.cache_dir("xla") == tmp_path / "xla"
+    assert paths.cache_dir("compiled") == tmp_path / "compiled"
     calls = _record_jax_config(monkeypatch)
     cli._enable_compilation_cache()
-    assert dict(calls)["jax_compilation_cache_dir"] == str(tmp_path / "xla")
-    assert (tmp_path / "xla").is_dir()
+    assert dict(calls)["jax_compilation_cache_dir"] == str(tmp_path / "compiled")
+    assert dict(calls)["jax_compilation_cache_max_size"] > 0  # a limit: JAX then locks the files
+    assert (tmp_path / "compiled").is_dir()
 
 
 

@@ -30,7 +30,8 @@ passes have ``rows`` rows passes to the methods (a backend may pack weights once
 model keep the chunk's new keys apart from a large read-only cache (a loop that writes into a
 loop-carried cache and reads it back in one iteration makes XLA copy it every step);
 ``reads_only_filled`` says whether attending over a mostly empty cache costs nothing extra (then a
-loop allocates the cache once per request instead of growing it).
+loop allocates the cache once per request instead of growing it); ``for_beams()`` names the model
+beam search runs on (one whose cache reorders cheaply, e.g. a paged one).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ class DecodingModel:
 
     def reorder(self, cache, rows, span: int | None = None):
         return jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), cache)
+
+    def for_beams(self) -> DecodingModel:
+        """The model beam search runs on: the same predictions from the same parameters, with a
+        cache that ``reorder`` moves cheaply (beam search reorders it at every step). Default:
+        this model."""
+        return self
 
     def capacity(self, cache) -> int:
         raise NotImplementedError

@@ -33,6 +33,9 @@ def _unpack(p):
     return p, None
 
 
+BEAM_BLOCK = 16  # positions per block of the paged cache beam search runs on (native backend)
+
+
 @dataclasses.dataclass(frozen=True)
 class CharLMDecoder(DecodingModel):
     """``CharLM`` of shape ``cfg`` on a backend (``native=True``: the C++ CPU layer)."""
@@ -67,6 +70,19 @@ class CharLMDecoder(DecodingModel):
 
     def with_backend(self, backend: str) -> CharLMDecoder:
         return CharLMDecoder.build(self.cfg, backend)
+
+    def for_beams(self):
+        """On the native backend, beams run on the paged cache
+        (:class:`jaxdecode.serving.paged.PagedCharLM`, blocks of :data:`BEAM_BLOCK` positions): a
+        reorder copies block-table rows and each beam's partly filled last block, where the dense
+        cache copies every beam's filled span at every step. The portable path keeps the dense
+        cache: there paged attention gathers the blocks it reads, which measured no cheaper
+        (``docs/benchmarks.md``, beam search)."""
+        if not self.native:
+            return self
+        from ..serving.paged import PagedCharLM
+
+        return PagedCharLM.from_decoder(self, BEAM_BLOCK, "native")
 
     # --- the model
     def prepare(self, params, rows: int):

@@ -371,6 +371,11 @@ class PagedCharLM(DecodingModel):
                                         self.attention, method=_layers)
 
     # --- the decoding-model interface
+    def prepare(self, params, rows):
+        from ..models.charlm import _unpack
+
+        return _unpack(params)[0]  # the plain CharLM parameters (a dense decoder may have packed them)
+
     def empty_cache(self, batch, capacity):
         m = max(1, self.blocks_for(capacity))
         pool = self.empty_pool(batch * m)
