@@ -18,8 +18,8 @@ two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend ove
 span bucket, and past the model window ``T`` the model's exact window mode. The beam axis is
 flattened into the batch for the model: row ``b``'s beam ``j`` is model row ``b * k + j``; each
 step reorders the model's cache by parent through ``model.reorder`` (the loop never sees what a
-cache holds). The search runs on ``model.for_beams()``: for the reference model on the native
-backend that is its paged-cache twin, where a reorder moves block-table entries and copies only
+cache holds). The search runs on ``model.for_beams()``: for the reference model that is its
+paged-cache twin on the same backend, where a reorder moves block-table entries and copies only
 each beam's partly filled last block.
 
 Constraints (:mod:`jaxdecode.constraints`): each beam carries its automaton state, reordered by

@@ -33,7 +33,7 @@ def _unpack(p):
     return p, None
 
 
-BEAM_BLOCK = 16  # positions per block of the paged cache beam search runs on (native backend)
+BEAM_BLOCK = 16  # positions per block of the paged cache beam search runs on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +72,13 @@ class CharLMDecoder(DecodingModel):
         return CharLMDecoder.build(self.cfg, backend)
 
     def for_beams(self):
-        """On the native backend, beams run on the paged cache
-        (:class:`jaxdecode.serving.paged.PagedCharLM`, blocks of :data:`BEAM_BLOCK` positions): a
-        reorder copies block-table rows and each beam's partly filled last block, where the dense
-        cache copies every beam's filled span at every step. The portable path keeps the dense
-        cache: there paged attention gathers the blocks it reads, which measured no cheaper
-        (``docs/benchmarks.md``, beam search)."""
-        if not self.native:
-            return self
+        """Beams run on the paged cache (:class:`jaxdecode.serving.paged.PagedCharLM`, blocks of
+        :data:`BEAM_BLOCK` positions, attention on this decoder's backend): a reorder copies
+        block-table rows and each beam's partly filled last block, where the dense cache copies
+        every beam's filled span at every step (``docs/benchmarks.md``, beam search)."""
         from ..serving.paged import PagedCharLM
 
-        return PagedCharLM.from_decoder(self, BEAM_BLOCK, "native")
+        return PagedCharLM.from_decoder(self, BEAM_BLOCK, "native" if self.native else "portable")
 
     # --- the model
     def prepare(self, params, rows: int):
