@@ -17,8 +17,6 @@ from .cli_common import (  # noqa: F401 - some are re-exported for the command m
     _note,
     _encode,
     _unescape,
-    _enable_compilation_cache,
-    COMPILED_CACHE_BYTES,
 )
 
 
@@ -603,8 +601,6 @@ def main(argv=None) -> int:
         hint = _argument_hint(parser, sys.argv[1:] if argv is None else list(argv))
         print(f"jaxdecode: error: {_one_line(e)}{hint}", file=sys.stderr)
         return 2
-    if argv is None:  # the console script, not a test calling main([...])
-        _enable_compilation_cache()
     from .checkpoint import CheckpointError
     from .data import CorpusError
 

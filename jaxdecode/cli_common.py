@@ -121,31 +121,3 @@ def _unescape(s: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
-
-
-# ----------------------------------------------------------------------------- the compiled-program cache
-
-
-COMPILED_CACHE_BYTES = 2 << 30  # the compiled-program cache's size limit; least recently used go first
-
-
-def _enable_compilation_cache():
-    """Keep compiled programs between runs, in :func:`jaxdecode.paths.cache_dir` ``("compiled")``
-    (``$JAXDECODE_CACHE``/compiled, default ~/.cache/jaxdecode/compiled; ``$JAXDECODE_CACHE`` set
-    to an empty string turns the cache off). Several processes may share it (a study run as many
-    jobs): the size limit makes JAX lock the cache's files (``filelock``), so that no process
-    loads a program another is still writing."""
-    from . import paths
-
-    path = paths.cache_dir("compiled")
-    if path is None:
-        return
-    try:
-        import jax
-
-        path.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(path))
-        jax.config.update("jax_compilation_cache_max_size", COMPILED_CACHE_BYTES)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    except (OSError, AttributeError):
-        pass  # a read-only home or an older jax: run without the cache

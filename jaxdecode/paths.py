@@ -1,7 +1,7 @@
 """Where jaxdecode keeps what it builds or caches: one place, one rule.
 
 ``$JAXDECODE_CACHE`` names the folder (default ``~/.cache/jaxdecode``); set to an empty string it
-turns every on-disk cache off (compiled programs, distilled drafts). The native CPU layer is the
+turns every on-disk cache off (distilled drafts). The native CPU layer is the
 exception: it must be compiled somewhere to be loaded, so with caching off it is built into a
 temporary folder for the process.
 """
@@ -24,7 +24,7 @@ def cache_root() -> Path | None:
 
 
 def cache_dir(kind: str) -> Path | None:
-    """``cache_root() / kind`` (``"kernels"``, ``"drafts"``, ``"compiled"``), or None when caching is off."""
+    """``cache_root() / kind`` (``"kernels"``, ``"drafts"``), or None when caching is off."""
     root = cache_root()
     return None if root is None else root / kind
 

@@ -10,21 +10,9 @@ from hypothesis import settings
 os.environ.setdefault("JAXDECODE_KERNELS", "1")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# The suite is bound by compiling, and its workers (pytest-xdist) compile many of the same
-# programs: they share one persistent compilation cache, kept with pytest's own cache in the
-# checkout (a fresh clone starts empty; the key is the program, so stale entries are never used).
-# JAX writes an entry in place and, with no size limit, reads it unlocked: a worker could load
-# another's half-written program and crash. A size limit makes JAX hold a file lock (the
-# `filelock` package) around every read and write. (Its own folder: a locked cache needs an access
-# time file beside every entry, which the entries of an unlocked one lack.)
-_XLA_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "xla-locked"
-try:
-    _XLA_CACHE.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(_XLA_CACHE))
-    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
-except OSError:
-    pass
+# No persistent compilation cache: XLA's serialization of a compiled CPU program (what JAX does
+# to write a cache entry) crashed a test worker with a segmentation fault twice in full runs
+# (jax 0.10.2), so every worker compiles for itself.
 
 # Hypothesis draws the same examples on every run (a seed derived from each test), so a failure
 # reproduces and a pass means the same thing on every machine; HYPOTHESIS_PROFILE=explore draws

@@ -223,37 +223,6 @@ def test_rule_flags_convert_and_reach_make_rule():
         parser.parse_args(["abc", "--top-k", "2.5"])
 
 
-def _record_jax_config(monkeypatch):
-    import jax
-
-    calls = []
-    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
-    return calls
-
-
-def test_empty_cache_variable_turns_the_compilation_cache_off(monkeypatch):
-    from jaxdecode import cli, paths
-
-    monkeypatch.setenv("JAXDECODE_CACHE", "")
-    assert paths.cache_root() is None and paths.cache_dir("compiled") is None
-    calls = _record_jax_config(monkeypatch)
-    cli._enable_compilation_cache()
-    assert "jax_compilation_cache_dir" not in dict(calls)
-
-
-def test_compilation_cache_lives_under_the_cache_root(monkeypatch, tmp_path):
-    from jaxdecode import cli, paths
-
-    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
-    assert paths.cache_dir("compiled") == tmp_path / "compiled"
-    calls = _record_jax_config(monkeypatch)
-    cli._enable_compilation_cache()
-    assert dict(calls)["jax_compilation_cache_dir"] == str(tmp_path / "compiled")
-    assert dict(calls)["jax_compilation_cache_max_size"] > 0  # a limit: JAX then locks the files
-    assert (tmp_path / "compiled").is_dir()
-
-
-
 # ----------------------------------------------------------------------------- bad input, one line
 
 

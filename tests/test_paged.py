@@ -357,6 +357,13 @@ def models(tiny_model):
     return cfg, params, CharLMDecoder(cfg, native=False)
 
 
+class _DenseBeams(CharLMDecoder):
+    """A decoder whose beam search stays on its dense cache (the default moves it to blocks)."""
+
+    def for_beams(self):
+        return self
+
+
 def test_sampling_and_beam_search_match_dense(models):
     """The loops run unchanged on the paged model (the native and Pallas attention run the same
     model code: see test_serving_operations)."""
@@ -369,8 +376,29 @@ def test_sampling_and_beam_search_match_dense(models):
         b = sample_tokens(paged, params, prompts, 9, jax.random.PRNGKey(5), greedy=greedy)
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
-    a = beam_search(dense, params, prompts, 8, k=3, n_best=3)
+    a = beam_search(_DenseBeams(cfg, native=False), params, prompts, 8, k=3, n_best=3)
     b = beam_search(paged, params, prompts, 8, k=3, n_best=3)
+    for ha, hb in zip(a.hypotheses, b.hypotheses):
+        assert [h.tokens.tolist() for h in ha] == [h.tokens.tolist() for h in hb]
+        np.testing.assert_allclose([h.logprob for h in ha], [h.logprob for h in hb], atol=1e-4)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["portable", "native"])
+def test_beam_search_runs_on_blocks_by_default(native):
+    """``beam_search`` with a dense decoder runs on its paged twin (``for_beams``, same backend),
+    across block boundaries (prompts of up to 9 tokens plus 20 steps, blocks of 16), and finds the
+    hypotheses the dense cache finds."""
+    from jaxdecode.model import ModelConfig, init_params
+
+    cfg = ModelConfig(V=12, T=48, d=32, L=2, heads=4)
+    params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(7)))
+    dec = CharLMDecoder(cfg, native=native)
+    twin = dec.for_beams()
+    assert isinstance(twin, PagedCharLM) and twin.attention == ("native" if native else "portable")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.V, size=n) for n in (9, 2, 5)]
+    a = beam_search(_DenseBeams(cfg, native=native), params, prompts, 20, k=4, n_best=4, chunk=8)
+    b = beam_search(dec, params, prompts, 20, k=4, n_best=4, chunk=8)
     for ha, hb in zip(a.hypotheses, b.hypotheses):
         assert [h.tokens.tolist() for h in ha] == [h.tokens.tolist() for h in hb]
         np.testing.assert_allclose([h.logprob for h in ha], [h.logprob for h in hb], atol=1e-4)
