@@ -79,13 +79,23 @@ def row_bytes(model, prompt_len: int, n: int, capacity: int, heads: int = 1) -> 
 
 
 def rows_per_batch(per_row: int, budget: int | None = None, max_rows: int | None = None) -> int:
-    """How many rows of ``per_row`` bytes one batch may hold (at least 1)."""
-    budget = default_budget() if budget is None else int(budget)
-    if budget <= 0:
-        raise ValueError(f"the memory budget must be positive, got {budget}")
-    cap = MAX_ROWS if max_rows is None else int(max_rows)
-    if cap < 1:
-        raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+    """How many rows of ``per_row`` bytes one batch may hold (at least 1). ``budget``: bytes, or a
+    size such as ``"2G"`` (default :func:`default_budget`)."""
+    if budget is None:
+        budget = default_budget()
+    elif isinstance(budget, str):
+        budget = parse_bytes(budget)
+    elif isinstance(budget, bool) or not isinstance(budget, (int, np.integer, float, np.floating)):
+        raise ValueError(f"the memory budget must be a number of bytes or a size such as '2G', got {budget!r}")
+    if not budget > 0 or budget == float("inf"):
+        raise ValueError(f"the memory budget must be a positive, finite number of bytes, got {budget!r}")
+    budget = int(budget)
+    if max_rows is None:
+        cap = MAX_ROWS
+    elif isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    else:
+        cap = int(max_rows)
     return max(1, min(cap, budget // max(per_row, 1)))
 
 

@@ -240,14 +240,15 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                   rule=None, greedy: bool = False, row_ids: Sequence[int] | None = None,
                   stops: Sequence[np.ndarray] = (), chunk: int | None = None,
                   on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                  constraint=None, *, memory_budget: int | None = None, max_rows: int | None = None,
+                  constraint=None, *, memory_budget: int | str | None = None, max_rows: int | None = None,
                   progress: bool | str = False, mesh=None) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
     (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
 
     ``key``: one PRNG key for every row, or one per row (``[B, 2]``). A request of any size runs
-    in batches that fit ``memory_budget`` bytes, of at most ``max_rows`` rows each (defaults:
-    :mod:`jaxdecode.budget`); rows keep their ids, so the tokens do not depend on the split.
+    in batches that fit ``memory_budget`` (bytes, or a size such as ``"2G"``), of at most
+    ``max_rows`` rows each (defaults: :mod:`jaxdecode.budget`); rows keep their ids, so the tokens
+    do not depend on the split.
     ``progress``: a tqdm bar on stderr (a string: its label). ``mesh``: a
     :class:`jax.sharding.Mesh` with a ``"data"`` axis: each batch is split over its devices
     (:mod:`jaxdecode.serving.sharding`), with the tokens of one device.
@@ -460,7 +461,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
              key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
              stop: str | Sequence[str] | None = None, chunk: int | None = None,
              on_text: Callable[[int, str], None] | None = None, constraint=None,
-             memory_budget: int | None = None, max_rows: int | None = None,
+             memory_budget: int | str | None = None, max_rows: int | None = None,
              progress: bool | str = False, mesh=None) -> list[Generation]:
     """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
 

@@ -60,7 +60,7 @@ def _window_logprobs(params, windows, targets, *, model: DecodingModel):
 
 
 def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray], starts: Sequence[int], *,
-                   memory_budget: int | None = None, max_rows: int | None = None):
+                   memory_budget: int | str | None = None, max_rows: int | None = None):
     """For each token sequence, the log-probability under ``model`` of every token from index
     ``start`` on (past the window ``T``, each from the ``T`` tokens before it). Any number of
     sequences runs in batches that fit ``memory_budget`` (see :mod:`jaxdecode.budget`)."""
@@ -118,7 +118,7 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
 
 
 def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, constraint=None, *,
-                memory_budget: int | None = None, max_rows: int | None = None) -> list[Score]:
+                memory_budget: int | str | None = None, max_rows: int | None = None) -> list[Score]:
     """Score each text as a continuation of its prompt (default: a newline, the corpus's separator).
     With ``constraint`` (a :class:`jaxdecode.constraints.Constraint`) each score also says whether
     its text, as the vocabulary encodes it, is in the pattern's language (``in_language``)."""

@@ -86,8 +86,12 @@ def test_per_row_keys_are_the_rows_own(lm):
     ({"seed": [1, 2]}, "2 seeds for 4 prompts"),
     ({"seed": [1, 2, "x", 4]}, "a seed must be an integer"),
     ({"seed": 1.5}, "a seed must be an integer"),
-    ({"max_rows": 0}, "max_rows must be at least 1"),
-    ({"memory_budget": -5}, "memory budget must be positive"),
+    ({"max_rows": 0}, "max_rows must be an integer >= 1"),
+    ({"max_rows": 2.5}, "max_rows must be an integer >= 1"),
+    ({"memory_budget": -5}, "memory budget must be a positive, finite"),
+    ({"memory_budget": float("nan")}, "memory budget must be a positive, finite"),
+    ({"memory_budget": "12Q"}, "a memory budget must be a positive size such as 2G"),
+    ({"memory_budget": [1]}, "memory budget must be a number of bytes or a size"),
 ])
 def test_bad_request_settings(lm, bad, match):
     with pytest.raises(ValueError, match=match):
@@ -114,6 +118,7 @@ def test_rows_per_batch_and_groups():
     assert budget.rows_per_batch(100, budget=50) == 1  # never zero rows
     assert budget.rows_per_batch(1, budget=10**12) == budget.MAX_ROWS
     assert budget.rows_per_batch(1, budget=10**12, max_rows=5) == 5
+    assert budget.rows_per_batch(1 << 20, budget="8M") == 8  # a size, as on the command line
     for total in (1, 5, 255, 256, 257, 1000, 100_000):
         for size in (1, 3, 256):
             g = budget.groups(total, size)
