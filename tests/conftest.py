@@ -11,8 +11,8 @@ os.environ.setdefault("JAXDECODE_KERNELS", "1")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # No persistent compilation cache: XLA's serialization of a compiled CPU program (what JAX does
-# to write a cache entry) crashed a test worker with a segmentation fault twice in full runs
-# (jax 0.10.2), so every worker compiles for itself.
+# to write a cache entry) crashed a test worker with a segmentation fault (jax 0.10.2), and the
+# workers' unlocked reads could meet a half-written entry; every worker compiles for itself.
 
 # Hypothesis draws the same examples on every run (a seed derived from each test), so a failure
 # reproduces and a pass means the same thing on every machine; HYPOTHESIS_PROFILE=explore draws
