@@ -28,7 +28,7 @@ HOW_TO_GET = (
 
 def locate_corpus(path: str | os.PathLike | None = None, download: bool = True) -> Path:
     """Find the corpus: ``path``, then ``$JAXDECODE_DATA``, then ``data/tinyshakespeare.txt``,
-    then a download into that path."""
+    then a download into that path (never with ``$JAXDECODE_OFFLINE`` set to 1)."""
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -42,7 +42,7 @@ def locate_corpus(path: str | os.PathLike | None = None, download: bool = True) 
         return p
     if DEFAULT_PATH.is_file():
         return DEFAULT_PATH
-    if download:
+    if download and os.environ.get("JAXDECODE_OFFLINE", "") not in ("1", "true", "yes"):
         return _download(DEFAULT_PATH)
     raise CorpusError(f"corpus not found: {HOW_TO_GET}")
 

@@ -8,6 +8,8 @@ from hypothesis import settings
 # The native CPU layer is required in the tests: a failed build fails them instead of silently
 # testing the portable path twice. Loop tests run on both backends (the `backend` fixture).
 os.environ.setdefault("JAXDECODE_KERNELS", "1")
+# The tests download nothing: a test that would fetch the corpus fails with the corpus error instead.
+os.environ["JAXDECODE_OFFLINE"] = "1"
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # No persistent compilation cache: XLA's serialization of a compiled CPU program (what JAX does

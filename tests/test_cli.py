@@ -578,7 +578,7 @@ def tiny_corpus(tmp_path_factory):
     return str(path)
 
 
-def test_eval_held_out_loss_and_text_score(tiny_ckpt, tiny_corpus, capsys):
+def test_eval_held_out_loss_and_text_score(tiny_ckpt, tiny_corpus, tmp_path, capsys):
     assert main(["eval", tiny_ckpt, "--data", tiny_corpus, "--windows", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["held_out_windows"] == 3 and 0 < doc["held_out_loss"] < 10
@@ -590,8 +590,10 @@ def test_eval_held_out_loss_and_text_score(tiny_ckpt, tiny_corpus, capsys):
     assert main(["eval", tiny_ckpt, "--text", "abc", "--held-out", "--data", tiny_corpus, "--windows", "3"]) == 0
     text = capsys.readouterr().out
     assert f"held_out_loss          {doc['held_out_loss']:.4f}" in text and "mean_logprob" in text
-    # a corpus the checkpoint cannot read: named
-    assert main(["eval", tiny_ckpt, "--windows", "3"]) == 2  # Tiny Shakespeare: capitals, punctuation
+    # a corpus the checkpoint cannot read: named (capitals and punctuation, as in Tiny Shakespeare)
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_text("KATHARINA:\nMoved! in good time: let him that moved you hither\n" * 400)
+    assert main(["eval", tiny_ckpt, "--data", str(foreign), "--windows", "3"]) == 2
     _one_line_error(capsys, "the held-out part of the corpus", "outside the model's vocabulary")
 
 
