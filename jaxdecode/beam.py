@@ -53,6 +53,7 @@ from .core import (
     encode_prompts,
     encode_stop_strings,
     encode_stops,
+    finish_text,
     make_batch,
     pad_rule,
     push_recent,
@@ -480,7 +481,7 @@ class BeamText:
     tokens: np.ndarray  # [n] int32
     score: float  # summed (rule-processed) log-probability / length penalty
     logprob: float  # summed log-probability under the unmodified model
-    finished: bool  # ended with a stop string or a constrained stop
+    finished: bool  # ended with an end token (not in the text), a stop string or a constrained stop
 
     @property
     def mean_logprob(self) -> float:
@@ -503,9 +504,11 @@ def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: i
     constraint = C.per_sample(constraint, len(prompts), 1)
     res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
                       end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint)
-    return [[BeamText(prompt=p, text=lm.vocab.decode(h.tokens), tokens=h.tokens, score=h.score,
-                      logprob=h.logprob, finished=h.finished) for h in hyps]
-            for p, hyps in zip(prompts, res.hypotheses)]
+    def text(p, h):
+        tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop)
+        return BeamText(prompt=p, text=text, tokens=tokens, score=h.score, logprob=h.logprob, finished=h.finished)
+
+    return [[text(p, h) for h in hyps] for p, hyps in zip(prompts, res.hypotheses)]
 
 
 __all__ = [

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .model import ModelConfig
+from .models.lm import LanguageModel
 from .vocab import Vocab
 
 CONFIG_FILE = "config.json"
@@ -175,44 +176,6 @@ def params_to_state_dict(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------- folders
 
-@dataclasses.dataclass
-class LanguageModel:
-    """A loaded model: its ``params``, its ``vocab``, metadata, and the ``decoder`` the loops run it
-    through (a :class:`jaxdecode.models.DecodingModel`). For the reference transformer, ``cfg`` is
-    its shape and the decoder is built from it on ``backend`` (``"native"``, ``"portable"`` or
-    ``None``/``"auto"``: ``$JAXDECODE_KERNELS``, see :func:`jaxdecode.kernels.select`)."""
-
-    params: Any
-    cfg: ModelConfig | None
-    vocab: Vocab
-    meta: dict
-    path: Path | None = None
-    decoder: Any = None
-    backend: dataclasses.InitVar[str | None] = None
-
-    def __post_init__(self, backend):
-        if self.decoder is None:
-            if self.cfg is None:
-                raise ValueError("LanguageModel needs a cfg or a decoder")
-            from .models.charlm import decoder_for
-
-            self.decoder = decoder_for(self.cfg, backend)
-        if len(self.vocab) != self.decoder.V:
-            raise ValueError(f"the vocabulary has {len(self.vocab)} tokens but the model has V={self.decoder.V}")
-
-    @property
-    def num_params(self) -> int:
-        return sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(self.params))
-
-    def with_backend(self, backend: str) -> LanguageModel:
-        """The same model on another backend (``"native"`` or ``"portable"``)."""
-        from .models.charlm import decoder_for
-
-        if self.cfg is None:
-            raise ValueError("only the reference transformer has backends to choose from")
-        return dataclasses.replace(self, decoder=decoder_for(self.cfg, backend))
-
-
 def config_from_dict(d: dict, where: str) -> tuple[ModelConfig, Vocab]:
     try:
         cfg = ModelConfig(**{k: d[k] for k in ("V", "T", "d", "L", "heads")})
@@ -257,13 +220,26 @@ def resolve(path: str | os.PathLike | None) -> Path:
     return p
 
 
-def load(path: str | os.PathLike | None = None, *, backend: str | None = None) -> LanguageModel:
+def load(path: str | os.PathLike | None = None, *, backend: str | None = None, dtype: str = "float32",
+         max_length: int | None = None) -> LanguageModel:
     """Load a checkpoint folder (default: the shipped ``shakespeare-char``) onto ``backend``
-    (``"native"``, ``"portable"``, or ``None``/``"auto"``: see :func:`jaxdecode.kernels.select`)."""
+    (``"native"``, ``"portable"``, or ``None``/``"auto"``: see :func:`jaxdecode.kernels.select`).
+
+    A Hugging Face folder (a ``config.json`` with ``model_type`` llama, mistral, qwen2 or gpt2,
+    safetensors weights, ``tokenizer.json``) loads through :func:`jaxdecode.models.hf.load_hf`
+    with ``dtype`` (``"float32"`` or ``"bfloat16"``) and an optional smaller window
+    ``max_length``; it runs on the portable path whatever ``backend`` says."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    from .models.hf import HFError, is_hf_folder, load_hf
+
     path = resolve(path)
+    if path.is_dir() and is_hf_folder(path):
+        try:
+            return load_hf(path, dtype=dtype, max_length=max_length)
+        except HFError as e:
+            raise CheckpointError(str(e)) from None
     if path.is_file():
         hint = ""
         if path.suffix == ".pt":

@@ -41,6 +41,7 @@ from .core import (
     check_int,
     encode_prompts,
     encode_stop_strings,
+    finish_text,
     encode_stops,
     make_batch,
     push_recent,
@@ -280,9 +281,8 @@ def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int 
                              on_chunk=text_streamer(lm, on_text))
     out = []
     for r, prompt in enumerate(prompts):
-        c = res.counts[r]
-        toks = res.tokens[r, :c]
-        out.append(Generation(prompt=prompt, text=lm.vocab.decode(toks), tokens=toks,
-                              model_logprobs=res.model_logprobs[r, :c], sample_logprobs=res.sample_logprobs[r, :c],
-                              finish_reason="stop" if res.stopped[r] else "length"))
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        c = len(toks)
+        out.append(Generation(prompt=prompt, text=text, tokens=toks, model_logprobs=res.model_logprobs[r, :c],
+                              sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))
     return out

@@ -158,6 +158,9 @@ def encode_prompts(lm, prompts: str | Sequence[str], num_samples: int):
         if not p:
             raise ValueError("the prompt is empty: give at least one character")
     encoded = [lm.vocab.encode(p) for p in prompts]
+    for p, e in zip(prompts, encoded):
+        if len(e) == 0:
+            raise ValueError(f"the prompt {p!r} encodes to no tokens")
     return prompts, [e for e in encoded for _ in range(num_samples)]
 
 
@@ -190,25 +193,85 @@ def sample_keys(n_prompts: int, num_samples: int, seed=0, key=None):
     return keys, np.tile(np.arange(num_samples), n_prompts)
 
 
+class _Incremental:
+    """One row's text so far, given out in whole characters (a subword vocabulary may split a
+    multi-byte character over several tokens: its bytes are held back until it is whole)."""
+
+    def __init__(self, vocab):
+        self.vocab, self.ids, self.emitted = vocab, [], 0
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.vocab.decode(self.ids)
+        end = len(text)
+        while end > self.emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        new, self.emitted = text[self.emitted:end], end
+        return new
+
+
 def text_streamer(lm, on_text):
-    """``on_text(row, new_text)`` as a loop's ``on_chunk(tokens [B, c], emitted [B, c])``, or None."""
+    """``on_text(row, new_text)`` as a loop's ``on_chunk(tokens [B, c], emitted [B, c])``, or None.
+    End tokens are not text: they are never streamed."""
     if on_text is None:
         return None
+    eos = np.asarray(getattr(lm, "eos_ids", ()) or [-1], np.int32)
+    rows: dict[int, _Incremental] = {}
 
     def on_chunk(tokens, emitted):
         for r in range(tokens.shape[0]):
-            if emitted[r].any():
-                on_text(r, lm.vocab.decode(tokens[r][emitted[r]]))
+            keep = emitted[r] & ~np.isin(tokens[r], eos)
+            if not keep.any():
+                continue
+            if is_subword(lm.vocab):
+                new = rows.setdefault(r, _Incremental(lm.vocab)).push(tokens[r][keep])
+                if new:
+                    on_text(r, new)
+            else:
+                on_text(r, lm.vocab.decode(tokens[r][keep]))
 
     return on_chunk
 
 
-def encode_stop_strings(lm, stop: str | Sequence[str] | None) -> list[np.ndarray]:
+def is_subword(vocab) -> bool:
+    """Whether ``vocab`` is a subword tokenizer (stop strings are matched on the decoded text)."""
+    return bool(getattr(vocab, "subword", False))
+
+
+def stop_string_list(stop: str | Sequence[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     for s in stops:
-        if not s:
-            raise ValueError("a stop string must not be empty")
-    return [lm.vocab.encode(s) for s in stops]
+        if not isinstance(s, str) or not s:
+            raise ValueError("a stop string must be a non-empty string")
+    return stops
+
+
+def encode_stop_strings(lm, stop: str | Sequence[str] | None) -> list[np.ndarray]:
+    """Stop strings as token sequences the loops end a row at (a subword vocabulary's canonical
+    encoding, without special tokens: the text check of :func:`finish_text` catches the others),
+    followed by the model's end tokens."""
+    stops = stop_string_list(stop)
+    encode = getattr(lm.vocab, "encode_piece", lm.vocab.encode)
+    return [encode(s) for s in stops] + list(getattr(lm, "end_stops", []))
+
+
+def finish_text(lm, tokens: np.ndarray, stopped: bool, stop: str | Sequence[str] | None = None):
+    """A finished row: ``(tokens kept, text, finish_reason)``. ``"eos"``: it generated an end
+    token (kept in the tokens, not in the text); ``"stop"``: a stop string ended it (kept in the
+    text); ``"length"``: it ran out of new tokens."""
+    eos = set(getattr(lm, "eos_ids", ()))
+    n = len(tokens)
+    if n and eos and int(tokens[n - 1]) in eos:
+        return tokens, lm.vocab.decode(tokens[:n - 1]), "eos"
+    text = lm.vocab.decode(tokens)
+    stops = stop_string_list(stop)
+    if stops and is_subword(lm.vocab):  # the first stop string in the text, however it was tokenized
+        cut = min((text.find(s) + len(s) for s in stops if s in text), default=None)
+        if cut is not None:
+            k = next(k for k in range(1, n + 1) if len(lm.vocab.decode(tokens[:k])) >= cut)
+            return tokens[:k], text[:cut], "stop"
+        return tokens, text, "length"
+    return tokens, text, "stop" if stopped else "length"
 
 
 @dataclasses.dataclass
@@ -220,7 +283,7 @@ class Generation:
     tokens: np.ndarray  # [n] int32
     model_logprobs: np.ndarray  # [n] float32, unmodified model log-probability of each token
     sample_logprobs: np.ndarray  # [n] float32, under the processed distribution sampled from
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str  # "length", "stop" (a stop string) or "eos" (an end token, not in the text)
 
     @property
     def mean_logprob(self) -> float:

@@ -39,6 +39,7 @@ from .core import (
     check_int,
     encode_prompts,
     encode_stop_strings,
+    finish_text,
     encode_stops,
     make_batch,
     pad_rule,
@@ -489,10 +490,9 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
                         memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
     out = []
     for r in range(len(rows)):
-        c = res.counts[r]
-        toks = res.tokens[r, :c]
-        out.append(Generation(prompt=prompts[r // num_samples], text=lm.vocab.decode(toks), tokens=toks,
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        c = len(toks)
+        out.append(Generation(prompt=prompts[r // num_samples], text=text, tokens=toks,
                               model_logprobs=res.model_logprobs[r, :c],
-                              sample_logprobs=res.sample_logprobs[r, :c],
-                              finish_reason="stop" if res.stopped[r] else "length"))
+                              sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))
     return out

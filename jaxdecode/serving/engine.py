@@ -76,7 +76,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core import Generation, check_int, encode_stop_strings, sample_keys
+from ..core import Generation, check_int, encode_stop_strings, finish_text, sample_keys
 from .blocks import BlockAllocator, OutOfBlocks
 from .executors import ModelExecutor, PagedExecutor
 from .requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
@@ -573,6 +573,15 @@ class Engine:
         start, self._reported = self._reported, len(self.requests)
         return self.report(range(start, len(self.requests)))
 
+    def _output(self, request, r) -> Generation:
+        tokens, text, reason = finish_text(self.lm, np.asarray(r.tokens, np.int32), r.finish == "stop",
+                                           request.stop)
+        c = len(tokens)
+        return Generation(prompt=request.prompt, text=text, tokens=tokens,
+                          model_logprobs=np.asarray(r.mlp[:c], np.float32),
+                          sample_logprobs=np.asarray(r.slp[:c], np.float32),
+                          finish_reason=reason if r.finish == "stop" or reason == "stop" else r.finish)
+
     def report(self, indices=None) -> Report:
         """The finished requests (default: all) as a :class:`Report`."""
         indices = range(len(self.requests)) if indices is None else indices
@@ -581,11 +590,7 @@ class Engine:
             rows = self._rows[i]
             if any(r.finish is None for r in rows):
                 raise ValueError(f"request {i} has not finished")
-            outs = [Generation(prompt=self.requests[i].prompt, text=self.lm.vocab.decode(r.tokens),
-                               tokens=np.asarray(r.tokens, np.int32),
-                               model_logprobs=np.asarray(r.mlp, np.float32),
-                               sample_logprobs=np.asarray(r.slp, np.float32), finish_reason=r.finish)
-                    for r in rows]
+            outs = [self._output(self.requests[i], r) for r in rows]
             firsts = [r.t_first for r in rows if r.t_first is not None]
             results.append(RequestResult(i, self.requests[i], outs, self._arrival[i],
                                          min(firsts) if firsts else None, max(r.t_done for r in rows)))

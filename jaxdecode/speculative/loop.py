@@ -27,6 +27,7 @@ from ..core import (
     check_int,
     encode_prompts,
     encode_stop_strings,
+    finish_text,
     make_batch,
     pad_rule,
     round_up,
@@ -468,11 +469,11 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
                              constraint=C.per_sample(constraint, len(prompts), num_samples))
     out = []
     for r in range(len(rows)):
-        c = res.counts[r]
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        c = len(toks)
         out.append(SpeculativeGeneration(
-            prompt=prompts[r // num_samples], text=lm.vocab.decode(res.tokens[r, :c]), tokens=res.tokens[r, :c],
-            model_logprobs=res.model_logprobs[r, :c], sample_logprobs=res.sample_logprobs[r, :c],
-            finish_reason="stop" if res.stopped[r] else "length", stats=res.stats[r]))
+            prompt=prompts[r // num_samples], text=text, tokens=toks, model_logprobs=res.model_logprobs[r, :c],
+            sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason, stats=res.stats[r]))
     return out
 
 

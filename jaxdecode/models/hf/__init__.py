@@ -1,0 +1,66 @@
+"""Hugging Face model folders: Llama, Mistral, Qwen2 and GPT-2 with their tokenizers and end tokens.
+
+``load_hf(folder)`` reads ``config.json`` (:mod:`.config`), the safetensors weights, single or
+sharded (:mod:`.weights`), ``generation_config.json`` for the end tokens, and ``tokenizer.json``
+(:mod:`.tokenizer`), and returns a :class:`~jaxdecode.models.lm.LanguageModel` whose decoder is an
+:class:`~.transformer.HFDecoder`: every loop and the engine run on it as on the reference model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import SUPPORTED, ConfigError, HFConfig, end_tokens, read_config
+from .tokenizer import HFTokenizer, TokenizerError
+from .transformer import HFCache, HFDecoder
+from .weights import WeightsError, read_params
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class HFError(ValueError):
+    """A Hugging Face folder that cannot be loaded (one line naming the problem)."""
+
+
+def is_hf_folder(folder: Path) -> bool:
+    """Whether ``folder``'s config.json is a Hugging Face one (it names a ``model_type``)."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "model_type" in raw and "chars" not in raw
+
+
+def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
+    """Load a Hugging Face folder. ``dtype``: the parameters' and the computation's (norms,
+    softmax and logits stay float32); ``max_length``: a window smaller than the config's
+    ``max_position_embeddings`` (the loops allocate and re-read up to the window)."""
+    import jax.numpy as jnp
+
+    from ..lm import LanguageModel
+
+    folder = Path(folder)
+    if dtype not in DTYPES:
+        raise HFError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+        raise HFError(f"max_length must be an integer >= 2, got {max_length!r}")
+    try:
+        cfg, raw = read_config(folder)
+        eos = end_tokens(folder, raw)
+        vocab = HFTokenizer(folder / "tokenizer.json", cfg.V)
+        bad = [e for e in eos if not 0 <= e < cfg.V]
+        if bad:
+            raise ConfigError(f"{folder}: eos_token_id {bad[0]} lies outside the vocabulary of {cfg.V}")
+        params = read_params(folder, cfg, getattr(jnp, dtype))
+    except (ConfigError, TokenizerError, WeightsError) as e:
+        raise HFError(str(e)) from None
+    decoder = HFDecoder(cfg, dtype, max_length)
+    meta = {"model_type": cfg.model_type, "format": "huggingface", "dtype": dtype,
+            "architectures": raw.get("architectures"), "eos_token_id": list(eos)}
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
+                         eos_ids=eos)
+
+
+__all__ = ["DTYPES", "HFCache", "HFConfig", "HFDecoder", "HFError", "HFTokenizer", "SUPPORTED",
+           "is_hf_folder", "load_hf", "read_config"]

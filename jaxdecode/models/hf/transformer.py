@@ -1,0 +1,270 @@
+"""Llama, Mistral, Qwen2 and GPT-2 as one decoder behind the decoding-model interface.
+
+:class:`HFDecoder` is a pre-norm decoder-only transformer in plain ``jax.numpy`` whose variants are
+fields of its :class:`~.config.HFConfig`:
+
+- Llama, Mistral, Qwen2: RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``, in float32), rotary
+  positions (rotate-half convention, ``rope_theta``, ``llama3`` or linear scaling), grouped-query
+  attention (each key/value head serves ``heads / kv_heads`` query heads), a SwiGLU MLP
+  (``down(silu(gate x) * up x)``), q/k/v biases for Qwen2, Mistral's sliding window (a query at
+  position ``i`` sees keys at ``j`` with ``i - W < j <= i``), tied or untied output.
+- GPT-2: LayerNorm, learned positions, one attention head per key/value head, a ``gelu_new``
+  MLP with biases, output tied to the token embedding.
+
+The cache is ``k``, ``v`` of shape ``[L, B, KV, capacity, hd]`` (keys after rotation) and the rows'
+lengths: row ``b``'s token ``p`` sits at position ``p``, and a query reads only positions below its
+own, so whatever lies at or past a row's length is never read before it is written (truncating
+is setting lengths). Past the window ``T`` (``max_position_embeddings``) the loops call
+:meth:`HFDecoder.window`, a forward over each row's last ``T`` tokens numbered from 0, as for the
+reference model.
+
+Compute runs in the parameters' dtype (float32 by default, bfloat16 for accelerators), with norms,
+softmax and logits in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..base import DecodingModel
+from .config import HFConfig
+
+
+class HFCache(NamedTuple):
+    """The dense cache of :class:`HFDecoder`."""
+
+    k: jax.Array  # [L, B, KV, capacity, hd] rotated keys
+    v: jax.Array  # [L, B, KV, capacity, hd]
+    length: jax.Array  # [B] int32 positions filled per row
+
+
+def _vec(v, ndim):
+    """A ``[n]`` vector shaped to broadcast over the last axis of an ``ndim``-d array."""
+    return v.reshape((1,) * (ndim - 1) + (-1,))
+
+
+def inv_frequencies(cfg: HFConfig) -> np.ndarray:
+    """RoPE's inverse frequencies ``[hd / 2]`` (float32), with ``rope_scaling`` applied."""
+    hd = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    s = cfg.scaling
+    kind = s.get("rope_type")
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def _norm(cfg: HFConfig, x, w, b=None):
+    x32 = x.astype(jnp.float32)
+    if cfg.norm == "rms":
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + cfg.eps)
+    else:
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + cfg.eps)
+    y = y.astype(x.dtype) * _vec(w, x.ndim)
+    return y if b is None else y + _vec(b, x.ndim)
+
+
+def _act(name: str, x):
+    if name in ("silu", "swish"):
+        return jax.nn.silu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=True)  # gelu_new, gelu_pytorch_tanh, gelu_fast
+
+
+@dataclasses.dataclass(frozen=True)
+class HFDecoder(DecodingModel):
+    """A Hugging Face decoder of shape ``cfg`` (hashable: a static argument of the loops' programs)."""
+
+    cfg: HFConfig
+    dtype: str = "float32"
+    T_limit: int | None = None  # a smaller window than the config's, if asked for
+
+    @property
+    def V(self):
+        return self.cfg.V
+
+    @property
+    def T(self):
+        return self.cfg.T if self.T_limit is None else min(self.cfg.T, self.T_limit)
+
+    @property
+    def reads_only_filled(self):
+        return False
+
+    # --- pieces
+    def _rope(self, x, pos):
+        """Rotate ``x [B, S, n, hd]`` to positions ``pos [B, S]`` (rotate-half)."""
+        inv = jnp.asarray(inv_frequencies(self.cfg))  # [hd/2]
+        angle = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]  # [B, S, hd/2]
+        cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[:, :, None, :]
+        sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[:, :, None, :]
+        x32 = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+        return (x32 * cos + rotated * sin).astype(x.dtype)
+
+    def _embed(self, params, tokens, pos):
+        x = params["embed"][tokens]
+        if self.cfg.positions == "learned":
+            x = x + params["pos"][jnp.clip(pos, 0, self.cfg.T - 1)]
+        return x
+
+    def _qkv(self, p, x, pos):
+        cfg = self.cfg
+        B, S, _ = x.shape
+        h = _norm(cfg, x, p["norm1_w"], p.get("norm1_b"))
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if "bq" in p:
+            q, k, v = q + _vec(p["bq"], 3), k + _vec(p["bk"], 3), v + _vec(p["bv"], 3)
+        q = q.reshape(B, S, cfg.heads, cfg.head_dim)
+        k = k.reshape(B, S, cfg.kv_heads, cfg.head_dim)
+        v = v.reshape(B, S, cfg.kv_heads, cfg.head_dim)
+        if cfg.positions == "rope":
+            q, k = self._rope(q, pos), self._rope(k, pos)
+        return q, k, v  # [B, S, heads or KV, hd]
+
+    def _attend(self, q, k, v, pos, kpos):
+        """q ``[B, S, H, hd]`` at positions ``pos [B, S]``; k/v ``[B, KV, K, hd]`` at ``kpos [K]``
+        -> ``[B, S, H * hd]``. A query sees keys at or before its position (and within the
+        sliding window)."""
+        cfg = self.cfg
+        B, S, H, hd = q.shape
+        G = cfg.groups
+        q = q.reshape(B, S, cfg.kv_heads, G, hd)
+        scores = jnp.einsum("bskgh,bkth->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+        visible = kpos[None, None, :] <= pos[:, :, None]  # [B, S, K]
+        if cfg.sliding_window is not None:
+            visible &= kpos[None, None, :] > pos[:, :, None] - cfg.sliding_window
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+        w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgst,bkth->bskgh", w, v)
+        return out.reshape(B, S, H * hd)
+
+    def _finish(self, p, x, att):
+        cfg = self.cfg
+        x = x + att @ p["wo"] + (_vec(p["bo"], 3) if "bo" in p else 0)
+        h = _norm(cfg, x, p["norm2_w"], p.get("norm2_b"))
+        up = h @ p["w_up"] + (_vec(p["b_up"], 3) if "b_up" in p else 0)
+        if cfg.mlp == "gated":
+            gate = h @ p["w_gate"] + (_vec(p["b_gate"], 3) if "b_gate" in p else 0)
+            mid = _act(cfg.act, gate) * up
+        else:
+            mid = _act(cfg.act, up)
+        return x + mid @ p["w_down"] + (_vec(p["b_down"], 3) if "b_down" in p else 0)
+
+    def _head(self, params, x):
+        hidden = _norm(self.cfg, x, params["norm_w"], params.get("norm_b"))
+        if "head" in params:
+            logits = jnp.einsum("bsd,dv->bsv", hidden, params["head"], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("bsd,vd->bsv", hidden, params["embed"], preferred_element_type=jnp.float32)
+        return logits, hidden.astype(jnp.float32)
+
+    # --- the full forward
+    def forward(self, params, tokens):
+        """Tokens ``[B, t]`` -> ``(logits [B, t, V], hidden [B, t, d])``, positions from 0."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, t = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (B, t))
+        x = self._embed(params, tokens, pos)
+
+        def block(x, p):
+            q, k, v = self._qkv(p, x, pos)
+            att = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos[0])
+            return self._finish(p, x, att), None
+
+        x, _ = jax.lax.scan(block, x, params["layers"])
+        return self._head(params, x)
+
+    def __call__(self, params, tokens):
+        return self.forward(params, tokens)
+
+    # --- the decoding-model interface
+    def empty_cache(self, batch, capacity):
+        cfg = self.cfg
+        shape = (cfg.L, batch, cfg.kv_heads, capacity, cfg.head_dim)
+        return HFCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((batch,), jnp.int32))
+
+    def capacity(self, cache):
+        return cache.k.shape[3]
+
+    def extend(self, params, cache, tokens, span=None, in_place=True):
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, S = tokens.shape
+        C = self.capacity(cache)
+        span = C if span is None else min(span, C)
+        pos = cache.length[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]  # [B, S]
+        x = self._embed(params, tokens, pos)
+        write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (0, at, 0)))
+
+        def block(x, layer):
+            p, kc, vc = layer  # kc, vc [B, KV, C, hd]
+            q, k, v = self._qkv(p, x, pos)
+            kc = write(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), cache.length)
+            vc = write(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), cache.length)
+            att = self._attend(q, kc[:, :, :span], vc[:, :, :span], pos, jnp.arange(span, dtype=jnp.int32))
+            return self._finish(p, x, att), (kc, vc)
+
+        x, (k, v) = jax.lax.scan(block, x, (params["layers"], cache.k, cache.v))
+        logits, hidden = self._head(params, x)
+        return logits, hidden, HFCache(k, v, cache.length + S)
+
+    def prefill(self, params, tokens, lengths, capacity):
+        B, P = tokens.shape
+        if capacity < P:
+            raise ValueError(f"prefill: capacity {capacity} is below the prompt width {P}")
+        logits, hidden, cache = self.extend(params, self.empty_cache(B, capacity), tokens, span=P)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        at = jnp.maximum(lengths - 1, 0)[:, None, None]
+        last = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
+        return last(logits), last(hidden), cache._replace(length=lengths)
+
+    def window(self, params, history, lengths):
+        N = history.shape[1]
+        W = min(N, self.T)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        start = jnp.clip(lengths - W, 0, N - W)
+        windows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (W,)))(history, start)
+        logits, hidden = self.forward(params, windows)
+        at = jnp.clip(lengths - start - 1, 0, W - 1)[:, None, None]
+        take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
+        return take(logits), take(hidden)
+
+    def reorder(self, cache, rows, span=None):
+        return HFCache(jnp.take(cache.k, rows, axis=1), jnp.take(cache.v, rows, axis=1),
+                       jnp.take(cache.length, rows, axis=0))
+
+    def truncate(self, cache, lengths):
+        return cache._replace(length=jnp.asarray(lengths, jnp.int32))
+
+    def grow(self, cache, capacity):
+        pad = capacity - self.capacity(cache)
+        if pad < 0:
+            raise ValueError(f"grow: capacity {capacity} is below the current {self.capacity(cache)}")
+        if pad == 0:
+            return cache
+        widths = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
+        return cache._replace(k=jnp.pad(cache.k, widths), v=jnp.pad(cache.v, widths))
+
+
+__all__ = ["HFCache", "HFDecoder", "inv_frequencies"]

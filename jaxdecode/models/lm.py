@@ -1,0 +1,57 @@
+"""A loaded model: parameters, vocabulary, decoder and end tokens, whatever the checkpoint format."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class LanguageModel:
+    """A loaded model: its ``params``, its ``vocab``, metadata, and the ``decoder`` the loops run it
+    through (a :class:`jaxdecode.models.DecodingModel`). For the reference transformer, ``cfg`` is
+    its shape and the decoder is built from it on ``backend`` (``"native"``, ``"portable"`` or
+    ``None``/``"auto"``: ``$JAXDECODE_KERNELS``, see :func:`jaxdecode.kernels.select`)."""
+
+    params: Any
+    cfg: Any
+    vocab: Any  # a Vocab, TokenVocab or HFTokenizer
+    meta: dict
+    path: Path | None = None
+    decoder: Any = None
+    backend: dataclasses.InitVar[str | None] = None
+    eos_ids: tuple[int, ...] = ()  # end-of-sequence token ids: a row ends at the first one it generates
+
+    def __post_init__(self, backend):
+        if self.decoder is None:
+            if self.cfg is None:
+                raise ValueError("LanguageModel needs a cfg or a decoder")
+            from .charlm import decoder_for
+
+            self.decoder = decoder_for(self.cfg, backend)
+        if len(self.vocab) != self.decoder.V:
+            raise ValueError(f"the vocabulary has {len(self.vocab)} tokens but the model has V={self.decoder.V}")
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(self.params))
+
+    def with_backend(self, backend: str) -> LanguageModel:
+        """The same model on another backend (``"native"`` or ``"portable"``)."""
+        from .charlm import CharLMDecoder, decoder_for
+
+        if not isinstance(self.decoder, CharLMDecoder):
+            if backend in ("portable", "auto", None):
+                return self
+            raise ValueError("only the reference transformer has a native backend; this model runs on the "
+                             "portable jax.numpy path")
+        return dataclasses.replace(self, decoder=decoder_for(self.cfg, backend))
+
+    @property
+    def end_stops(self) -> list[np.ndarray]:
+        """The end tokens as one-token stop sequences (what the loops stop a row at)."""
+        return [np.asarray([e], np.int32) for e in self.eos_ids]
