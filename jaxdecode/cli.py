@@ -24,14 +24,19 @@ def cmd_info(args):
     from . import checkpoint
 
     lm = checkpoint.load(args.ckpt)
+    shape = {"V": lm.cfg.V, "T": lm.decoder.T, "d": lm.cfg.d, "L": lm.cfg.L, "heads": lm.cfg.heads}
+    subword = getattr(lm.vocab, "subword", False)
+    if subword:  # a Hugging Face model: its family's own fields
+        shape |= {"kv_heads": lm.cfg.kv_heads, "head_dim": lm.cfg.head_dim, "ffn": lm.cfg.ffn}
     info = {
         "path": str(lm.path),
-        "config": {"V": lm.cfg.V, "T": lm.cfg.T, "d": lm.cfg.d, "L": lm.cfg.L, "heads": lm.cfg.heads},
+        "config": shape,
         "parameters": lm.num_params,
         "backend": lm.decoder.backend,
         "backend_reason": getattr(lm.decoder, "why", ""),
         "jax_backend": __import__("jax").default_backend(),
-        "vocabulary": lm.vocab.chars,
+        "vocabulary": repr(lm.vocab) if subword else lm.vocab.chars,
+        "end_tokens": list(lm.eos_ids),
         # the shape, the vocabulary and the parameter count are shown above, not again here
         "provenance": {k: v for k, v in lm.meta.items()
                        if k not in ("V", "T", "d", "L", "heads", "chars", "parameters")},
@@ -41,10 +46,12 @@ def cmd_info(args):
         return
     c = info["config"]
     print(f"checkpoint  {info['path']}")
-    print(f"shape       V={c['V']} T={c['T']} d={c['d']} L={c['L']} heads={c['heads']}")
+    print("shape       " + " ".join(f"{k}={v}" for k, v in c.items()))
     print(f"parameters  {info['parameters']:,}")
     print(f"backend     {info['backend_reason'] or info['backend']} [JAX on {info['jax_backend']}]")
-    print(f"vocabulary  {lm.vocab.chars!r}")
+    print(f"vocabulary  {info['vocabulary'] if subword else repr(lm.vocab.chars)}")
+    if lm.eos_ids:
+        print(f"end tokens  {list(lm.eos_ids)}")
     for k, v in info["provenance"].items():
         if k == "loss_curve":
             v = " ".join(f"{s}:{loss}" for s, loss in v)
@@ -127,7 +134,7 @@ def _settings(args) -> dict:
 def _load(args):
     from . import checkpoint
 
-    return checkpoint.load(args.ckpt)
+    return checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32")
 
 
 def _read_prompt(args) -> str:
@@ -457,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("generate", help="generate text after a prompt")
     s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
-    s.add_argument("-n", type=int, default=300, help="characters to generate (default 300)")
+    s.add_argument("-n", type=int, default=300, help="tokens to generate (default 300; for the character model a token is a character)")
     s.add_argument("--num-samples", type=int, default=1)
     s.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
                    help="run the samples in batches that fit SIZE bytes (e.g. 2G; default: "
@@ -465,7 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-rows", type=_positive_int, default=None, metavar="N",
                    help="at most N samples per batch (default 256: larger batches are no faster)")
     s.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
-    s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
+    s.add_argument("--ckpt", default=None, help="checkpoint folder: the shipped model (default), one of ours, "
+                   "or a Hugging Face folder (llama, mistral, qwen2, gpt2)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="a Hugging Face model's parameter and compute dtype (default float32; bfloat16 for "
+                        "accelerators)")
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
     s.add_argument("--greedy", action="store_true", help="always take the most probable character")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -131,7 +131,8 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, 
         if not t:
             raise ValueError("the text to score is empty")
         prompt = lm.vocab.encode(p)
-        seqs.append(np.concatenate([prompt, lm.vocab.encode(t)]))
+        # the continuation is a piece inside a sequence: no special tokens of its own (a BOS)
+        seqs.append(np.concatenate([prompt, getattr(lm.vocab, "encode_piece", lm.vocab.encode)(t)]))
         starts.append(len(prompt))
     lps = token_logprobs(lm.decoder, lm.params, seqs, starts, memory_budget=memory_budget, max_rows=max_rows)
     member = [None if constraint is None else constraint.accepts(s[st:]) for s, st in zip(seqs, starts)]
