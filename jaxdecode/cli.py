@@ -384,14 +384,20 @@ def cmd_mode(args):
     from .search import SearchBudgetExceeded
 
     try:
-        tokens, logprob, nodes = mode_search(lm.decoder, lm.params, ids, args.n, node_budget=args.budget)
+        tokens, logprob, nodes = mode_search(lm.decoder, lm.params, ids, args.n, node_budget=args.budget,
+                                             end_tokens=lm.eos_ids)
     except SearchBudgetExceeded as e:
         raise UsageError(f"{str(e).split(';')[0]}: raise --budget or lower -n") from None
-    text = lm.vocab.decode(tokens)
+    from .core import finish_text
+
+    tokens, text, reason = finish_text(lm, tokens, False)
     if args.json:
-        _print_json({"prompt": prompt, "text": text, "logprob": logprob, "nodes_expanded": nodes})
+        _print_json({"prompt": prompt, "text": text, "tokens": tokens.tolist(), "logprob": logprob,
+                     "finish_reason": reason, "nodes_expanded": nodes})
     else:
-        print(f"--- mode of {args.n} characters: log-probability {logprob:.4f} ({nodes} nodes expanded)")
+        unit = "tokens" if getattr(lm.vocab, "subword", False) else "characters"
+        ended = ", ends with the end token" if reason == "eos" else ""
+        print(f"--- mode of {len(tokens)} {unit}{ended}: log-probability {logprob:.4f} ({nodes} nodes expanded)")
         print(prompt + text)
 
 
@@ -464,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("generate", help="generate text after a prompt")
     s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
-    s.add_argument("-n", type=int, default=300, help="tokens to generate (default 300; for the character model a token is a character)")
+    s.add_argument("-n", type=int, default=300,
+                   help="tokens to generate (default 300; for the character model a token is a character)")
     s.add_argument("--num-samples", type=int, default=1)
     s.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
                    help="run the samples in batches that fit SIZE bytes (e.g. 2G; default: "

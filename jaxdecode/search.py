@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ def _choices(constraint, n: int):
 
 def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
                 lower_bound: float | None = None, batch: int = 32,
-                constraint=None) -> tuple[np.ndarray, float, int]:
+                constraint=None, end_tokens: Sequence[int] = ()) -> tuple[np.ndarray, float, int]:
     """The most probable continuation of ``n`` tokens: (tokens [n], log-probability, nodes expanded).
 
     Best-first search over prefixes (uniform-cost search with a heap keyed by minus the
@@ -95,6 +96,10 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
     a complete hypothesis (a leaf) whose log-probability is at most its prefix's, so the first
     complete hypothesis popped is still the mode. The default lower bound is then the best stop
     (or the end) along constrained greedy's path.
+
+    ``end_tokens``: token ids that end a continuation (a model's EOS): a prefix that generates
+    one is complete there (a leaf, the end token its last token), so the mode may be shorter
+    than ``n``.
     """
     n = check_int("the number of new tokens n", n, 0)
     prompt = make_batch([prompt], n, model.V, model.T).prompt[0, :len(np.asarray(prompt).reshape(-1))]
@@ -142,6 +147,7 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
             out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), model=model)
             return np.asarray(out, np.float64)[:len(nodes)]
 
+    ends = {int(e) for e in end_tokens}
     choices = _choices(constraint, n)
     expanded = 0
     if lower_bound is None:  # greedy decoding's log-probability (its best stop, constrained)
@@ -157,6 +163,9 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
             toks += (int(tokens[i]),)
             state = 0 if states is None else int(states[i])
             total += float(lp[tokens[i]])
+            if int(tokens[i]) in ends:
+                lower_bound = max(lower_bound, total)
+                break
         else:
             lower_bound = max(lower_bound, total)
     # float32 sums along different paths differ by rounding: keep a margin so that the
@@ -189,7 +198,8 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
             child = lp[tokens] - neg  # log-probabilities of the children
             for i in np.flatnonzero(child >= bound):
                 nxt = 0 if states is None else int(states[i])
-                heapq.heappush(heap, (-float(child[i]), pushed, toks + (int(tokens[i]),), nxt, False))
+                heapq.heappush(heap, (-float(child[i]), pushed, toks + (int(tokens[i]),), nxt,
+                                      int(tokens[i]) in ends))
                 pushed += 1
     raise RuntimeError("exact search pruned every continuation: lower_bound exceeds the mode's "
                        "log-probability")

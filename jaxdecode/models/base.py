@@ -81,6 +81,10 @@ class DecodingModel:
     def reorder(self, cache, rows, span: int | None = None):
         return jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), cache)
 
+    def paged(self, block_size: int, attention: str = "portable") -> PagedPool:
+        """The model on a paged cache for a serving engine (see :class:`PagedPool`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no paged cache")
+
     def for_beams(self) -> DecodingModel:
         """The model beam search runs on: the same predictions from the same parameters, with a
         cache that ``reorder`` moves cheaply (beam search reorders it at every step). Default:
@@ -108,6 +112,57 @@ class DecodingModel:
     def chunk_end(self, cache, run, steps):
         """The cache after a chunk of ``steps`` steps."""
         return run
+
+
+class PagedKV(NamedTuple):
+    """A paged cache's block pool: ``k[l]``, ``v[l]`` ``[num_blocks, kv_heads, block_size, head_dim]``
+    per layer. Row ``b``'s position ``p`` lies in block ``tables[b, p // block_size]`` at offset
+    ``p % block_size``; the tables are the caller's (a serving engine keeps them on the host)."""
+
+    k: tuple
+    v: tuple
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
+
+
+class PagedPool:
+    """What a serving engine needs of a model to keep its keys and values in a shared block pool
+    (:meth:`DecodingModel.paged` returns one): ``T``, ``V``, ``block_size``,
+    ``blocks_for(positions)``, ``empty_pool(num_blocks) -> PagedKV`` and ``pool_forward(params,
+    pool, tables [B, max_blocks], lengths [B], tokens [B, S], counts [B]) -> (logits [B, S, V],
+    hidden [B, S, d], pool)``: row ``b`` has ``lengths[b]`` positions in its blocks and appends
+    the first ``counts[b]`` of its ``S`` tokens, each attending causally over its row."""
+
+    block_size: int
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-int(positions) // self.block_size)
+
+
+def write_blocks(pool_layer, new, tables, positions, valid):
+    """``new`` ``[B, H, S, D]`` into its rows' blocks at ``positions`` ``[B, S]`` where ``valid``
+    (positions whose table entry is missing or out of range are dropped)."""
+    N, _, bs, _ = pool_layer.shape
+    Mb = tables.shape[1]
+    col = positions // bs
+    entry = jnp.take_along_axis(tables, jnp.clip(col, 0, Mb - 1), axis=1)
+    ok = valid & (col < Mb) & (entry >= 0) & (entry < N)
+    block = jnp.where(ok, entry, N)  # out of range: dropped
+    return pool_layer.at[block, :, positions % bs].set(
+        jnp.transpose(new, (0, 2, 1, 3)).astype(pool_layer.dtype), mode="drop")
+
+
+def gather_blocks(pool_layer, tables):
+    """The blocks ``tables`` ``[B, cols]`` lists, as one dense ``[B, H, cols * block_size, D]``."""
+    g = pool_layer[jnp.clip(tables, 0, pool_layer.shape[0] - 1)]  # [B, cols, H, bs, D]
+    B, cols, H, bs, D = g.shape
+    return jnp.transpose(g, (0, 2, 1, 3, 4)).reshape(B, H, cols * bs, D)
 
 
 def _split(out):

@@ -71,6 +71,11 @@ class CharLMDecoder(DecodingModel):
     def with_backend(self, backend: str) -> CharLMDecoder:
         return CharLMDecoder.build(self.cfg, backend)
 
+    def paged(self, block_size, attention="portable"):
+        from ..serving.paged import PagedCharLM  # noqa: PLC0415 (the paged form lives with the pool code)
+
+        return PagedCharLM(self.cfg, int(block_size), attention)
+
     def for_beams(self):
         """Beams run on the paged cache (:class:`jaxdecode.serving.paged.PagedCharLM`, blocks of
         :data:`BEAM_BLOCK` positions, attention on this decoder's backend): a reorder copies

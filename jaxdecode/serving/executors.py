@@ -251,17 +251,17 @@ def _copy_pool_blocks(pool, src, dst):
 
 class PagedExecutor(ModelExecutor):
     """The device side of a paged :class:`Engine`: one pool of ``num_blocks`` blocks of
-    ``block_size`` positions (:class:`jaxdecode.serving.paged.PagedCharLM`, the reference
-    transformer) holding every slot's keys and values, found through block tables the engine's
+    ``block_size`` positions (the model's :meth:`~jaxdecode.models.DecodingModel.paged` form, e.g.
+    :class:`jaxdecode.serving.paged.PagedCharLM` for the reference transformer) holding every slot's keys and values, found through block tables the engine's
     :class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host; with each slot's logits,
     rule settings and rule state as :class:`ModelExecutor`. ``attention``: the paged attention
     implementation (:data:`jaxdecode.serving.paged.IMPLS`)."""
 
     def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
-        cfg = getattr(lm, "cfg", None)
-        if cfg is None:
-            raise ValueError("the paged cache needs the reference transformer (a model loaded with its cfg)")
-        self.model = _paged.PagedCharLM(cfg, int(block_size), attention)
+        try:  # the model's own paged form: the pool is part of the model interface
+            self.model = lm.decoder.paged(int(block_size), attention)
+        except NotImplementedError as e:
+            raise ValueError(f"the paged cache needs a model with a paged form: {e}") from None
         self.S, self.T, self.V = slots, self.model.T, self.model.V
         self.capacity = self.T
         self.width = self.model.blocks_for(self.T)  # table columns: a row never exceeds the window

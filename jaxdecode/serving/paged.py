@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import kernels
 from .. import model as M
-from ..models.base import DecodingModel
+from ..models.base import DecodingModel, PagedKV, PagedPool, write_blocks
 
 __all__ = ["IMPLS", "CacheBytes", "PagedCache", "PagedCharLM", "PagedKV", "cache_bytes", "copy_blocks",
            "paged_attention", "query_limits", "write_cache"]
@@ -159,21 +159,6 @@ def _native(q, k_pool, v_pool, tables, lim, scale):
 # ----------------------------------------------------------------------------- the pool
 
 
-class PagedKV(NamedTuple):
-    """The block pool: ``k[l]``, ``v[l]`` ``[num_blocks, heads, block_size, head_dim]`` per layer."""
-
-    k: tuple
-    v: tuple
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k[0].shape[2]
-
-
 def copy_blocks(pool: PagedKV, src, dst) -> PagedKV:
     """Block ``src[i]`` copied into block ``dst[i]`` in every layer (the copies on write of
     :meth:`jaxdecode.serving.blocks.BlockAllocator.append`; every source is read before any write)."""
@@ -197,16 +182,7 @@ def write_cache(pool: PagedKV, cache: M.KVCache, tables) -> PagedKV:
                    tuple(_write(p, v, tables, positions, valid) for p, v in zip(pool.v, cache.v)))
 
 
-def _write(pool_layer, new, tables, positions, valid):
-    """``new`` ``[B, H, S, D]`` into its rows' blocks at ``positions`` ``[B, S]`` where ``valid``."""
-    N, _, bs, _ = pool_layer.shape
-    Mb = tables.shape[1]
-    col = positions // bs
-    entry = jnp.take_along_axis(tables, jnp.clip(col, 0, Mb - 1), axis=1)
-    ok = valid & (col < Mb) & (entry >= 0) & (entry < N)
-    block = jnp.where(ok, entry, N)  # out of range: dropped
-    return pool_layer.at[block, :, positions % bs].set(
-        jnp.transpose(new, (0, 2, 1, 3)).astype(pool_layer.dtype), mode="drop")
+_write = write_blocks
 
 
 def _layers(module: M.CharLM, tokens, pool: PagedKV, tables, lengths, counts, cols: int, impl: str):
@@ -277,7 +253,7 @@ def _own_tails(cache: PagedCache) -> PagedCache:
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedCharLM(DecodingModel):
+class PagedCharLM(DecodingModel, PagedPool):
     """The reference transformer (:mod:`jaxdecode.model`) with a paged KV cache, behind the
     decoding-model interface; parameters are the ``CharLM`` parameters.
 

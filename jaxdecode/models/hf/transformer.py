@@ -11,7 +11,7 @@ fields of its :class:`~.config.HFConfig`:
 - GPT-2: LayerNorm, learned positions, one attention head per key/value head, a ``gelu_new``
   MLP with biases, output tied to the token embedding.
 
-The cache is ``k``, ``v`` of shape ``[L, B, KV, capacity, hd]`` (keys after rotation) and the rows'
+The cache is ``k``, ``v``: per layer ``[B, KV, capacity, hd]`` (keys after rotation), and the rows'
 lengths: row ``b``'s token ``p`` sits at position ``p``, and a query reads only positions below its
 own, so whatever lies at or past a row's length is never read before it is written (truncating
 is setting lengths). Past the window ``T`` (``max_position_embeddings``) the loops call
@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base import DecodingModel
+from ..base import DecodingModel, PagedKV, PagedPool, gather_blocks, write_blocks
 from .config import HFConfig
 
 
 class HFCache(NamedTuple):
-    """The dense cache of :class:`HFDecoder`."""
+    """The dense cache of :class:`HFDecoder` (every leaf batch-first)."""
 
-    k: jax.Array  # [L, B, KV, capacity, hd] rotated keys
-    v: jax.Array  # [L, B, KV, capacity, hd]
+    k: tuple  # L arrays [B, KV, capacity, hd]: rotated keys
+    v: tuple  # L arrays [B, KV, capacity, hd]
     length: jax.Array  # [B] int32 positions filled per row
 
 
@@ -187,13 +187,10 @@ class HFDecoder(DecodingModel):
         B, t = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (B, t))
         x = self._embed(params, tokens, pos)
-
-        def block(x, p):
+        for p in params["layers"]:
             q, k, v = self._qkv(p, x, pos)
             att = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos[0])
-            return self._finish(p, x, att), None
-
-        x, _ = jax.lax.scan(block, x, params["layers"])
+            x = self._finish(p, x, att)
         return self._head(params, x)
 
     def __call__(self, params, tokens):
@@ -202,11 +199,12 @@ class HFDecoder(DecodingModel):
     # --- the decoding-model interface
     def empty_cache(self, batch, capacity):
         cfg = self.cfg
-        shape = (cfg.L, batch, cfg.kv_heads, capacity, cfg.head_dim)
-        return HFCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.zeros((batch,), jnp.int32))
+        shape = (batch, cfg.kv_heads, capacity, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.L))
+        return HFCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
     def capacity(self, cache):
-        return cache.k.shape[3]
+        return cache.k[0].shape[2]
 
     def extend(self, params, cache, tokens, span=None, in_place=True):
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -216,18 +214,18 @@ class HFDecoder(DecodingModel):
         pos = cache.length[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]  # [B, S]
         x = self._embed(params, tokens, pos)
         write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (0, at, 0)))
-
-        def block(x, layer):
-            p, kc, vc = layer  # kc, vc [B, KV, C, hd]
+        kpos = jnp.arange(span, dtype=jnp.int32)
+        ks, vs = [], []
+        for p, kc, vc in zip(params["layers"], cache.k, cache.v):  # kc, vc [B, KV, C, hd]
             q, k, v = self._qkv(p, x, pos)
             kc = write(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), cache.length)
             vc = write(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), cache.length)
-            att = self._attend(q, kc[:, :, :span], vc[:, :, :span], pos, jnp.arange(span, dtype=jnp.int32))
-            return self._finish(p, x, att), (kc, vc)
-
-        x, (k, v) = jax.lax.scan(block, x, (params["layers"], cache.k, cache.v))
+            att = self._attend(q, kc[:, :, :span], vc[:, :, :span], pos, kpos)
+            x = self._finish(p, x, att)
+            ks.append(kc)
+            vs.append(vc)
         logits, hidden = self._head(params, x)
-        return logits, hidden, HFCache(k, v, cache.length + S)
+        return logits, hidden, HFCache(tuple(ks), tuple(vs), cache.length + S)
 
     def prefill(self, params, tokens, lengths, capacity):
         B, P = tokens.shape
@@ -250,9 +248,14 @@ class HFDecoder(DecodingModel):
         take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
         return take(logits), take(hidden)
 
+    def paged(self, block_size, attention="portable"):
+        if attention != "portable":
+            raise NotImplementedError(f"{self.cfg.model_type} runs paged attention on the portable path only, "
+                                      f"not {attention!r}")
+        return HFPaged(self, int(block_size))
+
     def reorder(self, cache, rows, span=None):
-        return HFCache(jnp.take(cache.k, rows, axis=1), jnp.take(cache.v, rows, axis=1),
-                       jnp.take(cache.length, rows, axis=0))
+        return jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), cache)
 
     def truncate(self, cache, lengths):
         return cache._replace(length=jnp.asarray(lengths, jnp.int32))
@@ -263,8 +266,59 @@ class HFDecoder(DecodingModel):
             raise ValueError(f"grow: capacity {capacity} is below the current {self.capacity(cache)}")
         if pad == 0:
             return cache
-        widths = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
-        return cache._replace(k=jnp.pad(cache.k, widths), v=jnp.pad(cache.v, widths))
+        widths = ((0, 0), (0, 0), (0, pad), (0, 0))
+        grow = lambda layers: tuple(jnp.pad(a, widths) for a in layers)
+        return cache._replace(k=grow(cache.k), v=grow(cache.v))
 
 
-__all__ = ["HFCache", "HFDecoder", "inv_frequencies"]
+@dataclasses.dataclass(frozen=True)
+class HFPaged(PagedPool):
+    """:class:`HFDecoder` on a block pool (a serving engine's paged cache): per layer, the new keys
+    and values are written into the rows' blocks, then each query attends over its row's blocks
+    gathered through the table (portable ``jax.numpy``)."""
+
+    decoder: HFDecoder
+    block_size: int = 16
+
+    @property
+    def V(self):
+        return self.decoder.V
+
+    @property
+    def T(self):
+        return self.decoder.T
+
+    def empty_pool(self, num_blocks: int, dtype=None) -> PagedKV:
+        if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+            raise ValueError(f"empty_pool: num_blocks must be a positive integer, got {num_blocks!r}")
+        cfg = self.decoder.cfg
+        shape = (int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype or self.decoder.dtype) for _ in range(cfg.L))
+        return PagedKV(zeros, zeros)
+
+    def pool_forward(self, params, pool: PagedKV, tables, lengths, tokens, counts=None, cols: int | None = None):
+        d = self.decoder
+        tables = jnp.asarray(tables, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, S = tokens.shape
+        counts = jnp.full((B,), S, jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
+        cols = tables.shape[1] if cols is None else min(int(cols), tables.shape[1])
+        pos = lengths[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]  # [B, S]
+        valid = jnp.arange(S)[None, :] < counts[:, None]
+        kpos = jnp.arange(cols * self.block_size, dtype=jnp.int32)
+        x = d._embed(params, tokens, pos)
+        ks, vs = [], []
+        for i, p in enumerate(params["layers"]):
+            q, k, v = d._qkv(p, x, pos)
+            kp = write_blocks(pool.k[i], k.transpose(0, 2, 1, 3), tables, pos, valid)
+            vp = write_blocks(pool.v[i], v.transpose(0, 2, 1, 3), tables, pos, valid)
+            att = d._attend(q, gather_blocks(kp, tables[:, :cols]), gather_blocks(vp, tables[:, :cols]), pos, kpos)
+            x = d._finish(p, x, att)
+            ks.append(kp)
+            vs.append(vp)
+        logits, hidden = d._head(params, x)
+        return logits, hidden, PagedKV(tuple(ks), tuple(vs))
+
+
+__all__ = ["HFCache", "HFDecoder", "HFPaged", "inv_frequencies"]

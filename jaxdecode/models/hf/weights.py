@@ -6,8 +6,8 @@ lacks, or a weight the table does not know is one :class:`WeightsError` line nam
 that are not weights (GPT-2's ``attn.bias``/``attn.masked_bias`` masks, rotary ``inv_freq``) and
 an output matrix stored beside a tied embedding are skipped.
 
-The parameter tree (layer tensors stacked on a leading ``L`` axis, so the layers run as one
-``lax.scan``)::
+The parameter tree (``layers`` a tuple of ``L`` dicts: each layer's matrices are separate buffers, which
+a decode step reads in place)::
 
     embed [V, d]; pos [T, d] (learned positions only); norm_w [d], norm_b [d] (LayerNorm only);
     head [d, V] (untied only)
@@ -178,5 +178,5 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
             raise
         except Exception as e:
             raise WeightsError(f"{path}: corrupt or truncated safetensors file ({e})") from None
-    flat["layers"] = {k: jnp.asarray(np.stack(v), dtype) for k, v in layers.items()}
+    flat["layers"] = tuple({k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.L))
     return flat

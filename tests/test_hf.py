@@ -1,0 +1,460 @@
+"""Hugging Face folders (Llama, Qwen2, Mistral, GPT-2) against transformers' own outputs, and every
+loop run on them.
+
+The references are fixtures written by ``scripts/make_hf_fixtures.py`` with transformers 5.24 and
+torch 2.13 (float32, eager attention): logits of three prompts, greedy ids of 80 new tokens with
+the models' end tokens, log-probabilities of a fixed continuation. Neither torch nor
+transformers is needed here.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode import checkpoint, rules
+from jaxdecode.core import finish_text, text_streamer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+
+
+def expected(name):
+    return json.loads((FIXTURES / name / "expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = jaxdecode.load(FIXTURES / name)
+        return cache[name]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- against transformers
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_logits_equal_transformers(models, name):
+    """The full forward, and the cached path (prefill, then one token at a time), give HF's logits
+    within 1e-4 at every position of every prompt; the tokenizer gives HF's ids."""
+    lm, ex = models(name), expected(name)
+    assert lm.meta["model_type"] == name
+    for i, (prompt, ids) in enumerate(zip(ex["prompts"], ex["prompt_ids"])):
+        assert lm.vocab.encode(prompt).tolist() == ids
+        ref = np.load(FIXTURES / name / f"logits_{i}.npy")
+        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+        np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)
+        # cached: a prefill of the first 3 tokens, then single steps
+        tokens = jnp.asarray([ids])
+        first, _, cache = lm.decoder.prefill(lm.params, tokens[:, :3], jnp.asarray([3]), 64)
+        np.testing.assert_allclose(np.asarray(first[0]), ref[2], atol=1e-4, rtol=0)
+        for t in range(3, len(ids)):
+            step, _, cache = lm.decoder.extend(lm.params, cache, tokens[:, t:t + 1])
+            np.testing.assert_allclose(np.asarray(step[0, 0]), ref[t], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_long_sequence_past_the_sliding_window(models, name):
+    """60 positions, five times Mistral's sliding window of 12: cached steps equal HF's logits."""
+    lm, ex = models(name), expected(name)
+    ref = np.load(FIXTURES / name / "long_logits.npy")
+    ids = jnp.asarray([ex["long_ids"]])
+    logits, _, cache = lm.decoder.extend(lm.params, lm.decoder.empty_cache(1, 128), ids[:, :20])
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[:20], atol=1e-4, rtol=0)
+    for t in range(20, ids.shape[1]):
+        step, _, cache = lm.decoder.extend(lm.params, cache, ids[:, t:t + 1])
+        np.testing.assert_allclose(np.asarray(step[0, 0]), ref[t], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_ids_and_end_token_equal_transformers(models, name):
+    """80 greedy tokens per prompt, in one batch of three ragged prompts: HF's ids, ending at the
+    same end token (kept in the tokens, not in the text, finish_reason "eos")."""
+    lm, ex = models(name), expected(name)
+    outs = jaxdecode.generate(lm, ex["prompts"], n=80, greedy=True)
+    assert any(ex[f"greedy_eos_{i}"] for i in range(3))
+    for i, out in enumerate(outs):
+        assert out.tokens.tolist() == ex[f"greedy_{i}"], (name, i)
+        if ex[f"greedy_eos_{i}"]:
+            assert out.finish_reason == "eos" and int(out.tokens[-1]) in lm.eos_ids
+            assert out.text == lm.vocab.decode(out.tokens[:-1])
+        else:
+            assert out.finish_reason == "length" and len(out.tokens) == 80
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_continuation_logprobs_equal_transformers(models, name):
+    lm, ex = models(name), expected(name)
+    s = jaxdecode.score(lm, [ex["continuation"]], prompts=[ex["prompts"][0]])[0]
+    np.testing.assert_allclose(s.logprobs, ex["continuation_logprobs"], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_compute_stays_close(models):
+    """dtype="bfloat16": parameters and matrix products in bfloat16 (for accelerators); the
+    greedy path of the float32 model keeps most of its top choices."""
+    lm16 = jaxdecode.load(FIXTURES / "llama", dtype="bfloat16")
+    ex = expected("llama")
+    assert lm16.params["embed"].dtype == jnp.bfloat16
+    ref = np.load(FIXTURES / "llama" / "logits_0.npy")
+    logits, _ = lm16.decoder.forward(lm16.params, jnp.asarray([ex["prompt_ids"][0]]))
+    assert logits.dtype == jnp.float32
+    agree = np.mean(np.argmax(np.asarray(logits[0]), -1) == np.argmax(ref, -1))
+    assert agree >= 0.8 and np.max(np.abs(np.asarray(logits[0]) - ref)) < 0.5
+
+
+# ----------------------------------------------------------------------------- every loop on a Llama
+
+
+def _first_two_exact(lm, prompt_ids, k):
+    """The exact distribution of the first two tokens under top-k sampling: [V, V]."""
+    V = lm.decoder.V
+    logits, _ = lm.decoder.forward(lm.params, jnp.asarray([prompt_ids]))
+
+    def topk_probs(lg):
+        lg = np.asarray(lg, np.float64)
+        keep = lg >= np.sort(lg)[-k]
+        p = np.where(keep, np.exp(lg - lg.max()), 0.0)
+        return p / p.sum()
+
+    p1 = topk_probs(logits[0, -1])
+    joint = np.zeros((V, V))
+    for t in np.flatnonzero(p1):
+        lg, _ = lm.decoder.forward(lm.params, jnp.asarray([list(prompt_ids) + [int(t)]]))
+        joint[t] = p1[t] * topk_probs(lg[0, -1])
+    return joint
+
+
+def _chi_square_with_power(counts, exact, alternative, draws):
+    """p-value of the counts against ``exact``, and the test's power at level 0.001 against
+    ``alternative`` for this many draws (noncentral chi-square)."""
+    from scipy import stats
+
+    cells = exact > 0
+    df = int(cells.sum()) - 1
+    stat = float(np.sum((counts[cells] - draws * exact[cells]) ** 2 / (draws * exact[cells])))
+    lam = draws * float(np.sum((alternative[cells] - exact[cells]) ** 2 / exact[cells]))
+    crit = stats.chi2.ppf(0.999, df)
+    return stats.chi2.sf(stat, df), stats.ncx2.sf(crit, df, lam)
+
+
+def _counts(outs, V):
+    c = np.zeros((V, V))
+    for o in outs:
+        c[o.tokens[0], o.tokens[1]] += 1
+    return c
+
+
+@pytest.fixture(scope="module")
+def first_two(models):
+    lm = models("llama")
+    ids = lm.vocab.encode("ROMEO:")
+    exact = _first_two_exact(lm, ids.tolist(), 4)
+    # the named wrong implementation: the second token drawn from the first step's distribution
+    # (a cache that never takes the first token in)
+    marg = exact.sum(axis=1)
+    wrong = marg[:, None] * marg[None, :]
+    return lm, exact, wrong
+
+
+DRAWS = 4000
+
+
+def test_sampling_first_two_tokens_match_the_exact_distribution(first_two):
+    """Top-k 4 sampling on the Llama: the 16 possible first-two-token pairs drawn 4,000 times
+    match the exact joint distribution (chi-square, p > 0.001), and the test has power > 0.99
+    against the second token drawn without the first in its context."""
+    lm, exact, wrong = first_two
+    outs = jaxdecode.generate(lm, "ROMEO:", n=2, rule=rules.top_k(4), num_samples=DRAWS, seed=11)
+    p, power = _chi_square_with_power(_counts(outs, lm.decoder.V), exact, wrong, DRAWS)
+    assert power > 0.99, power
+    assert p > 1e-3, p
+
+
+def test_speculative_with_a_same_tokenizer_llama_draft_is_exact(first_two, models):
+    """Speculative sampling (gamma 3) with the one-layer Llama draft: the same exact distribution
+    of the first two tokens (same test and power as plain sampling)."""
+    from jaxdecode import speculative
+
+    lm, exact, wrong = first_two
+    draft = speculative.ModelDraft.from_lm(models("llama-draft"))
+    outs = speculative.speculative_generate(lm, "ROMEO:", 2, draft=draft, gamma=3, rule=rules.top_k(4),
+                                            num_samples=DRAWS, seed=12)
+    p, power = _chi_square_with_power(_counts(outs, lm.decoder.V), exact, wrong, DRAWS)
+    assert power > 0.99 and p > 1e-3, (p, power)
+
+
+def test_speculative_greedy_equals_greedy_through_the_end_token(models):
+    """Greedy speculative decoding with the Llama draft and with prompt lookup returns greedy's
+    tokens exactly, ending at the same end token inside an accepted run."""
+    from jaxdecode import speculative
+
+    lm, ex = models("llama"), expected("llama")
+    for draft in (speculative.ModelDraft.from_lm(models("llama-draft")), speculative.make_draft("lookup", lm)):
+        for gamma in (2, 4):
+            outs = speculative.speculative_generate(lm, ex["prompts"], 80, draft=draft, gamma=gamma, greedy=True)
+            for i, o in enumerate(outs):
+                assert o.tokens.tolist() == ex[f"greedy_{i}"], (type(draft).__name__, gamma, i)
+                assert o.finish_reason == ("eos" if ex[f"greedy_eos_{i}"] else "length")
+
+
+def test_sampled_rows_stop_at_the_end_token(models):
+    """Sampling with a rule chain: a row that draws an end token stops there; its text leaves it out."""
+    lm = models("llama")
+    rule = rules.chain(rules.repetition_penalty(1.1), rules.temperature(0.9), rules.top_p(0.95))
+    outs = jaxdecode.generate(lm, "The café is", n=60, rule=rule, num_samples=24, seed=3)
+    ended = [o for o in outs if o.finish_reason == "eos"]
+    assert ended and len(ended) < len(outs)
+    for o in outs:
+        eos_at = [i for i, t in enumerate(o.tokens) if int(t) in lm.eos_ids]
+        if o.finish_reason == "eos":
+            assert eos_at == [len(o.tokens) - 1]
+            assert o.text == lm.vocab.decode(o.tokens[:-1])
+        else:
+            assert not eos_at and len(o.tokens) == 60
+
+
+def test_beam_search_ends_hypotheses_at_the_end_token(models):
+    """A hypothesis that generates an end token leaves the beam finished: it ends with that one
+    end token, which its text leaves out, and its log-probability is the model's (scored apart).
+    At k = 1 the live beam is greedy's path, so greedy's output (ending at its end token) is a
+    candidate: the best is at least as probable."""
+    lm, ex = models("llama"), expected("llama")
+    prompt = ex["prompts"][0]
+    from jaxdecode.score import token_logprobs
+
+    ids = np.concatenate([lm.vocab.encode(prompt), np.asarray(ex["greedy_0"], np.int32)])
+    greedy_total = float(np.sum(token_logprobs(lm.decoder, lm.params, [ids], [len(ids) - len(ex["greedy_0"])])[0]))
+    one = jaxdecode.beam_generate(lm, prompt, n=80, k=1)[0][0]
+    assert one.finished and one.score >= greedy_total - 1e-3
+    hyps = jaxdecode.beam_generate(lm, [prompt, ex["prompts"][2]], n=40, k=4, n_best=4)
+    finished = 0
+    for rows, p in zip(hyps, [prompt, ex["prompts"][2]]):
+        for h in rows:
+            pid = lm.vocab.encode(p)
+            lp = token_logprobs(lm.decoder, lm.params, [np.concatenate([pid, h.tokens])], [len(pid)])[0]
+            assert h.logprob == pytest.approx(float(np.sum(lp)), abs=1e-3)
+            if h.finished:
+                finished += 1
+                assert int(h.tokens[-1]) in lm.eos_ids
+                assert not any(int(t) in lm.eos_ids for t in h.tokens[:-1])
+                assert h.text == lm.vocab.decode(h.tokens[:-1])
+            else:
+                assert len(h.tokens) == 40 and not any(int(t) in lm.eos_ids for t in h.tokens)
+    assert finished >= 1
+
+
+def test_mode_search_on_a_model_with_end_tokens(models):
+    """Exact mode search with end tokens against brute force over every continuation of up to
+    two tokens (a continuation may end early at an end token)."""
+    from jaxdecode.search import mode_search
+
+    lm = models("llama")
+    V = lm.decoder.V
+    ids = lm.vocab.encode("ROMEO:")
+    eos = (int(np.argsort(np.asarray(lm.decoder.forward(lm.params, jnp.asarray([ids]))[0][0, -1]))[-2]),)
+    tokens, logprob, _ = mode_search(lm.decoder, lm.params, ids, 2, end_tokens=eos)
+    lg, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+    lp1 = np.asarray(jax.nn.log_softmax(lg[0, -1]), np.float64)
+    best, arg = -np.inf, None
+    for t in range(V):
+        if t in eos:
+            cand = (lp1[t], (t,))
+        else:
+            lg2, _ = (None, None) if lp1[t] < best else lm.decoder.forward(lm.params, jnp.asarray([list(ids) + [t]]))
+            if lg2 is None:
+                continue
+            lp2 = np.asarray(jax.nn.log_softmax(lg2[0, -1]), np.float64)
+            cand = (lp1[t] + lp2.max(), (t, int(lp2.argmax())))
+        if cand[0] > best:
+            best, arg = cand
+    assert tuple(tokens.tolist()) == arg and logprob == pytest.approx(best, abs=1e-4)
+
+
+def test_contrastive_with_alpha_zero_is_greedy_through_the_end_token(models):
+    lm, ex = models("llama"), expected("llama")
+    outs = jaxdecode.contrastive_generate(lm, ex["prompts"], n=80, k=4, alpha=0.0)
+    for i, o in enumerate(outs):
+        assert o.tokens.tolist() == ex[f"greedy_{i}"]
+        assert o.finish_reason == ("eos" if ex[f"greedy_eos_{i}"] else "length")
+    cs = jaxdecode.contrastive_generate(lm, ex["prompts"][0], n=40, k=4, alpha=0.6)[0]
+    assert cs.finish_reason in ("eos", "length") and 0 < len(cs.tokens) <= 40
+
+
+def test_engine_serves_a_llama_like_generate(models):
+    """The continuous engine on the Llama: each request's tokens, text and finish reason equal
+    generate's (greedy and sampled), and rows that end at the end token leave early."""
+    from jaxdecode.serving.engine import Engine
+    from jaxdecode.serving.requests import Request
+
+    lm, ex = models("llama"), expected("llama")
+    reqs = [Request(p, 80, greedy=True) for p in ex["prompts"]]
+    reqs += [Request("The café is", 30, seed=5, num_samples=3, rule=rules.top_k(8))]
+    report = Engine(lm, 4).run(reqs)
+    for r, res in zip(reqs[:3], report.results[:3]):
+        want = jaxdecode.generate(lm, r.prompt, n=80, greedy=True)[0]
+        got = res.outputs[0]
+        assert got.tokens.tolist() == want.tokens.tolist() and got.finish_reason == want.finish_reason
+        assert got.text == want.text
+    want = jaxdecode.generate(lm, "The café is", n=30, seed=5, num_samples=3, rule=rules.top_k(8))
+    assert [o.tokens.tolist() for o in report.results[3].outputs] == [o.tokens.tolist() for o in want]
+    assert [o.finish_reason for o in report.results[3].outputs] == [o.finish_reason for o in want]
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def test_streaming_never_splits_a_character(models):
+    """Tokens of multi-byte characters streamed one token at a time: every piece is whole
+    characters, and the pieces join to the text."""
+    lm = models("llama")
+    text = "日本語 and 🙂 Ελληνικά, café"
+    ids = lm.vocab.encode_piece(text)
+    assert len(ids) > len(text.split())  # characters split over several tokens
+    pieces = []
+    stream = text_streamer(lm, lambda row, t: pieces.append(t))
+    for t in ids:
+        stream(np.asarray([[t]]), np.asarray([[True]]))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_streamed_generation_equals_its_text(models):
+    lm = models("gpt2")
+    pieces = []
+    out = jaxdecode.generate(lm, "The café is", n=40, seed=4, on_text=lambda r, t: pieces.append(t), chunk=4)[0]
+    streamed = "".join(pieces)
+    assert out.text.startswith(streamed) and len(out.text) - len(streamed) <= 1
+
+
+def test_stop_strings_are_matched_on_the_text(models):
+    """A stop string ends a row wherever it appears in the decoded text, whatever the tokens."""
+    lm = models("llama")
+    outs = jaxdecode.generate(lm, "ROMEO:", n=60, num_samples=16, seed=1)
+    pieces = [o.text[3:5] for o in outs if len(o.text) > 6 and o.finish_reason == "length"]
+    stop = pieces[0]
+    stopped = jaxdecode.generate(lm, "ROMEO:", n=60, num_samples=16, seed=1, stop=stop)
+    for full, o in zip(outs, stopped):
+        if o.finish_reason == "stop":
+            cut = full.text.find(stop) + len(stop)
+            assert o.text == full.text[:cut] and o.tokens.tolist() == full.tokens[:len(o.tokens)].tolist()
+    assert sum(o.finish_reason == "stop" for o in stopped) >= 1
+
+
+def test_finish_text_leaves_the_character_model_as_it_was():
+    class CharLM:
+        eos_ids = ()
+        vocab = jaxdecode.Vocab("ab")
+
+    tokens, text, reason = finish_text(CharLM, np.asarray([0, 1], np.int32), True)
+    assert text == "ab" and reason == "stop" and len(tokens) == 2
+
+
+# ----------------------------------------------------------------------------- bad folders
+
+
+def _copy(tmp_path, name="llama"):
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def _edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_model_type(tmp_path):
+    f = _copy(tmp_path)
+    _edit_config(f, model_type="falcon")
+    with pytest.raises(checkpoint.CheckpointError, match="model_type 'falcon' is not supported"):
+        jaxdecode.load(f)
+
+
+def test_missing_tokenizer(tmp_path):
+    f = _copy(tmp_path)
+    (f / "tokenizer.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no tokenizer.json"):
+        jaxdecode.load(f)
+
+
+def test_missing_tensor_and_wrong_shape(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    f = _copy(tmp_path)
+    state = load_file(str(f / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(f / "model.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError, match="lack model.layers.1.mlp.up_proj.weight"):
+        jaxdecode.load(f)
+    g = _copy(tmp_path / "b")
+    _edit_config(g, intermediate_size=96)
+    with pytest.raises(checkpoint.CheckpointError, match=r"mlp\.\w+_proj\.weight. has shape \(\d+, \d+\), the config implies"):
+        jaxdecode.load(g)
+
+
+def test_sharded_index_naming_a_missing_shard(tmp_path):
+    f = _copy(tmp_path, "qwen2")
+    shard = sorted(f.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=f"names the shard {shard.name}"):
+        jaxdecode.load(f)
+
+
+def test_unsupported_rope_and_sliding_window(tmp_path):
+    f = _copy(tmp_path)
+    _edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(checkpoint.CheckpointError, match="rope scaling of type 'yarn' is not supported"):
+        jaxdecode.load(f)
+    g = _copy(tmp_path / "b", "qwen2")
+    _edit_config(g, use_sliding_window=True, sliding_window=8)
+    with pytest.raises(checkpoint.CheckpointError, match="use_sliding_window"):
+        jaxdecode.load(g)
+
+
+def test_command_line_on_a_hugging_face_folder(capsys):
+    from jaxdecode.cli import main
+
+    ex = expected("gpt2")
+    folder = str(FIXTURES / "gpt2")
+    assert main(["generate", ex["prompts"][0], "--ckpt", folder, "-n", "80", "--greedy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert out["tokens"] == ex["greedy_0"] and out["finish_reason"] == "eos"
+    assert main(["info", folder, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["end_tokens"] == ex["eos_token_id"] if isinstance(ex["eos_token_id"], list) else [ex["eos_token_id"]]
+    # bad input: one line, exit 2
+    assert main(["generate", "x", "--ckpt", str(FIXTURES), "-n", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdecode: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_paged_engine_serves_a_llama_like_generate(models):
+    """The engine over a paged pool (the model's own paged form, through block tables, with
+    prefix sharing between samples) gives each request generate's tokens on the Llama."""
+    from jaxdecode.serving.engine import Engine
+    from jaxdecode.serving.requests import Request
+
+    lm, ex = models("llama"), expected("llama")
+    reqs = [Request(p, 80, greedy=True) for p in ex["prompts"]]
+    reqs += [Request("The café is", 30, seed=5, num_samples=3, rule=rules.top_k(8))]
+    engine = Engine(lm, 4, cache="paged", block_size=8)
+    report = engine.run(reqs)
+    for i in range(3):
+        got = report.results[i].outputs[0]
+        assert got.tokens.tolist() == ex[f"greedy_{i}"]
+        assert got.finish_reason == ("eos" if ex[f"greedy_eos_{i}"] else "length")
+    want = jaxdecode.generate(lm, "The café is", n=30, seed=5, num_samples=3, rule=rules.top_k(8))
+    assert [o.tokens.tolist() for o in report.results[3].outputs] == [o.tokens.tolist() for o in want]
+    stats = engine.cache_stats()
+    assert stats is not None
