@@ -113,6 +113,13 @@ class Constraint:
     table: np.ndarray  # [S, V] int32, state 0 initial
     final: np.ndarray  # [S] bool
     dist: np.ndarray  # [S] int32
+    end_tokens: tuple = ()  # the model's end tokens: allowed in final states only, where they stop a row
+
+    @property
+    def eos_stop(self) -> bool:
+        """Whether a row stops by generating an end token (a model with one) instead of the
+        character model's leftover-mass rule."""
+        return bool(self.end_tokens)
 
     @property
     def states(self) -> int:
@@ -161,6 +168,8 @@ def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
         re.compile(pattern)
     except re.error as e:
         raise ConstraintError(f"invalid regular expression {pattern!r}: {e}") from None
+    if getattr(vocab, "subword", False):
+        return _compile_bytes(pattern, vocab, kind)
     tokens = _tokens_of(vocab)
     V = len(tokens)
     missing = _missing(pattern, set("".join(tokens)))
@@ -183,9 +192,46 @@ def compile_regex(pattern: str, vocab, kind: str = "regex") -> Constraint:
                                   f"vocabulary lacks the characters {named}") from None
         raise ConstraintError(f"cannot compile {pattern!r}: {text}") from None
 
+    return _from_index(index, V, V + 1, pattern, kind, missing)
+
+
+def _compile_bytes(pattern: str, vocab, kind: str) -> Constraint:
+    """A subword vocabulary: each token matched as the bytes it stands for (byte-level BPE tokens
+    may hold part of a multi-byte character), special tokens excluded; the model's end tokens are
+    allowed in final states, where generating one ends the row."""
+    from outlines_core import Index, Vocabulary
+
+    V = len(vocab)
+    special = set(getattr(vocab, "special", ()))
+    ends = tuple(int(e) for e in getattr(vocab, "eos_ids", ()))
+    mapping: dict[bytes, list[int]] = {}
+    for i in range(V):
+        b = vocab.token_bytes(i)
+        if b and i not in special and i not in ends:
+            mapping.setdefault(b, []).append(i)
+    sentinel = "\ue000\uf8ff\ue001"
+    mapping.setdefault(sentinel.encode("utf-8"), []).append(V + 1)
+    try:
+        index = Index(f"{re.escape(sentinel)}(?:{pattern})$", Vocabulary(V, mapping))
+    except ValueError as e:
+        text = str(e)
+        if "incompatible" in text or "no transitions" in text.lower():
+            raise ConstraintError(f"no string over the model's vocabulary matches {pattern!r}") from None
+        raise ConstraintError(f"cannot compile {pattern!r}: {text}") from None
+    c = _from_index(index, V, V + 1, pattern, kind, [])
+    if not ends:
+        return c
+    table = c.table.copy()
+    for e in ends:  # an end token keeps a final state (the row stops there) and is forbidden elsewhere
+        table[:, e] = np.where(c.final, np.arange(c.states), -1)
+    return dataclasses.replace(c, table=table, end_tokens=ends)
+
+
+def _from_index(index, V: int, sentinel_id: int, pattern: str, kind: str, missing) -> Constraint:
+    """The dense automaton of an outlines-core index, from the state after the sentinel token."""
     transitions = index.get_transitions()
     finals = set(index.get_final_states())
-    start = index.get_next_state(index.get_initial_state(), V + 1)
+    start = index.get_next_state(index.get_initial_state(), sentinel_id)
     # number the states breadth-first from the initial one, skipping the end token (id V)
     order, seen = [start], {start: 0}
     for s in order:
@@ -262,12 +308,14 @@ class Automaton(NamedTuple):
     table: jax.Array  # [S, V] int32
     final: jax.Array  # [S] bool
     dist: jax.Array  # [S] int32
+    leftover: jax.Array  # [S] bool: a final state stops with the leftover mass (no end token)
 
 
 def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, np.ndarray]:
     """One automaton for a batch whose row ``i`` follows ``constraints[i]`` (None: free), and
     each row's initial state. Identical constraint objects share their states."""
     tables, finals, dists = [np.zeros((1, V), np.int32)], [np.ones(1, bool)], [np.zeros(1, np.int32)]
+    leftovers = [np.ones(1, bool)]
     offsets: dict[int, int] = {}
     starts = np.zeros(len(constraints), np.int32)
     at = 1
@@ -281,6 +329,7 @@ def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, 
             tables.append(np.where(c.table >= 0, c.table + at, -1).astype(np.int32))
             finals.append(c.final)
             dists.append(c.dist)
+            leftovers.append(np.full(c.states, not c.eos_stop))
             at += c.states
         starts[i] = offsets[id(c)]
     S = 1 << max(0, (at - 1).bit_length())
@@ -290,7 +339,9 @@ def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, 
     final[:at] = np.concatenate(finals)
     dist = np.full(S, INF, np.int32)
     dist[:at] = np.concatenate(dists)
-    return Automaton(jnp.asarray(table), jnp.asarray(final), jnp.asarray(dist)), starts
+    leftover = np.ones(S, bool)
+    leftover[:at] = np.concatenate(leftovers)
+    return Automaton(jnp.asarray(table), jnp.asarray(final), jnp.asarray(dist), jnp.asarray(leftover)), starts
 
 
 def for_rows(constraint, B: int, Bb: int, V: int, n: int):
@@ -338,7 +389,7 @@ def stop_probability(auto: Automaton, state, logits, ok):
     p = jax.nn.softmax(logits, axis=-1)
     blocked = jnp.sum(jnp.where(ok, 0.0, p), axis=-1)
     none = ~jnp.any(ok, axis=-1)
-    return jnp.where(auto.final[state], jnp.where(none, 1.0, blocked), 0.0)
+    return jnp.where(auto.final[state] & auto.leftover[state], jnp.where(none, 1.0, blocked), 0.0)
 
 
 def mask(logits, ok):

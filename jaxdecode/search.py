@@ -69,7 +69,7 @@ def _choices(constraint, n: int):
         ok = (nxt >= 0) & (dist[np.maximum(nxt, 0)] <= n - depth - 1)
         tokens = np.flatnonzero(ok)
         stop = -np.inf
-        if final[state]:
+        if final[state] and not constraint.eos_stop:  # with end tokens, generating one is the stop
             blocked = float(np.exp(lp[~ok]).sum()) if len(tokens) else 1.0
             stop = float(np.log(blocked)) if blocked > 0 else -np.inf
         return tokens, nxt[tokens], stop

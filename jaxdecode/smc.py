@@ -122,6 +122,9 @@ def _check(constraint, n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
     constraint.check_budget(int(n))
+    if constraint.eos_stop:
+        raise C.ConstraintError("SMC's conditional is defined by the character model's stop rule; a model "
+                                "with end tokens is not supported by SMC yet (use masked sampling)")
 
 
 def total_variation(p: dict, q: dict) -> float:

@@ -458,3 +458,32 @@ def test_paged_engine_serves_a_llama_like_generate(models):
     assert [o.tokens.tolist() for o in report.results[3].outputs] == [o.tokens.tolist() for o in want]
     stats = engine.cache_stats()
     assert stats is not None
+
+
+def test_constraints_over_the_byte_level_vocabulary(models):
+    """Patterns compiled over byte-level BPE tokens (multi-byte characters split over tokens):
+    every sample's text is in the language; where the pattern ends, the model's end token is the
+    stop (allowed in final states only), so a finished row ends with it."""
+    import re
+
+    from jaxdecode import constraints as C
+
+    lm = models("llama")
+    for pattern in (r"(yes|no|maybe)", r"café|日本語|🙂+", r"[a-z]+( [a-z]+){1,3}"):
+        c = C.compile_regex(pattern, lm.vocab)
+        assert c.eos_stop
+        outs = jaxdecode.generate(lm, "ROMEO:", n=24, constraint=c, num_samples=32, seed=0)
+        for o in outs:
+            assert re.fullmatch(pattern, o.text), (pattern, o.text)
+            assert o.finish_reason in ("eos", "length")
+            assert c.accepts([t for t in o.tokens if int(t) not in lm.eos_ids])
+        greedy = jaxdecode.generate(lm, "ROMEO:", n=24, constraint=c, greedy=True)[0]
+        assert re.fullmatch(pattern, greedy.text)
+    # an end token is never allowed where the text is not yet in the language
+    c = C.compile_choices(["maybe"], lm.vocab)
+    for e in lm.eos_ids:
+        assert c.table[0, e] == -1 and all(c.table[s, e] == s for s in np.flatnonzero(c.final))
+    with pytest.raises(C.ConstraintError, match="SMC"):
+        from jaxdecode import smc
+
+        smc._check(c, 8)

@@ -55,6 +55,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
         params = read_params(folder, cfg, getattr(jnp, dtype))
     except (ConfigError, TokenizerError, WeightsError) as e:
         raise HFError(str(e)) from None
+    vocab.eos_ids = eos  # constraints allow them in final states
     decoder = HFDecoder(cfg, dtype, max_length)
     meta = {"model_type": cfg.model_type, "format": "huggingface", "dtype": dtype,
             "architectures": raw.get("architectures"), "eos_token_id": list(eos)}
