@@ -120,7 +120,7 @@ def generate_beam(args, prompt, rule, settings):
 
 
 def generate_speculative(args, prompt, rule, settings):
-    from .speculative import SpeculativeStats, check_request, make_draft, speculative_generate
+    from .speculative import DRAFTS, ModelDraft, SpeculativeStats, check_request, make_draft, speculative_generate
 
     if args.gamma is None:  # the fastest on CPU for each draft (docs/benchmarks.md)
         gamma = 3 if args.speculative == "distilled" else 2
@@ -137,15 +137,24 @@ def generate_speculative(args, prompt, rule, settings):
     check_request(lm.decoder, len(_encode(lm, prompt, "the prompt")), args.n, gamma)  # before building a draft
     constraint = _constraint(args, lm)
     stop = _stops(args, lm)
-    draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
-                       progress=not args.quiet)
+    if args.speculative in DRAFTS:
+        draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
+                           progress=not args.quiet)
+    else:  # a smaller model of the same family and tokenizer
+        from . import checkpoint
+
+        small = checkpoint.load(args.speculative, dtype=getattr(args, "dtype", None) or "float32")
+        if small.decoder.V != lm.decoder.V or getattr(small.vocab, "size", None) != getattr(lm.vocab, "size", None):
+            raise UsageError(f"--speculative {args.speculative}: the draft's vocabulary ({small.decoder.V} tokens) "
+                             f"is not the model's ({lm.decoder.V}); a draft must share the model's tokenizer")
+        draft = ModelDraft.from_lm(small)
     stream, on_text = _streaming(args, prompt)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
                                 greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text,
                                 constraint=constraint)
     total = SpeculativeStats.total([o.stats for o in outs])
     line = (f"speculative ({args.speculative}, gamma={gamma}): acceptance {total.acceptance_rate:.2f}, "
-            f"{total.chars_per_pass:.2f} characters per target pass "
+            f"{total.chars_per_pass:.2f} tokens per target pass "
             f"(i.i.d. prediction {total.predicted_chars_per_pass:.2f}), {total.passes} passes")
     if args.json:
         doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,

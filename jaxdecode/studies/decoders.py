@@ -32,7 +32,10 @@ def compare(lm, text: str, prompt: str = PROMPT, n: int = 120, k: int = 5, seed:
     if at < 0:
         raise ValueError(f"the prompt {prompt!r} does not occur in the corpus")
     step = (lambda: bar.update(1)) if bar is not None else (lambda: None)
-    human = text[at + len(prompt):at + len(prompt) + n]
+    rest = text[at + len(prompt):at + len(prompt) + 16 * n]
+    subword = getattr(lm.vocab, "subword", False)
+    # n tokens of the human text: characters for the character model, subword tokens otherwise
+    human = lm.vocab.decode(lm.vocab.encode_piece(rest)[:n]) if subword else rest[:n]
     outputs = {"human": human}
     outputs["greedy"] = generate(lm, prompt, n, greedy=True)[0].text
     step()
@@ -40,11 +43,13 @@ def compare(lm, text: str, prompt: str = PROMPT, n: int = 120, k: int = 5, seed:
     step()
     outputs["sampling"] = generate(lm, prompt, n, seed=seed)[0].text
     step()
-    scores = score_texts(lm, list(outputs.values()), [prompt] * len(outputs))
+    # a model with an end token may end an output at once: an empty text has no score
+    scored = [t for t in outputs.values() if t]
+    scores = iter(score_texts(lm, scored, [prompt] * len(scored)))
     step()
-    return {"prompt": prompt, "n": n, "seed": seed,
-            "rows": [{"decoder": name, "mean_logprob": s.mean_logprob, "text": t}
-                     for (name, t), s in zip(outputs.items(), scores)]}
+    return {"prompt": prompt, "n": n, "seed": seed, "unit": "token" if subword else "character",
+            "rows": [{"decoder": name, "mean_logprob": next(scores).mean_logprob if t else float("nan"), "text": t}
+                     for name, t in outputs.items()]}
 
 
 def _plot(result: dict, path) -> None:
@@ -52,22 +57,27 @@ def _plot(result: dict, path) -> None:
     ax = axes[0, 0]
     rows = result["rows"]
     y = range(len(rows))
-    ax.barh(list(y), [-r["mean_logprob"] for r in rows], color="tab:blue")
+    nll = [float("nan") if r["mean_logprob"] is None else -r["mean_logprob"] for r in rows]
+    ax.barh(list(y), nll, color="tab:blue")
     ax.set_yticks(list(y), [r["decoder"] for r in rows])
     ax.invert_yaxis()
-    ax.set(xlabel="negative log-likelihood (nats per character)",
-           title=f"{result['n']} characters after {result['prompt'][-16:]!r}")
+    unit = result.get("unit", "character")
+    ax.set(xlabel=f"negative log-likelihood (nats per {unit})",
+           title=f"{result['n']} {unit}s after {result['prompt'][-16:]!r}")
     save_figure(fig, path)
 
 
 def _markdown(result: dict) -> str:
     rows = [[r["decoder"], fmt(r["mean_logprob"]), md_text(r["text"])] for r in result["rows"]]
+    unit = result.get("unit", "character")
     return "\n".join([
         "# Decoders after a prompt\n",
-        f"{result['n']} characters after {md_text(result['prompt'])}: Shakespeare's own continuation "
+        f"{result['n']} {unit}s after {md_text(result['prompt'])}: Shakespeare's own continuation "
         f"(human), greedy decoding, beam search and sampling at temperature 1 (seed {result['seed']}), "
-        "each scored by the model's mean log-probability per character.\n",
-        md_table(["decoder", "mean log-probability (nats/char)", "text"], rows) + "\n",
+        f"each scored by the model's mean log-probability per {unit} (an output that ends at once at the "
+        "model's end token has no score: –).\n",
+        md_table(["decoder", f"mean log-probability (nats/{unit[:4] if unit == 'character' else unit})", "text"],
+                 rows) + "\n",
         f"![negative log-likelihood per decoder]({NAME}.png)",
     ])
 
