@@ -263,21 +263,17 @@ def test_mode_search_on_a_model_with_end_tokens(models):
     ids = lm.vocab.encode("ROMEO:")
     eos = (int(np.argsort(np.asarray(lm.decoder.forward(lm.params, jnp.asarray([ids]))[0][0, -1]))[-2]),)
     tokens, logprob, _ = mode_search(lm.decoder, lm.params, ids, 2, end_tokens=eos)
+    # brute force: every first token, then the best second one (all V prefixes in one forward)
     lg, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
     lp1 = np.asarray(jax.nn.log_softmax(lg[0, -1]), np.float64)
-    best, arg = -np.inf, None
-    for t in range(V):
-        if t in eos:
-            cand = (lp1[t], (t,))
-        else:
-            lg2, _ = (None, None) if lp1[t] < best else lm.decoder.forward(lm.params, jnp.asarray([list(ids) + [t]]))
-            if lg2 is None:
-                continue
-            lp2 = np.asarray(jax.nn.log_softmax(lg2[0, -1]), np.float64)
-            cand = (lp1[t] + lp2.max(), (t, int(lp2.argmax())))
-        if cand[0] > best:
-            best, arg = cand
-    assert tuple(tokens.tolist()) == arg and logprob == pytest.approx(best, abs=1e-4)
+    both = np.concatenate([np.tile(ids, (V, 1)), np.arange(V, dtype=np.int32)[:, None]], axis=1)
+    lg2, _ = jax.jit(lm.decoder.forward)(lm.params, jnp.asarray(both))
+    lp2 = np.asarray(jax.nn.log_softmax(lg2[:, -1]), np.float64)  # [V, V]
+    totals = lp1 + lp2.max(axis=1)
+    totals[list(eos)] = lp1[list(eos)]  # an end token ends the continuation
+    first = int(np.argmax(totals))
+    arg = (first,) if first in eos else (first, int(lp2[first].argmax()))
+    assert tuple(tokens.tolist()) == arg and logprob == pytest.approx(totals[first], abs=1e-4)
 
 
 def test_contrastive_with_alpha_zero_is_greedy_through_the_end_token(models):
