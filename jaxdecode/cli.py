@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 
 from .cli_common import (  # noqa: F401 - some are re-exported for the command modules
     UsageError,
     _Parser,
     _argument_hint,
+    _draft_kind,
     SEED_MAX,
     _seed,
     _print_json,
@@ -513,13 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
                    help="beam: divide scores by ((5+|y|)/6)^ALPHA")
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
-    def draft_kind(text):
-        if text in DRAFTS or Path(text).is_dir():
-            return text
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DRAFTS)}, or give "
-                                         "the folder of a smaller model with the same tokenizer)")
-
-    s.add_argument("--speculative", type=draft_kind, default=None, metavar="DRAFT",
+    s.add_argument("--speculative", type=_draft_kind, default=None, metavar="DRAFT",
                    help=f"speculative sampling with this draft (exact: same distribution as plain "
                         f"sampling): {', '.join(DRAFTS)}, or the folder of a smaller model sharing the "
                         f"model's tokenizer; distilled, the fastest for the character model, is an n-gram "

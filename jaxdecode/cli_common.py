@@ -121,3 +121,15 @@ def _unescape(s: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def _draft_kind(text: str) -> str:
+    """``--speculative``: a registered draft, or the folder of a smaller model (same tokenizer)."""
+    from pathlib import Path
+
+    from .speculative import DRAFTS
+
+    if text in DRAFTS or Path(text).is_dir():
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DRAFTS)}, or give "
+                                     "the folder of a smaller model with the same tokenizer)")
