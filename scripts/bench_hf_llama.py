@@ -27,6 +27,8 @@ the same rows for every batch size, and no end token stops a row.
   ``generate(input_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)``
   with its default KV cache, ``torch.set_num_threads(--threads)`` (default: every core). It runs
   in its own process, which answers one ``generate`` per request and times it there.
+  On a machine whose cores other work also uses, torch's threads wait for each other at every
+  operation and one thread can be several times faster: ``--threads 1`` shows it.
 
 Every setting is run once to compile / warm up, then ``--rounds`` (3) timed rounds take one run of
 each setting in turn (jaxdecode and HF alternate, so that a slow phase of a shared machine hits
@@ -231,7 +233,8 @@ def main():
         ap.error("no Hugging Face environment found: give --hf-python")
     batches = [int(b) for b in args.batches.split(",")]
     n = args.n
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    progress = sys.stderr if args.json else sys.stdout  # --json keeps stdout for the JSON
+    log = lambda *a: print(*a, file=progress, flush=True)
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
 
@@ -302,7 +305,8 @@ def main():
     if args.json:
         print(json.dumps(doc, indent=2))
         return
-    print(f"# read bandwidth (1 GiB float32): " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
+    print("# read bandwidth (1 GiB float32): "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
           + f"; bound = batch x {bw / 1e9:.1f} GB/s / {nbytes / 1e6:.0f} MB per step")
     print(f"# {n} new tokens after {args.prompt_len}-token prompts, greedy, median of {args.rounds}; "
           "ms/step = seconds / n (prefill included)")
@@ -311,7 +315,8 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     where = f"{machine['cpu']}, {machine['cores']} cores"
     for r in results:
-        print(f"| {where} | {r['batch']} | {r['jaxdecode_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f}x "
+        print(f"| {where} | {r['batch']} | {r['jaxdecode_tok_s']:.1f} | {r['hf_tok_s']:.1f} "
+              f"| {r['ratio']:.2f}x "
               f"| {r['jaxdecode_ms_per_step']:.1f} | {r['hf_ms_per_step']:.1f} "
               f"| {r['jaxdecode_of_bound']:.0%} | {r['hf_of_bound']:.0%} |")
     for r in results:
@@ -320,7 +325,8 @@ def main():
         verdict = "OK" if r["row0_agrees_first"] else f"DISAGREE within the first {args.agree}"
         print(f"# greedy agreement, batch {r['batch']}: row 0 {same} ({verdict}); "
               f"{r['rows_identical']}/{r['batch']} rows identical over {n} tokens")
-    print(f"# the run took {elapsed:.0f} s; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+    print(f"# the run took {elapsed:.0f} s; load average {load_start:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end")
 
 
 if __name__ == "__main__":

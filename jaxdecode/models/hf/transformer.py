@@ -200,8 +200,8 @@ class HFDecoder(DecodingModel):
     def empty_cache(self, batch, capacity):
         cfg = self.cfg
         shape = (batch, cfg.kv_heads, capacity, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.L))
-        return HFCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+        zeros = lambda: tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.L))
+        return HFCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))  # separate buffers: donatable
 
     def capacity(self, cache):
         return cache.k[0].shape[2]
