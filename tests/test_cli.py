@@ -177,7 +177,8 @@ def test_study_decoders(tiny_ckpt, tmp_path):
 # the flags of `generate` that are not rules
 NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--memory-budget", "--max-rows", "--seed", "--ckpt", "--stop", "--greedy", "--json", "--stream", "--quiet",
                   "--beam", "--length-penalty", "--n-best", "--speculative", "--gamma", "--ngram-order",
-                  "--ngram-backoff", "--data", "--contrastive", "--regex", "--choice", "--json-schema", "--smc"}
+                  "--ngram-backoff", "--data", "--contrastive", "--regex", "--choice", "--json-schema", "--smc",
+                  "--dtype"}
 
 
 def _generate_parser():
@@ -497,6 +498,7 @@ def offline(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("JAXDECODE_DATA", raising=False)
+    monkeypatch.delenv("JAXDECODE_OFFLINE", raising=False)  # the network is this fixture's fake
     state = {"body": urllib.error.URLError("[Errno -3] Temporary failure in name resolution")}
 
     def urlopen(url, timeout=None):
@@ -507,6 +509,19 @@ def offline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data_lib.urllib.request, "urlopen", urlopen)
     return state
+
+
+def test_jaxdecode_offline_never_downloads(offline, tmp_path, monkeypatch):
+    """$JAXDECODE_OFFLINE=1 (what the tests set): a missing corpus is the corpus error, and the
+    network is never asked, even when it would answer with the right file."""
+    from jaxdecode import data as data_lib
+
+    offline["body"] = ("First Citizen:\n" * 80_000)[:data_lib.CORPUS_CHARS].encode()
+    monkeypatch.setenv("JAXDECODE_OFFLINE", "1")
+    monkeypatch.setattr(data_lib, "_download", lambda dest: pytest.fail("downloaded"))
+    with pytest.raises(data_lib.CorpusError, match="corpus not found"):
+        data_lib.locate_corpus()
+    assert not (tmp_path / "data").exists()
 
 
 def test_offline_corpus_lookup_leaves_nothing_behind(offline, tmp_path, tiny_ckpt, capsys):
