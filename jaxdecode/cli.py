@@ -12,6 +12,7 @@ from .cli_common import (  # noqa: F401 - some are re-exported for the command m
     _Parser,
     _argument_hint,
     _draft_kind,
+    _unit,
     SEED_MAX,
     _seed,
     _print_json,
@@ -253,10 +254,10 @@ def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None,
     return advance, progress.close
 
 
-def _print_samples(outs):
+def _print_samples(outs, unit="character"):
     for i, o in enumerate(outs):
         if len(outs) > 1:
-            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per character)")
+            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per {unit})")
         print(o.prompt + o.text)
 
 
@@ -357,9 +358,9 @@ def cmd_generate(args):
         return
     if stream:
         sys.stdout.write("\n")
-        print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per character", file=sys.stderr)
+        print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per {_unit(lm)}", file=sys.stderr)
         return
-    _print_samples(outs)
+    _print_samples(outs, _unit(lm))
 
 
 def _contrastive_setting(text: str) -> tuple[int, float]:
@@ -458,7 +459,7 @@ def cmd_score(args):
         _print_json({"prompt": res.prompt, "text": text, "mean_logprob": res.mean_logprob,
                      "logprobs": res.logprobs.tolist(), "probabilities": res.probabilities.tolist()})
     else:
-        print(f"{res.mean_logprob:.4f} nats per character over {len(text)} characters")
+        print(f"{res.mean_logprob:.4f} nats per {_unit(lm)} over {len(res.logprobs)} {_unit(lm)}s")
 
 
 # ----------------------------------------------------------------------------- parser

@@ -133,3 +133,8 @@ def _draft_kind(text: str) -> str:
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DRAFTS)}, or give "
                                      "the folder of a smaller model with the same tokenizer)")
+
+
+def _unit(lm) -> str:
+    """What a token of ``lm`` is called in messages: a character for the character model."""
+    return "token" if getattr(lm.vocab, "subword", False) else "character"

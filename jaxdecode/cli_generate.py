@@ -17,6 +17,7 @@ from .cli import (
     _past_window,
     _print_json,
     _print_samples,
+    _unit,
     _stops,
     _streaming,
 )
@@ -52,7 +53,7 @@ def generate_contrastive(args, prompt, settings):
                                   "checkpoint": str(lm.path)}})
     elif stream:
         sys.stdout.write("\n")
-        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per character", file=sys.stderr)
+        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per {_unit(lm)}", file=sys.stderr)
     else:
         print(out.prompt + out.text)
 
@@ -115,7 +116,7 @@ def generate_beam(args, prompt, rule, settings):
         _print_json(doc)
         return
     for i, h in enumerate(hyps):
-        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per character")
+        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per {_unit(lm)}")
         print(prompt + h.text)
 
 
@@ -171,5 +172,5 @@ def generate_speculative(args, prompt, rule, settings):
     if stream:
         sys.stdout.write("\n")
     else:
-        _print_samples(outs)
+        _print_samples(outs, _unit(lm))
     print(line, file=sys.stderr)
