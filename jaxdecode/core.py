@@ -241,8 +241,10 @@ def is_subword(vocab) -> bool:
 def stop_string_list(stop: str | Sequence[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     for s in stops:
-        if not isinstance(s, str) or not s:
-            raise ValueError("a stop string must be a non-empty string")
+        if not isinstance(s, str):
+            raise ValueError(f"a stop string must be a string, got {type(s).__name__}")
+        if not s:
+            raise ValueError("a stop string must not be empty")
     return stops
 
 
