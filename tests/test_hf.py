@@ -483,3 +483,24 @@ def test_constraints_over_the_byte_level_vocabulary(models):
         from jaxdecode import smc
 
         smc._check(c, 8)
+
+
+def test_a_sentencepiece_style_continuation_keeps_its_leading_space(tmp_path):
+    """A "▁" vocabulary whose decoder strips the first token's leading space (Llama 2, Mistral
+    v0.1): generated ids follow a prompt, so " Paris" stays " Paris", and the fixtures' byte-level
+    tokenizer decodes as before."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from jaxdecode.models.hf.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.WordLevel({"▁Paris": 0, "▁is": 1, "▁a": 2, "[UNK]": 3, "▁The": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert tok.decode([0]) == "Paris"  # the library alone strips it
+    vocab = HFTokenizer(tmp_path / "tokenizer.json")
+    assert vocab.decode([0]) == " Paris" and vocab.decode([0, 1]) == " Paris is" and vocab.decode([]) == ""
+    assert "The" + vocab.decode(vocab.encode_piece("The a is")[1:]) == "The a is"
+    fixture = HFTokenizer(FIXTURES / "llama" / "tokenizer.json")
+    text = "日本語 and 🙂 café"
+    assert fixture.decode(fixture.encode_piece(text)) == text

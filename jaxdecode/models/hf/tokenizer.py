@@ -71,10 +71,36 @@ class HFTokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
+        """The text of ``ids`` as a continuation: a tokenizer whose decoder strips the first
+        token's leading space (sentencepiece-style "▁" vocabularies) keeps it here, because the
+        ids follow a prompt (decoded after an anchor token, then the anchor's text cut off)."""
         ids = np.asarray(ids).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.V):
             raise ValueError(f"token ids must lie in [0, {self.V}), got min {ids.min()} max {ids.max()}")
-        return self.tok.decode([int(i) for i in ids if i < self.size], skip_special_tokens=False)
+        ids = [int(i) for i in ids if i < self.size]
+        if not ids:
+            return ""
+        anchor, anchor_text = self._anchor()
+        if anchor is None:
+            return self.tok.decode(ids, skip_special_tokens=False)
+        text = self.tok.decode([anchor] + ids, skip_special_tokens=False)
+        if text.startswith(anchor_text):
+            return text[len(anchor_text):]
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def _anchor(self):
+        """A plain token to decode continuations after, and its text alone (cached)."""
+        if not hasattr(self, "_anchor_cache"):
+            found = (None, "")
+            for piece in ("a", "e", ".", "0"):
+                ids = self.tok.encode(piece, add_special_tokens=False).ids
+                if len(ids) == 1:
+                    text = self.tok.decode(ids, skip_special_tokens=False)
+                    if text:
+                        found = (ids[0], text)
+                        break
+            self._anchor_cache = found
+        return self._anchor_cache
 
     def token_text(self, i: int) -> str:
         """The token's string as the vocabulary stores it (e.g. ``"Ġthe"``)."""
