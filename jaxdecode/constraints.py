@@ -309,6 +309,7 @@ class Automaton(NamedTuple):
     final: jax.Array  # [S] bool
     dist: jax.Array  # [S] int32
     leftover: jax.Array  # [S] bool: a final state stops with the leftover mass (no end token)
+    end: jax.Array  # [V] bool: the model's end tokens (generating one in a final state is the stop)
 
 
 def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, np.ndarray]:
@@ -341,7 +342,12 @@ def stack(constraints: Sequence[Constraint | None], V: int) -> tuple[Automaton, 
     dist[:at] = np.concatenate(dists)
     leftover = np.ones(S, bool)
     leftover[:at] = np.concatenate(leftovers)
-    return Automaton(jnp.asarray(table), jnp.asarray(final), jnp.asarray(dist), jnp.asarray(leftover)), starts
+    end = np.zeros(V, bool)
+    for c in constraints:
+        if c is not None:
+            end[list(c.end_tokens)] = True
+    return (Automaton(jnp.asarray(table), jnp.asarray(final), jnp.asarray(dist), jnp.asarray(leftover),
+                      jnp.asarray(end)), starts)
 
 
 def for_rows(constraint, B: int, Bb: int, V: int, n: int):

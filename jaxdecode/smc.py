@@ -53,6 +53,13 @@ So ``w(y) = P(y) / Q(y) = prod over the steps taken from non-final states of Z_t
 away where throwing it away changed the outcome (the steps where leaving the language would have
 failed the output rather than ended it).
 
+**A model with end tokens** (a Hugging Face model; the constraint's ``end_tokens``): its end
+tokens are allowed in final states only, and generating one ends the output (the end token is the
+stop, not the leftover mass). Then ``P(y) = prod_t p_t(y_t) * p_end(y)`` (the mass of the end
+tokens after ``y``; 1 for an output of ``n`` tokens), the masked sampler takes every step, the end
+token included, with probability ``p_t(v) / Z_t``, and the weight is the product of ``Z_t`` over
+every step taken, the final state's included.
+
 Everything here is the raw model (no decoding rule: temperature or truncation would change both
 the target and the proposal).
 
@@ -122,9 +129,6 @@ def _check(constraint, n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
     constraint.check_budget(int(n))
-    if constraint.eos_stop:
-        raise C.ConstraintError("SMC's conditional is defined by the character model's stop rule; a model "
-                                "with end tokens is not supported by SMC yet (use masked sampling)")
 
 
 def total_variation(p: dict, q: dict) -> float:
@@ -199,6 +203,8 @@ def enumerate_outputs(lm, prompt, n: int, constraint: C.Constraint, max_outputs:
     model, params = lm.decoder, lm.params
     prompt = _encode(lm, prompt)
     table, final, dist = constraint.table, constraint.final, constraint.dist
+    ends = np.zeros(table.shape[1], bool)
+    ends[list(constraint.end_tokens)] = True
     prefixes = np.zeros((1, 0), np.int64)  # [N, t] live prefixes
     states = np.zeros(1, np.int64)
     log_p = np.zeros(1, np.float64)
@@ -227,6 +233,22 @@ def enumerate_outputs(lm, prompt, n: int, constraint: C.Constraint, max_outputs:
         p = np.exp(logp)
         Z = np.where(ok, p, 0.0).sum(axis=1)
         is_final = final[states]
+        if ends.any():  # the stop is an end token (allowed in final states only): P has p(end), Q p(end)/Z
+            stop = np.where(ok & ends[None, :], p, 0.0).sum(axis=1)
+            fin = np.flatnonzero(stop > 0)
+            with np.errstate(divide="ignore"):
+                emit(fin, np.log(stop[fin]), np.log(stop[fin]) - np.log(Z[fin]))
+            ok = ok & ~ends[None, :]
+            parent, token = np.nonzero(ok)
+            too_many(len(parent))
+            step_q = logp[parent, token] - np.log(Z[parent])
+            log_q = log_q[parent] + step_q
+            log_p = log_p[parent] + logp[parent, token]
+            states = nxt[parent, token].astype(np.int64)
+            prefixes = np.concatenate([prefixes[parent], token[:, None]], axis=1)
+            if len(prefixes) == 0:
+                break
+            continue
         # stop probability in a final state: the mass of the tokens that cannot be taken (1 if none can)
         stop = np.where(is_final, np.where(ok.any(axis=1), np.where(ok, 0.0, p).sum(axis=1), 1.0), 0.0)
         fin = np.flatnonzero(is_final & (stop > 0))
@@ -306,11 +328,14 @@ def _smc_step(params, cache, parts: _Particles, auto: C.Automaton, key, step, n,
     log_z = jax.nn.logsumexp(jnp.where(ok, logp, -jnp.inf), axis=-1)
     k_tok, k_stop = jax.random.split(jax.random.fold_in(key, step))
     token = jax.random.categorical(k_tok, C.mask(parts.logits, ok), axis=-1).astype(jnp.int32)
-    stop = jax.random.uniform(k_stop, (Nb,)) < p_stop
+    # a model's end token (allowed in final states only) is the stop; else the leftover-mass draw
+    stop = (jax.random.uniform(k_stop, (Nb,)) < p_stop) | auto.end[token]
     active = ~parts.done
     go = active & ~stop
-    # the weight: Z_t at a step from a non-final state, 1 from a final one (see the module docstring)
-    logw = parts.logw + jnp.where(active & ~auto.final[parts.cstate], log_z, 0.0)
+    # the weight: Z_t at a step from a non-final state, 1 from a final one; with end tokens Z_t at
+    # every step (see the module docstring)
+    weighted = ~auto.final[parts.cstate] | ~auto.leftover[parts.cstate]
+    logw = parts.logw + jnp.where(active & weighted, log_z, 0.0)
     after = jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0]
     cstate = jnp.where(go, after, parts.cstate)
     done = parts.done | (active & stop)

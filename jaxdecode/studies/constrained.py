@@ -156,9 +156,6 @@ def _markdown(result: dict) -> str:
 
 def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, particles: int = 2000) -> dict:
     """Writes ``constrained.json``, ``constrained.png`` and ``constrained.md`` into ``out_dir``."""
-    if getattr(lm, "eos_ids", ()):
-        raise ValueError("the constrained study compares masked sampling with SMC's exact conditional, which is "
-                         "defined by the stop rule of a model without end tokens: it does not apply to this model")
     out = output_folder(out_dir)
     source = _locate(data_lib.read_corpus(data_path), PROMPT)
     with progress_bar(3, NAME, progress) as bar:
