@@ -12,6 +12,7 @@ from .cli_common import (  # noqa: F401 - some are re-exported for the command m
     _Parser,
     _argument_hint,
     _draft_kind,
+    _model_draft,
     _unit,
     SEED_MAX,
     _seed,
@@ -432,7 +433,7 @@ def cmd_study(args):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     require_matplotlib()  # the figures: before minutes of work, not after
-    options = {"prompts": args.prompts, "n": args.n, "budget": args.budget}
+    options = {"prompts": args.prompts, "n": args.n, "budget": args.budget, "draft": _model_draft(args.draft)}
     created = _study_folders(args)
     try:
         run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
@@ -560,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", type=int, default=None, help="beam-curse: characters searched (default 12)")
     s.add_argument("--budget", type=int, default=None, help="beam-curse: exact-search node budget "
                                                             "(default 100,000)")
+    s.add_argument("--draft", default=None, metavar="FOLDER",
+                   help="speculative: a smaller model with the same tokenizer as the draft")
     s.set_defaults(func=cmd_study)
 
     s = sub.add_parser("info", help="describe a checkpoint folder")

@@ -138,3 +138,13 @@ def _draft_kind(text: str) -> str:
 def _unit(lm) -> str:
     """What a token of ``lm`` is called in messages: a character for the character model."""
     return "token" if getattr(lm.vocab, "subword", False) else "character"
+
+
+def _model_draft(folder):
+    """A smaller model with the same tokenizer, as a speculative draft (None: no folder given)."""
+    if folder is None:
+        return None
+    from .checkpoint import load
+    from .speculative import ModelDraft
+
+    return ModelDraft.from_lm(load(folder))

@@ -107,8 +107,13 @@ def _plot(result: dict, path) -> None:
     save_figure(fig, path)
 
 
+DRAFT_WORDS = {"ModelDraft": "a smaller model with the same tokenizer",
+               "LookupDraft": "prompt lookup over the text so far"}
+
+
 def _markdown(result: dict) -> str:
     toy, sweep = result["toy"], result["sweep"]
+    unit = result.get("unit", "char")
     rows = [[g, fmt(r["acceptance_rate"], ".3f"), fmt(r["chars_per_pass"]),
              fmt(r["predicted_chars_per_pass"]), r["passes"], fmt(r["mean_logprob"])]
             for g, r in ((g, sweep["per_gamma"][str(g)]) for g in sweep["gammas"])]
@@ -118,9 +123,9 @@ def _markdown(result: dict) -> str:
         f"acceptance {toy['acceptance']:.4f} (exact {toy['expected_acceptance']:.2f}), output frequencies "
         f"{[round(f, 3) for f in toy['frequencies']]}.\n",
         f"**Gamma sweep** (seed {sweep['seed']}): the model as target, the {result['draft']} draft "
-        f"(add-0.01 character trigram of the training split), {sweep['samples']} samples of {sweep['n']} "
-        f"characters after {md_text(sweep['prompt'])}.\n",
-        md_table(["gamma", "acceptance", "chars per target pass", "i.i.d. prediction", "target passes",
+        f"({DRAFT_WORDS.get(result['draft'], 'add-0.01 character trigram of the training split')}), "
+        f"{sweep['samples']} samples of {sweep['n']} {unit}s after {md_text(sweep['prompt'])}.\n",
+        md_table(["gamma", "acceptance", f"{unit}s per target pass", "i.i.d. prediction", "target passes",
                   "mean log-probability"], rows) + "\n",
         f"![toy check and gamma sweep]({NAME}.png)",
     ])
@@ -135,6 +140,10 @@ def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n:
     ``draft`` defaults to the trigram table of the corpus at ``data_path`` (see
     :func:`jaxdecode.data.locate_corpus`).
     """
+    if draft is None and getattr(lm.vocab, "subword", False):
+        raise ValueError("the speculative study on a subword model needs a draft model with the same tokenizer: "
+                         "--draft FOLDER (the chapter's trigram table over a subword vocabulary does not apply)")
+    n = min(n, lm.decoder.T - len(lm.vocab.encode(prompt)) - max(gammas) - 1)  # within the window
     out = output_folder(out_dir)
     with progress_bar(2 + len(gammas), NAME, progress) as bar:
         if draft is None:
@@ -144,7 +153,8 @@ def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n:
         bar.update(1)
         sweep = gamma_sweep(lm, draft, prompt=prompt, n=n, gammas=gammas, samples=samples,
                             seed=seed + 1, bar=bar)
-    doc = {"study": NAME, "seed": seed, "toy": toy, "sweep": sweep, "draft": type(draft).__name__}
+    doc = {"study": NAME, "seed": seed, "toy": toy, "sweep": sweep, "draft": type(draft).__name__,
+           "unit": "token" if getattr(lm.vocab, "subword", False) else "char"}
     result = write_json(out / f"{NAME}.json", doc)
     _plot(result, out / f"{NAME}.png")
     write_markdown(out / f"{NAME}.md", _markdown(result))
