@@ -108,7 +108,7 @@ def _plot(result: dict, path) -> None:
 
 
 DRAFT_WORDS = {"ModelDraft": "a smaller model with the same tokenizer",
-               "LookupDraft": "prompt lookup over the text so far"}
+               "PromptLookupDraft": "prompt lookup over the text so far"}
 
 
 def _markdown(result: dict) -> str:
