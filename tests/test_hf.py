@@ -49,17 +49,18 @@ def test_logits_equal_transformers(models, name):
     within 1e-4 at every position of every prompt; the tokenizer gives HF's ids."""
     lm, ex = models(name), expected(name)
     assert lm.meta["model_type"] == name
+    forward, extend = jax.jit(lm.decoder.forward), jax.jit(lm.decoder.extend)
     for i, (prompt, ids) in enumerate(zip(ex["prompts"], ex["prompt_ids"])):
         assert lm.vocab.encode(prompt).tolist() == ids
         ref = np.load(FIXTURES / name / f"logits_{i}.npy")
-        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+        logits, _ = forward(lm.params, jnp.asarray([ids]))
         np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)
-        # cached: a prefill of the first 3 tokens, then single steps
+        # cached: a prefill of the first 3 tokens, then single steps (one compiled step)
         tokens = jnp.asarray([ids])
         first, _, cache = lm.decoder.prefill(lm.params, tokens[:, :3], jnp.asarray([3]), 64)
         np.testing.assert_allclose(np.asarray(first[0]), ref[2], atol=1e-4, rtol=0)
         for t in range(3, len(ids)):
-            step, _, cache = lm.decoder.extend(lm.params, cache, tokens[:, t:t + 1])
+            step, _, cache = extend(lm.params, cache, tokens[:, t:t + 1])
             np.testing.assert_allclose(np.asarray(step[0, 0]), ref[t], atol=1e-4, rtol=0)
 
 
@@ -71,8 +72,9 @@ def test_long_sequence_past_the_sliding_window(models, name):
     ids = jnp.asarray([ex["long_ids"]])
     logits, _, cache = lm.decoder.extend(lm.params, lm.decoder.empty_cache(1, 128), ids[:, :20])
     np.testing.assert_allclose(np.asarray(logits[0]), ref[:20], atol=1e-4, rtol=0)
+    extend = jax.jit(lm.decoder.extend)
     for t in range(20, ids.shape[1]):
-        step, _, cache = lm.decoder.extend(lm.params, cache, ids[:, t:t + 1])
+        step, _, cache = extend(lm.params, cache, ids[:, t:t + 1])
         np.testing.assert_allclose(np.asarray(step[0, 0]), ref[t], atol=1e-4, rtol=0)
 
 
