@@ -165,6 +165,33 @@ def gather_blocks(pool_layer, tables):
     return jnp.transpose(g, (0, 2, 1, 3, 4)).reshape(B, H, cols * bs, D)
 
 
+def prefill_by_extend(model, params, tokens, lengths, capacity):
+    """:meth:`DecodingModel.prefill` for a model whose ``extend`` writes a whole prompt into an
+    empty cache: the logits and hidden state after each row's last real token."""
+    B, P = tokens.shape
+    if capacity < P:
+        raise ValueError(f"prefill: capacity {capacity} is below the prompt width {P}")
+    logits, hidden, cache = model.extend(params, model.empty_cache(B, capacity), tokens, span=P)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    at = jnp.maximum(lengths - 1, 0)[:, None, None]
+    last = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
+    return last(logits), last(hidden), model.truncate(cache, lengths)
+
+
+def window_by_forward(forward, T: int, params, history, lengths):
+    """:meth:`DecodingModel.window` from a full causal ``forward(params, tokens) -> (logits,
+    hidden)``: each row's last ``T`` tokens (left-aligned ``history``), positions from 0."""
+    N = history.shape[1]
+    W = min(N, T)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    start = jnp.clip(lengths - W, 0, N - W)
+    windows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (W,)))(history, start)
+    logits, hidden = forward(params, windows)
+    at = jnp.clip(lengths - start - 1, 0, W - 1)[:, None, None]
+    take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
+    return take(logits), take(hidden)
+
+
 def _split(out):
     """A logits function's output: logits, or (logits, hidden)."""
     if isinstance(out, tuple):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..vocab import TokenVocab
-from .base import DecodingModel
+from .base import DecodingModel, prefill_by_extend, window_by_forward
 
 
 class ToyCache(NamedTuple):
@@ -193,25 +193,10 @@ class TinyTransformer(DecodingModel):
         return logits, hidden, ToyCache(kv, cache.length + S)
 
     def prefill(self, params, tokens, lengths, capacity):
-        B, P = tokens.shape
-        if capacity < P:
-            raise ValueError(f"prefill: capacity {capacity} is below the prompt width {P}")
-        logits, hidden, cache = self.extend(params, self.empty_cache(B, capacity), tokens, span=P)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        at = jnp.maximum(lengths - 1, 0)[:, None, None]
-        last = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
-        return last(logits), last(hidden), cache._replace(length=lengths)
+        return prefill_by_extend(self, params, tokens, lengths, capacity)
 
     def window(self, params, history, lengths):
-        N = history.shape[1]
-        W = min(N, self.T)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        start = jnp.clip(lengths - W, 0, N - W)
-        windows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (W,)))(history, start)
-        logits, hidden = self.forward(params, windows)
-        at = jnp.clip(lengths - start - 1, 0, W - 1)[:, None, None]
-        take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
-        return take(logits), take(hidden)
+        return window_by_forward(self.forward, self.T, params, history, lengths)
 
     def reorder(self, cache, rows, span=None):
         return ToyCache(jnp.take(cache.kv, rows, axis=2), jnp.take(cache.length, rows, axis=0))

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base import DecodingModel, PagedKV, PagedPool, gather_blocks, write_blocks
+from ..base import (DecodingModel, PagedKV, PagedPool, gather_blocks, prefill_by_extend, window_by_forward,
+                    write_blocks)
 from .config import HFConfig
 
 
@@ -228,25 +229,10 @@ class HFDecoder(DecodingModel):
         return logits, hidden, HFCache(tuple(ks), tuple(vs), cache.length + S)
 
     def prefill(self, params, tokens, lengths, capacity):
-        B, P = tokens.shape
-        if capacity < P:
-            raise ValueError(f"prefill: capacity {capacity} is below the prompt width {P}")
-        logits, hidden, cache = self.extend(params, self.empty_cache(B, capacity), tokens, span=P)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        at = jnp.maximum(lengths - 1, 0)[:, None, None]
-        last = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
-        return last(logits), last(hidden), cache._replace(length=lengths)
+        return prefill_by_extend(self, params, tokens, lengths, capacity)
 
     def window(self, params, history, lengths):
-        N = history.shape[1]
-        W = min(N, self.T)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        start = jnp.clip(lengths - W, 0, N - W)
-        windows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (W,)))(history, start)
-        logits, hidden = self.forward(params, windows)
-        at = jnp.clip(lengths - start - 1, 0, W - 1)[:, None, None]
-        take = lambda a: jnp.take_along_axis(a, at, axis=1)[:, 0]
-        return take(logits), take(hidden)
+        return window_by_forward(self.forward, self.T, params, history, lengths)
 
     def paged(self, block_size, attention="portable"):
         if attention != "portable":
