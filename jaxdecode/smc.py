@@ -239,28 +239,19 @@ def enumerate_outputs(lm, prompt, n: int, constraint: C.Constraint, max_outputs:
             with np.errstate(divide="ignore"):
                 emit(fin, np.log(stop[fin]), np.log(stop[fin]) - np.log(Z[fin]))
             ok = ok & ~ends[None, :]
-            parent, token = np.nonzero(ok)
-            too_many(len(parent))
-            step_q = logp[parent, token] - np.log(Z[parent])
-            log_q = log_q[parent] + step_q
-            log_p = log_p[parent] + logp[parent, token]
-            states = nxt[parent, token].astype(np.int64)
-            prefixes = np.concatenate([prefixes[parent], token[:, None]], axis=1)
-            if len(prefixes) == 0:
-                break
-            continue
-        # stop probability in a final state: the mass of the tokens that cannot be taken (1 if none can)
-        stop = np.where(is_final, np.where(ok.any(axis=1), np.where(ok, 0.0, p).sum(axis=1), 1.0), 0.0)
-        fin = np.flatnonzero(is_final & (stop > 0))
-        with np.errstate(divide="ignore"):
-            log_stop = np.log(stop[fin])
-        emit(fin, log_stop, log_stop)
+            cont = np.zeros(len(states))  # every step of Q is p/Z
+        else:
+            # stop probability in a final state: the mass of the tokens that cannot be taken (1 if none can)
+            stop = np.where(is_final, np.where(ok.any(axis=1), np.where(ok, 0.0, p).sum(axis=1), 1.0), 0.0)
+            fin = np.flatnonzero(is_final & (stop > 0))
+            with np.errstate(divide="ignore"):
+                log_stop = np.log(stop[fin])
+                # Q's step: p/Z from a non-final state; (1 - s) * p/Z from a final one (the literal
+                # sampler, whose 1 - s equals Z)
+                cont = np.where(is_final, np.log1p(-np.minimum(stop, 1.0)), 0.0)
+            emit(fin, log_stop, log_stop)
         parent, token = np.nonzero(ok)
         too_many(len(parent))
-        with np.errstate(divide="ignore"):
-            # Q's step: p/Z from a non-final state; (1 - s) * p/Z from a final one (the literal
-            # sampler, whose 1 - s equals Z)
-            cont = np.where(is_final, np.log1p(-np.minimum(stop, 1.0)), 0.0)
         step_q = cont[parent] + logp[parent, token] - np.log(Z[parent])
         log_q = log_q[parent] + step_q
         log_p = log_p[parent] + logp[parent, token]
