@@ -15,7 +15,8 @@ is decided once, when it is built (:func:`select`), never behind jit's back.
 
 The library is compiled on first use with the system's C++ compiler (``-O3 -march=native``)
 from ``csrc/*.cc`` against the XLA FFI headers that ship with jaxlib, and cached under
-``$JAXDECODE_CACHE/kernels`` by a hash of the sources, jaxlib's version and the CPU.
+``$JAXDECODE_CACHE/kernels`` by a hash of the sources, jaxlib's version, the CPU and
+``$JAXDECODE_CXXFLAGS`` (extra compiler flags, for sanitizer builds).
 ``JAXDECODE_KERNELS`` selects the default backend of loaded models: ``auto`` (the native layer
 on the CPU backend if it builds), ``0`` (never) or ``1`` (required: an error if it cannot be
 built or the default backend is not the CPU).
@@ -102,7 +103,9 @@ def build(verbose: bool = False) -> Path:
     h = hashlib.sha256()
     for f in sources:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
+    extra = os.environ.get("JAXDECODE_CXXFLAGS", "").split()  # e.g. -fsanitize=address (docs/native.md)
     h.update(jaxlib.__version__.encode() + _cpu_name().encode() + platform.machine().encode())
+    h.update("\0".join(extra).encode())
     out = _build_dir() / f"native-{h.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -116,7 +119,7 @@ def build(verbose: bool = False) -> Path:
             return out
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}",
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", *extra, f"-I{jax.ffi.include_dir()}",
                f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
         print("jaxdecode: compiling the native CPU kernels (once, under a minute)...", file=sys.stderr, flush=True)
         try:
