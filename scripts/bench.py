@@ -14,7 +14,7 @@ layer, and ``lm.with_backend("portable")``, the ``jax.numpy`` path that GPU and 
 - ``python loop``: a Python loop over a jitted cached step (full-capacity cache, one dispatch per
   character), the usual hand-written decode loop (``model.step(..., native=...)``; on the native
   backend with packed weights);
-- ``jaxdecode``: :func:`jaxdecode.sampling.sample_tokens`, greedy and top-p 0.9;
+- ``jaxdecode``: :func:`jaxdecode.decoding.sampling.sample_tokens`, greedy and top-p 0.9;
 - one row past the window (580 characters: the exact window mode after T), top-p;
 - ``HF generate``: the same weights as a ``transformers`` model (``scripts/bench_hf.py``, run in
   its own environment, ``--hf-python``), ``generate`` greedy and ``do_sample=True, top_p=0.9,
@@ -51,9 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import checkpoint, kernels, rules
-from jaxdecode import model as M
-from jaxdecode import sampling as S
+from jaxdecode.models import checkpoint
+from jaxdecode.native import kernels
+from jaxdecode import rules
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.decoding import sampling as S
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
 ROOT = Path(__file__).resolve().parent.parent

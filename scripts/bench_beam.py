@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DEFAULT_HF_PYTHON, HF, PROMPT  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import beam, checkpoint  # noqa: E402
-from jaxdecode import model as M  # noqa: E402
-from jaxdecode.models.charlm import CharLMDecoder  # noqa: E402
+from jaxdecode.decoding import beam
+from jaxdecode.models import checkpoint  # noqa: E402
+from jaxdecode.models.charlm import transformer as M  # noqa: E402
+from jaxdecode.models.charlm.decoder import CharLMDecoder  # noqa: E402
 
 
 class DenseBeams(CharLMDecoder):

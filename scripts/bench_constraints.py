@@ -23,10 +23,11 @@ import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jaxdecode import checkpoint, rules  # noqa: E402
+from jaxdecode.models import checkpoint
+from jaxdecode import rules  # noqa: E402
 from jaxdecode import constraints as C  # noqa: E402
-from jaxdecode.sampling import sample_tokens  # noqa: E402
-from jaxdecode.vocab import Vocab  # noqa: E402
+from jaxdecode.decoding.sampling import sample_tokens  # noqa: E402
+from jaxdecode.io.vocab import Vocab  # noqa: E402
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
 PATTERNS = {

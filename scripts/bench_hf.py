@@ -7,7 +7,7 @@ Runs in its own virtual environment (never a dependency of jaxdecode)::
     .venv-hf/bin/python scripts/bench_hf.py --batches 1,64 -n 300 --rounds 3 --json
     .venv-hf/bin/python scripts/bench_hf.py --serve             # driven by scripts/bench.py
 
-The model is the reference transformer of :mod:`jaxdecode.model` written as a
+The model is the reference transformer of :mod:`jaxdecode.models.charlm.transformer` written as a
 ``transformers`` ``PreTrainedModel`` + ``GenerationMixin`` with a KV cache (a
 ``transformers.DynamicCache``): token plus learned position embeddings, ``L`` pre-norm layers
 (``x + SA(LN1(x))`` then ``x + FF(LN2(x))``, FF ``d -> 4d -> d`` with exact-erf GELU), causal

@@ -20,7 +20,7 @@ prompts: row ``b`` of a batch is ``--prompt-len`` (32) random token ids from [4,
 the same rows for every batch size, and no end token stops a row.
 
 - jaxdecode: ``lm = jaxdecode.load(folder)``, then
-  ``jaxdecode.sampling.sample_tokens(lm.decoder, lm.params, prompts, n, PRNGKey(0), greedy=True)``
+  ``jaxdecode.decoding.sampling.sample_tokens(lm.decoder, lm.params, prompts, n, PRNGKey(0), greedy=True)``
   (prefill and the token-level loop, no stops), float32.
 - Hugging Face: ``AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)`` (default
   attention, ``sdpa``), ``eval()``, under ``torch.no_grad()``,
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdecode
-from jaxdecode import sampling as S
+from jaxdecode.decoding import sampling as S
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "tests" / "fixtures" / "hf" / "llama" / "tokenizer.json"

@@ -8,7 +8,7 @@
    (``max_rows``), best of ``--repeats``: where throughput peaks, and what a batch size too large
    costs.
 2. One request of ``--samples`` samples with the library's defaults (the memory budget and
-   :data:`jaxdecode.budget.MAX_ROWS`), with its progress bar: its throughput beside the best
+   :data:`jaxdecode.decoding.budget.MAX_ROWS`), with its progress bar: its throughput beside the best
    batch size's.
 """
 
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import jaxdecode as jd
-from jaxdecode import budget
+from jaxdecode.decoding import budget
 
 PROMPT = "KATHARINA:\nMoved! i"  # 20 characters
 

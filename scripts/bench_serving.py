@@ -39,16 +39,10 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import jaxdecode  # noqa: E402
-from jaxdecode.cli_serve import build_workload, heldout_text  # noqa: E402
+from jaxdecode.cli.serve import build_workload, heldout_text  # noqa: E402
 from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine, RealClock  # noqa: E402
-from jaxdecode.serving.simulator import (  # noqa: E402
-    DEFAULT_STEP_MODEL,
-    StepTimeModel,
-    VirtualClock,
-    scripts_of,
-    simulate,
-)
-from jaxdecode.studies.common import write_json  # noqa: E402
+from jaxdecode.serving.simulator import DEFAULT_STEP_MODEL, StepTimeModel, VirtualClock, scripts_of, simulate
+from jaxdecode.io.reports import write_json  # noqa: E402
 
 
 def _rel(pred, real):

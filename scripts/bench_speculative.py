@@ -1,7 +1,7 @@
 """Wall-clock characters per second: speculative decoding against plain sampling.
 
 For each batch size (default 1 and 32), plain ancestral sampling
-(:func:`jaxdecode.sampling.sample_tokens`) and speculative sampling with each draft (trigram
+(:func:`jaxdecode.decoding.sampling.sample_tokens`) and speculative sampling with each draft (trigram
 table, interpolated 5-gram, distilled 6-gram, small draft model, prompt lookup) and each gamma
 (default 1, 2, 4, 8), all with the same
 target and no rule. Every configuration runs once to compile (its wall time is reported as the
@@ -29,7 +29,8 @@ import time
 import jax
 import numpy as np
 
-from jaxdecode import checkpoint, sampling
+from jaxdecode.models import checkpoint
+from jaxdecode.decoding import sampling
 from jaxdecode import speculative as SP
 
 PROMPT = "KATHARINA:\nMoved! in good time: "

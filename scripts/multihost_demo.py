@@ -11,7 +11,7 @@
 
 Every process gets the same command line but its own ``--process-id``. The prompts are dealt out
 in contiguous blocks: process ``i`` encodes only its own block, the blocks are gathered into one
-request (:func:`jaxdecode.serving.sharding.gather_prompts`), the batch is split over a mesh of all
+request (:func:`jaxdecode.decoding.sharded.gather_prompts`), the batch is split over a mesh of all
 the cluster's devices, and every process receives every row's text. Process ``i`` prints the
 texts of its own prompts; ``--out FILE`` writes every row (with the cluster's layout) as JSON.
 
@@ -83,9 +83,10 @@ def main(argv=None) -> int:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=args.timeout)
 
-    from jaxdecode import checkpoint, rules
-    from jaxdecode.core import sample_keys
-    from jaxdecode.serving import sharding
+    from jaxdecode.models import checkpoint
+    from jaxdecode import rules
+    from jaxdecode.decoding.common import sample_keys
+    from jaxdecode.decoding import sharded as sharding
 
     lm = checkpoint.load(args.checkpoint, backend=args.backend)
     prompts = [_unescape(t) for t in args.prompt]

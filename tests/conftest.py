@@ -60,8 +60,8 @@ def corpus_path():
 @pytest.fixture(scope="session")
 def tiny_model():
     """A small random-weight model (V=12, T=16) with a readable vocabulary: (cfg, params, vocab)."""
-    from jaxdecode.model import ModelConfig, init_params
-    from jaxdecode.vocab import Vocab
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+    from jaxdecode.io.vocab import Vocab
 
     cfg = ModelConfig(V=12, T=16, d=32, L=2, heads=4)
     params = init_params(cfg, jax.random.PRNGKey(42))
@@ -73,7 +73,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_ckpt(tiny_model, tmp_path_factory):
     """``tiny_model`` saved as a checkpoint folder (for the command line)."""
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     cfg, params, vocab = tiny_model
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
@@ -84,7 +84,7 @@ def tiny_ckpt(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model, backend):
     """``tiny_model`` as a LanguageModel on each backend."""
-    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.models.checkpoint import LanguageModel
 
     cfg, params, vocab = tiny_model
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import beam as BS
-from jaxdecode import exact
-from jaxdecode import model as M
-from jaxdecode import sampling as S
+from jaxdecode.decoding import beam as BS
+from jaxdecode.eval import exact
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.decoding import sampling as S
 from jaxdecode.models import FunctionModel, decoder_for
 
 
@@ -314,7 +314,7 @@ SHIPPED_PROMPT = "KATHARINA:\nMoved! in good time: "
 @functools.lru_cache(maxsize=None)
 def _shipped_plain_beam(k: int):
     """The plain beam on the shipped model (computed once for both backends)."""
-    from jaxdecode.checkpoint import load
+    from jaxdecode.models.checkpoint import load
 
     lm = load(backend="portable")
     ids = lm.vocab.encode(SHIPPED_PROMPT)
@@ -324,7 +324,7 @@ def _shipped_plain_beam(k: int):
 
 @pytest.mark.slow
 def test_shipped_checkpoint_matches_plain_beam(backend):
-    from jaxdecode.checkpoint import CheckpointError, default_checkpoint, load
+    from jaxdecode.models.checkpoint import CheckpointError, default_checkpoint, load
 
     try:
         default_checkpoint()
@@ -394,7 +394,7 @@ def test_beam_generate_text(tiny_lm):
 
 @pytest.mark.slow
 def test_beam_curse_study(tiny_lm, tmp_path):
-    from jaxdecode.studies import beam_curse
+    from jaxdecode.eval.studies import beam_curse
 
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghi"), size=rng.integers(1, 7))) for _ in range(4000)]

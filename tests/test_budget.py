@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import budget, rules
-from jaxdecode import sampling as S
-from jaxdecode.score import score_texts
-from jaxdecode.checkpoint import LanguageModel
+from jaxdecode.decoding import budget
+from jaxdecode import rules
+from jaxdecode.decoding import sampling as S
+from jaxdecode.decoding.score import score_texts
+from jaxdecode.models.checkpoint import LanguageModel
 
 PROMPTS = ["abc", "hig.\nab", "a", "fed cab"]
 # one rule and length throughout, so the module compiles few programs
@@ -141,7 +142,7 @@ def test_score_split_equals_one_batch(lm):
 
 
 def test_cli_batches_and_bar(tiny_ckpt, capsys, monkeypatch):
-    from jaxdecode import cli
+    from jaxdecode.cli import main as cli
 
     argv = ["generate", "abc", "-n", "12", "--num-samples", "5", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]
     assert cli.main(argv) == 0

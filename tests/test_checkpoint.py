@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import checkpoint as C
-from jaxdecode.cli import main
-from jaxdecode.model import ModelConfig, forward
-from jaxdecode.vocab import UnknownCharacterError, Vocab
+from jaxdecode.models import checkpoint as C
+from jaxdecode.cli.main import main
+from jaxdecode.models.charlm.transformer import ModelConfig, forward
+from jaxdecode.io.vocab import UnknownCharacterError, Vocab
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BOOK_PT = FIXTURES / "book_tiny.pt"

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jaxdecode.cli import main
+from jaxdecode.cli.main import main
 
 
 def test_generate_json(tiny_ckpt, capsys):
@@ -159,8 +159,8 @@ def test_generate_speculative_ngram_backoff_json(tiny_ckpt, capsys, monkeypatch)
 def test_study_decoders(tiny_ckpt, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc def. ghi\n" * 2000, encoding="utf-8")
-    from jaxdecode import checkpoint
-    from jaxdecode.studies import decoders
+    from jaxdecode.models import checkpoint
+    from jaxdecode.eval.studies import decoders
 
     lm = checkpoint.load(tiny_ckpt)
     res = decoders.compare(lm, corpus.read_text(), prompt="ghi\nabc", n=8, k=3)
@@ -182,7 +182,7 @@ NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--memory-budget", "--max-row
 
 
 def _generate_parser():
-    from jaxdecode.cli import build_parser
+    from jaxdecode.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sub.choices["generate"]
@@ -209,7 +209,8 @@ def test_every_rule_has_a_flag_and_every_flag_a_rule(capsys):
 
 
 def test_rule_flags_convert_and_reach_make_rule():
-    from jaxdecode import cli, rules
+    from jaxdecode.cli import main as cli
+    from jaxdecode import rules
 
     parser = _generate_parser()
     args = parser.parse_args(["abc", "--no-repeat-ngram", "3", "--top-k", "5", "--temperature", "0.5"])
@@ -218,7 +219,7 @@ def test_rule_flags_convert_and_reach_make_rule():
     assert type(settings["no_repeat_ngram"]) is int and type(settings["top_k"]) is int
     assert [type(r) for r in rules.make_rule(**settings).rules] == [
         rules.NoRepeatNGram, rules.Temperature, rules.TopK]
-    from jaxdecode.cli import UsageError
+    from jaxdecode.cli.main import UsageError
 
     with pytest.raises(UsageError, match="argument --top-k: invalid int value: '2.5'"):
         parser.parse_args(["abc", "--top-k", "2.5"])
@@ -298,7 +299,7 @@ def test_json_is_strict_without_characters(tiny_ckpt, capsys):
 
 
 def test_a_multi_line_error_message_is_printed_on_one_line(tiny_ckpt, capsys, monkeypatch):
-    from jaxdecode import sampling
+    from jaxdecode.decoding import sampling
 
     def fail(*args, **kwargs):
         raise RuntimeError("compiling failed:\nline one\nline two")
@@ -362,7 +363,7 @@ def test_generation_past_the_window_counts_the_slow_characters(tiny_ckpt, capsys
 def test_the_native_build_says_so_once(monkeypatch, tmp_path, capsys):
     import subprocess
 
-    from jaxdecode import kernels
+    from jaxdecode.native import kernels
 
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
     calls = []
@@ -385,7 +386,7 @@ def test_the_native_build_says_so_once(monkeypatch, tmp_path, capsys):
 def test_study_without_matplotlib_fails_before_any_work(tiny_ckpt, tiny_corpus, tmp_path, capsys, monkeypatch):
     import sys
 
-    from jaxdecode.studies import common
+    from jaxdecode.io import reports as common
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
@@ -414,7 +415,7 @@ def test_study_beam_curse_defaults_are_the_published_run(capsys):
     import inspect
     from pathlib import Path
 
-    from jaxdecode.studies import beam_curse
+    from jaxdecode.eval.studies import beam_curse
 
     root = Path(__file__).resolve().parent.parent
     published = json.loads((root / "docs" / "results" / "beam-curse" / "beam_curse.json").read_text())
@@ -443,7 +444,7 @@ def test_study_speculative_from_the_command_line(tiny_ckpt, tiny_corpus, tmp_pat
     sweep: the defaults run 8 x 400 characters on the shipped model)."""
     import functools
 
-    from jaxdecode.studies import speculative
+    from jaxdecode.eval.studies import speculative
 
     monkeypatch.setattr(speculative, "run", functools.partial(speculative.run, n=6, gammas=(2,), samples=1,
                                                               prompt="abc"))
@@ -494,7 +495,7 @@ def offline(tmp_path, monkeypatch):
     (default: no network)."""
     import urllib.error
 
-    from jaxdecode import data as data_lib
+    from jaxdecode.io import data as data_lib
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("JAXDECODE_DATA", raising=False)
@@ -514,7 +515,7 @@ def offline(tmp_path, monkeypatch):
 def test_jaxdecode_offline_never_downloads(offline, tmp_path, monkeypatch):
     """$JAXDECODE_OFFLINE=1 (what the tests set): a missing corpus is the corpus error, and the
     network is never asked, even when it would answer with the right file."""
-    from jaxdecode import data as data_lib
+    from jaxdecode.io import data as data_lib
 
     offline["body"] = ("First Citizen:\n" * 80_000)[:data_lib.CORPUS_CHARS].encode()
     monkeypatch.setenv("JAXDECODE_OFFLINE", "1")
@@ -527,7 +528,7 @@ def test_jaxdecode_offline_never_downloads(offline, tmp_path, monkeypatch):
 def test_offline_corpus_lookup_leaves_nothing_behind(offline, tmp_path, tiny_ckpt, capsys):
     import http.client
 
-    from jaxdecode import data as data_lib
+    from jaxdecode.io import data as data_lib
 
     for body, message in [(offline["body"], "the download failed (<urlopen error [Errno -3]"),
                           (http.client.IncompleteRead(b"First Citizen"), "the download failed (IncompleteRead"),
@@ -547,7 +548,7 @@ def test_offline_corpus_lookup_leaves_nothing_behind(offline, tmp_path, tiny_ckp
 def test_corpus_download_writes_the_file_or_nothing(offline, tmp_path, monkeypatch):
     from pathlib import Path
 
-    from jaxdecode import data as data_lib
+    from jaxdecode.io import data as data_lib
 
     text = ("First Citizen:\n" * 80_000)[:data_lib.CORPUS_CHARS]
     offline["body"] = text.encode()
@@ -628,7 +629,7 @@ def test_stop_strings_and_finish_reason(tiny_ckpt, capsys):
 
 
 def test_escapes():
-    from jaxdecode.cli import _unescape
+    from jaxdecode.cli.main import _unescape
 
     assert _unescape(r"a\tb\\n\nc\q\\") == "a\tb\\n\nc\\q\\"
     assert _unescape("x\\") == "x\\"  # a trailing backslash stays

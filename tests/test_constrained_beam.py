@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import beam as BS
+from jaxdecode.decoding import beam as BS
 from jaxdecode import constraints as C
-from jaxdecode import exact, rules
-from jaxdecode import search
+from jaxdecode.eval import exact
+from jaxdecode import rules
+from jaxdecode.decoding import search
 from jaxdecode.models import FunctionModel
-from jaxdecode.sampling import sample_tokens
-from jaxdecode.vocab import Vocab
+from jaxdecode.decoding.sampling import sample_tokens
+from jaxdecode.io.vocab import Vocab
 
 TINY_VOCAB = Vocab(" abcdefghi.\n")
 K_ALL = 128  # wide enough to keep every live prefix of the small cases (checked in each test)
@@ -271,7 +272,7 @@ SHIPPED_PROMPTS = ["ROMEO:\n", "KATHARINA:\nMoved! in good time: ",
 
 @functools.lru_cache(maxsize=None)
 def _shipped(backend):
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     try:
         return checkpoint.load(backend=backend)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from jaxdecode import constraints as C
-from jaxdecode import exact, rules
+from jaxdecode.eval import exact
+from jaxdecode import rules
 from jaxdecode import speculative as SP
-from jaxdecode.sampling import sample_tokens
-from jaxdecode.vocab import TokenVocab, Vocab
+from jaxdecode.decoding.sampling import sample_tokens
+from jaxdecode.io.vocab import TokenVocab, Vocab
 
 TINY_VOCAB = Vocab(" abcdefghi.\n")
 
@@ -77,7 +78,7 @@ def test_clear_errors(make, message):
 
 
 def test_n_too_small_names_the_minimum(tiny_model, key):
-    from jaxdecode.models.charlm import decoder_for
+    from jaxdecode.models.charlm.decoder import decoder_for
 
     cfg, params, _ = tiny_model
     c = C.compile_regex("[a-c]{4}", TINY_VOCAB)
@@ -149,7 +150,7 @@ def _power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3) -> fl
 
 @pytest.fixture(scope="module")
 def tiny_decoder(tiny_model, backend):
-    from jaxdecode.models.charlm import decoder_for
+    from jaxdecode.models.charlm.decoder import decoder_for
 
     cfg, params, _ = tiny_model
     return decoder_for(cfg, backend), params, cfg
@@ -221,8 +222,8 @@ def test_greedy_takes_the_most_probable_choice(tiny_decoder, reference):
 def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, reference, draft_name, backend):
     """Exact: the same distribution as masked plain sampling, stops included, whatever the
     draft proposes (the n-gram draft knows nothing of the pattern)."""
-    from jaxdecode.model import ModelConfig, init_params
-    from jaxdecode.models.charlm import decoder_for
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+    from jaxdecode.models.charlm.decoder import decoder_for
 
     model, params, cfg = tiny_decoder
     c, _, want, wrong = reference
@@ -246,7 +247,7 @@ def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, refer
 
 
 def test_rows_mix_patterns_and_free_rows_without_recompiling(tiny_decoder):
-    from jaxdecode import sampling as S
+    from jaxdecode.decoding import sampling as S
 
     model, params, _ = tiny_decoder
     a = C.compile_regex("[ab]{2,3}", TINY_VOCAB)
@@ -266,9 +267,9 @@ def test_rows_mix_patterns_and_free_rows_without_recompiling(tiny_decoder):
 
 
 def test_score_reports_membership():
-    from jaxdecode.checkpoint import LanguageModel
-    from jaxdecode.model import ModelConfig, init_params
-    from jaxdecode.score import score_texts
+    from jaxdecode.models.checkpoint import LanguageModel
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+    from jaxdecode.decoding.score import score_texts
 
     cfg = ModelConfig(V=12, T=16, d=16, L=1, heads=2)
     lm = LanguageModel(params=init_params(cfg, jax.random.PRNGKey(0)), cfg=cfg, vocab=TINY_VOCAB, meta={},
@@ -319,7 +320,7 @@ SHIPPED_SAMPLES = 64  # per pattern; a sample that breaks its pattern fails the 
 
 @pytest.fixture(scope="module")
 def shipped_native():
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     try:
         return checkpoint.load(backend="native")
@@ -353,7 +354,7 @@ def test_ten_patterns_every_sample_matches(shipped_native):
             assert re.fullmatch(pattern, g.text), (pattern, g.text)
     # beam search (k = 5): every one of the five hypotheses, for the patterns that
     # tests/test_constrained_beam.py does not run on the shipped model (it runs the others)
-    from jaxdecode.beam import beam_generate
+    from jaxdecode.decoding.beam import beam_generate
 
     rest = [i for i, p in enumerate(SHIPPED_PATTERNS) if i in (3, 5, 6, 7, 8, 9)]
     beams = beam_generate(lm, [prompt] * len(rest), n, 5, n_best=5, constraint=[compiled[i] for i in rest])
@@ -375,7 +376,7 @@ def test_ten_patterns_every_sample_matches(shipped_native):
 def test_cli_constrained_generate(tiny_ckpt, capsys, flags, pattern):
     import json
 
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     samples = 1 if "--greedy" in flags else 5
     assert main(["generate", "ab", "-n", "8", "--ckpt", tiny_ckpt, "--json", "--num-samples", str(samples),
@@ -387,7 +388,7 @@ def test_cli_constrained_generate(tiny_ckpt, capsys, flags, pattern):
 
 
 def test_cli_json_schema_and_bad_constraints(tiny_ckpt, capsys, tmp_path):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
@@ -409,7 +410,7 @@ def test_cli_json_schema_and_bad_constraints(tiny_ckpt, capsys, tmp_path):
 def test_cli_smc(tiny_ckpt, capsys):
     import json
 
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     assert main(["generate", "ab", "-n", "3", "--ckpt", tiny_ckpt, "--json", "--choice", "ab", "--choice", "abc",
                  "--choice", "ba", "--smc", "300", "--num-samples", "4"]) == 0

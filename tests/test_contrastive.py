@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import contrastive as C
-from jaxdecode.sampling import sample_tokens
+from jaxdecode.decoding import contrastive as C
+from jaxdecode.decoding.sampling import sample_tokens
 
 
 def _full_forward(model, params):
@@ -16,7 +16,7 @@ def _full_forward(model, params):
     last T tokens (positions from 0), jitted once at width T (causal: right padding is inert)."""
     T = model.T
     if hasattr(model, "cfg"):  # the reference CharLM
-        from jaxdecode import model as M
+        from jaxdecode.models.charlm import transformer as M
 
         fwd = jax.jit(lambda toks: M.forward(params, model.cfg, toks, return_hidden=True))
     else:
@@ -63,7 +63,7 @@ def reference_contrastive(full, prompt, n, k, alpha):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model, backend):
-    from jaxdecode.models.charlm import decoder_for
+    from jaxdecode.models.charlm.decoder import decoder_for
 
     cfg, params, _ = tiny_model
     return decoder_for(cfg, backend), params
@@ -170,8 +170,8 @@ def test_multichar_model_matches_plain_loop():
 @pytest.mark.slow
 def test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy():
     """The native backend (the tiny-model tests above compare both backends with the plain loop)."""
-    from jaxdecode import checkpoint
-    from jaxdecode.sampling import generate
+    from jaxdecode.models import checkpoint
+    from jaxdecode.decoding.sampling import generate
 
     try:
         lm = checkpoint.load(backend="native")
@@ -201,8 +201,8 @@ def test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy():
 def test_cli_contrastive(tiny_ckpt, tiny_model, capsys):
     import json
 
-    from jaxdecode import checkpoint
-    from jaxdecode.cli import main
+    from jaxdecode.models import checkpoint
+    from jaxdecode.cli.main import main
 
     assert main(["generate", "abc", "-n", "15", "--contrastive", "4,0.6", "--ckpt", tiny_ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -222,7 +222,7 @@ def test_cli_contrastive(tiny_ckpt, tiny_model, capsys):
     (["--contrastive", "4,0.5", "--beam", "3"], "does not combine with --beam"),
 ])
 def test_cli_contrastive_bad_input(tiny_ckpt, capsys, argv, message):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     try:
         code = main(["generate", "abc", "-n", "5", "--ckpt", tiny_ckpt, *argv])

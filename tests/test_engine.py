@@ -16,7 +16,7 @@ import pytest
 
 import jaxdecode
 from jaxdecode import rules
-from jaxdecode.checkpoint import LanguageModel
+from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request, neutral_rule
 from jaxdecode.serving.simulator import (
     ReplayExecutor,
@@ -281,7 +281,7 @@ def test_poisson_arrivals():
 
 
 def test_serve_bench_simulate_json(tiny_ckpt, corpus_path, tmp_path, capsys):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     fig = tmp_path / "serve.png"
     argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "5", "--rate", "2",

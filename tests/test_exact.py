@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import model as M
+from jaxdecode.models.charlm import transformer as M
 from jaxdecode import rules as R
-from jaxdecode.exact import chisquare_pvalue, exact_distribution, model_next_logits
+from jaxdecode.eval.exact import chisquare_pvalue, exact_distribution, model_next_logits
 
 # next-token probabilities given the last token, V = 3
 CHAIN = np.array([[0.5, 0.3, 0.2],

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxdecode import checkpoint as C
-from jaxdecode.cli import main
+from jaxdecode.models import checkpoint as C
+from jaxdecode.cli.main import main
 from jaxdecode.speculative.drafts import distilled
 from jaxdecode.speculative.drafts.ngram import NGramDraft
-from jaxdecode.studies import common
+from jaxdecode.io import reports as common
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = "abc de.\nfghi a " * 680  # 10,200 characters of the tiny model's vocabulary
@@ -157,7 +157,7 @@ def test_save_over_a_file_is_refused(tiny_model, tmp_path):
 def test_training_save_interrupted_keeps_the_last_save(corpus_path, tmp_path, monkeypatch):
     """A run interrupted while saving keeps its previous save: weights, optimizer state and
     progress all of the same step (resuming from it follows the same curve: test_train)."""
-    from jaxdecode.train import PROGRESS_FILE, STATE_FILE, TrainConfig, train
+    from jaxdecode.models.charlm.train import PROGRESS_FILE, STATE_FILE, TrainConfig, train
 
     tc = TrainConfig(d=16, L=1, heads=2, T=16, batch=2, steps=4, warmup=1, eval_every=2, eval_windows=2)
     quiet = dict(data_path=corpus_path, progress=False, log=lambda *_: None)
@@ -189,7 +189,7 @@ def test_training_save_interrupted_keeps_the_last_save(corpus_path, tmp_path, mo
 
 
 def test_training_refuses_to_overwrite_a_checkpoint(tiny_ckpt, tmp_path):
-    from jaxdecode.train import TrainConfig, train
+    from jaxdecode.models.charlm.train import TrainConfig, train
 
     tc = TrainConfig(d=16, L=1, heads=2, T=16, steps=2, warmup=0)
     before = _snapshot(Path(tiny_ckpt))
@@ -339,7 +339,7 @@ def test_cli_distilled_build_notice_on_stderr(tiny_ckpt, tmp_path, monkeypatch, 
 
 
 def test_build_time_estimate(monkeypatch):
-    from jaxdecode.model import ModelConfig
+    from jaxdecode.models.charlm.transformer import ModelConfig
 
     monkeypatch.setattr(distilled, "_cores", lambda: 2)
     shipped = ModelConfig(V=65, T=512, d=256, L=4, heads=4)
@@ -431,7 +431,7 @@ def test_native_build_by_two_processes(tmp_path):
 
 
 def test_native_build_interrupted_leaves_nothing(tmp_path, monkeypatch):
-    from jaxdecode import kernels
+    from jaxdecode.native import kernels
 
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "c++")

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import jaxdecode
-from jaxdecode import checkpoint, rules
-from jaxdecode.core import finish_text, text_streamer
+from jaxdecode.models import checkpoint
+from jaxdecode import rules
+from jaxdecode.decoding.common import finish_text, text_streamer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("llama", "qwen2", "mistral", "gpt2")
@@ -97,7 +98,7 @@ def test_greedy_ids_and_end_token_equal_transformers(models, name):
 @pytest.mark.parametrize("name", ARCHS)
 def test_continuation_logprobs_equal_transformers(models, name):
     lm, ex = models(name), expected(name)
-    s = jaxdecode.score(lm, [ex["continuation"]], prompts=[ex["prompts"][0]])[0]
+    s = jaxdecode.decoding.score(lm, [ex["continuation"]], prompts=[ex["prompts"][0]])[0]
     np.testing.assert_allclose(s.logprobs, ex["continuation_logprobs"], atol=1e-4, rtol=0)
 
 
@@ -232,7 +233,7 @@ def test_beam_search_ends_hypotheses_at_the_end_token(models):
     candidate: the best is at least as probable."""
     lm, ex = models("llama"), expected("llama")
     prompt = ex["prompts"][0]
-    from jaxdecode.score import token_logprobs
+    from jaxdecode.decoding.score import token_logprobs
 
     ids = np.concatenate([lm.vocab.encode(prompt), np.asarray(ex["greedy_0"], np.int32)])
     greedy_total = float(np.sum(token_logprobs(lm.decoder, lm.params, [ids], [len(ids) - len(ex["greedy_0"])])[0]))
@@ -258,7 +259,7 @@ def test_beam_search_ends_hypotheses_at_the_end_token(models):
 def test_mode_search_on_a_model_with_end_tokens(models):
     """Exact mode search with end tokens against brute force over every continuation of up to
     two tokens (a continuation may end early at an end token)."""
-    from jaxdecode.search import mode_search
+    from jaxdecode.decoding.search import mode_search
 
     lm = models("llama")
     V = lm.decoder.V
@@ -421,7 +422,7 @@ def test_unsupported_rope_and_sliding_window(tmp_path):
 
 
 def test_command_line_on_a_hugging_face_folder(capsys):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     ex = expected("gpt2")
     folder = str(FIXTURES / "gpt2")
@@ -491,7 +492,7 @@ def test_smc_and_masked_sampling_with_end_tokens_against_enumeration(models):
     from scipy import stats
 
     from jaxdecode import constraints as C
-    from jaxdecode import smc
+    from jaxdecode.decoding import smc
 
     lm = models("llama")
     c = C.compile_choices(["yes", "no", "maybe", "yes no"], lm.vocab)

@@ -1,7 +1,7 @@
 """The native CPU layer against the model's own (portable) code: there is no third copy.
 
-The references below only call the model's functions (:func:`jaxdecode.model.attend`,
-:meth:`jaxdecode.model.Block.decode`) with the kernels' argument layout. The native layer is
+The references below only call the model's functions (:func:`jaxdecode.models.charlm.transformer.attend`,
+:meth:`jaxdecode.models.charlm.transformer.Block.decode`) with the kernels' argument layout. The native layer is
 required here (no skips): a failed build fails these tests.
 """
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import kernels
-from jaxdecode import model as M
+from jaxdecode.native import kernels
+from jaxdecode.models.charlm import transformer as M
 
 
 

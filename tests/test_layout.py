@@ -1,42 +1,125 @@
-"""The package's layers: decoding loops reach a model only through the decoding-model interface."""
+"""The package's layers: a folder per layer, each importing only the layers below it, no import
+cycle, short modules, and old module paths that still import."""
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
+import jaxdecode
+
 PKG = Path(__file__).resolve().parent.parent / "jaxdecode"
 
-# modules that run a decoding algorithm: they may import jaxdecode.models.base, never the Flax
-# model, the native layer or Flax itself
-LOOPS = ["core.py", "sampling.py", "beam.py", "search.py", "contrastive.py", "score.py", "speculative/loop.py", "speculative/acceptance.py"]
-FORBIDDEN = {"jaxdecode.model", "jaxdecode.kernels", "jaxdecode.models.charlm", "flax"}
+# What each folder may import besides itself (a name covers its submodules). ``models.base`` is
+# the decoding-model interface; the loops reach a model only through it.
+INTERFACE = {"models.base", "models.lm", "models.checkpoint"}
+ALLOWED = {
+    "io": set(),
+    "native": {"io"},
+    "rules": set(),
+    "constraints": {"io"},
+    "models": {"io", "native", "rules"},
+    "decoding": {"io", "rules", "constraints", "models.base"},
+    "speculative": {"io", "rules", "constraints", "decoding"} | INTERFACE,
+    "serving": {"io", "rules", "constraints", "decoding", "models.base"},
+    "eval": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving"},
+    "cli": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving", "eval"},
+    "": {"io", "rules", "models", "decoding"},  # jaxdecode/__init__.py: the flat API
+}
+# names a layer must not mention at all, even in a lazy import
+CONCRETE = ("models.charlm", "models.hf", "models.toy", "native")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module(p): p for p in PKG.rglob("*.py")}
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, relative imports resolved against its package."""
-    package = ["jaxdecode", *path.relative_to(PKG).parent.parts]
+    """The jaxdecode modules ``path`` imports (relative to the package, "" for the package itself),
+    at any depth in the file; ``from a import b`` counts as importing ``a.b`` when that is a module."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            found.add(mod)
-            found |= {f"{mod}.{a.name}" for a in node.names}
-    return found
+            assert node.level == 0, f"{path.name}: relative import"
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [s for s in subs if s.removeprefix("jaxdecode.") in MODULES] or [node.module]
+        else:
+            continue
+        for n in names:
+            if n == "jaxdecode":
+                found.add("")
+            elif n.startswith("jaxdecode."):
+                n = n.removeprefix("jaxdecode.")
+                while n and n not in MODULES:
+                    n = n.rpartition(".")[0]
+                found.add(n)
+    return found - {_module(path)}
 
 
-@pytest.mark.parametrize("name", LOOPS)
-def test_loops_use_only_the_model_interface(name):
-    path = PKG / name
-    assert path.is_file(), name
-    bad = {m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)}
-    assert not bad, f"{name} imports {sorted(bad)}"
+def _layer(module: str) -> str:
+    return module.split(".")[0] if module else ""
 
 
-def test_no_module_is_overly_long():
-    long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 650}
+def _covers(allowed: set[str], module: str) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+GRAPH = {m: _imports(p) for m, p in MODULES.items()}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_module_imports_only_the_layers_below(module):
+    layer = _layer(module)
+    assert layer in ALLOWED, f"{module}: the folder {layer!r} has no rule in tests/test_layout.py"
+    bad = {m for m in GRAPH[module] if _layer(m) != layer and not _covers(ALLOWED[layer], m)}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("layer", ["decoding", "speculative", "serving"])
+def test_loops_never_name_a_concrete_model(layer):
+    for module, path in MODULES.items():
+        if _layer(module) == layer:
+            named = [m for m in GRAPH[module] if _covers(set(CONCRETE), m)]
+            named += ["CharLM"] if "CharLM" in path.read_text() else []
+            assert not named, f"{module} names {named}"
+
+
+def test_no_import_cycle():
+    state = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in GRAPH[m]:
+            if state.get(n) == "open":
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(c or "jaxdecode" for c in cycle))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_folders_and_short_modules():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 6, top
+    long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+@pytest.mark.parametrize("old", ["jaxdecode.sampling", "jaxdecode.beam", "jaxdecode.model", "jaxdecode.checkpoint",
+                                 "jaxdecode.studies.common", "jaxdecode.studies.decoders"])
+def test_old_module_paths_import_the_moved_module(old):
+    new = {"jaxdecode.studies.decoders": "jaxdecode.eval.studies.decoders"}.get(old) or jaxdecode.MOVED[old]
+    assert importlib.import_module(old) is importlib.import_module(new)

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import model as M
+from jaxdecode.models.charlm import transformer as M
 
 
 @pytest.fixture(scope="module")

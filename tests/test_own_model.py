@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 import jaxdecode
-from jaxdecode import beam as BS
-from jaxdecode import exact, rules
-from jaxdecode import sampling as S
+from jaxdecode.decoding import beam as BS
+from jaxdecode.eval import exact
+from jaxdecode import rules
+from jaxdecode.decoding import sampling as S
 from jaxdecode.models import DecodingModel, FunctionModel, TinyTransformer, multichar_lm
-from jaxdecode.score import token_logprobs
-from jaxdecode.vocab import TokenVocab, UncoveredTextError, UnknownCharacterError, Vocab
+from jaxdecode.decoding.score import token_logprobs
+from jaxdecode.io.vocab import TokenVocab, UncoveredTextError, UnknownCharacterError, Vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -366,7 +367,7 @@ def test_generate_with_multichar_vocab():
 def test_score_texts_with_multichar_vocab(mc):
     lm = mc[0]
     texts, prompts = ["a cat", "the", "s and", "in."], MC_PROMPTS  # four rows, as in the loops test
-    scores = jaxdecode.score(lm, texts, prompts=prompts)
+    scores = jaxdecode.decoding.score(lm, texts, prompts=prompts)
     seqs = [np.concatenate([lm.vocab.encode(p), lm.vocab.encode(t)]) for p, t in zip(prompts, texts)]
     for t, s, lp in zip(texts, scores, token_logprobs(lm.decoder, lm.params, seqs, [1] * 4)):
         n = len(lm.vocab.encode(t))

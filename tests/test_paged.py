@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import model as M
-from jaxdecode.beam import beam_search
-from jaxdecode.models.charlm import CharLMDecoder
-from jaxdecode.sampling import sample_tokens
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.decoding.beam import beam_search
+from jaxdecode.models.charlm.decoder import CharLMDecoder
+from jaxdecode.decoding.sampling import sample_tokens
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
-from jaxdecode.serving.paged import (
+from jaxdecode.models.charlm.paged import (
     PagedCharLM,
     PagedKV,
     cache_bytes,
@@ -388,7 +388,7 @@ def test_beam_search_runs_on_blocks_by_default(native):
     """``beam_search`` with a dense decoder runs on its paged twin (``for_beams``, same backend),
     across block boundaries (prompts of up to 9 tokens plus 20 steps, blocks of 16), and finds the
     hypotheses the dense cache finds."""
-    from jaxdecode.model import ModelConfig, init_params
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
 
     cfg = ModelConfig(V=12, T=48, d=32, L=2, heads=4)
     params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(7)))

@@ -12,7 +12,7 @@ import pytest
 
 import jaxdecode
 from jaxdecode import rules
-from jaxdecode.checkpoint import LanguageModel
+from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.simulator import StepTimeModel, VirtualClock, simulate, with_arrivals
 
@@ -163,7 +163,7 @@ def test_paged_scheduling_in_the_simulator(lm_portable):
 
 
 def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path, capsys):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "4", "--rate", "2",
             "--slots", "3", "--n", "5", "--shared-prefix", "8", "--simulate", "--sweep", "2",

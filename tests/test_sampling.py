@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import model as M
-from jaxdecode import sampling as S
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.decoding import sampling as S
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -166,7 +166,8 @@ def test_bad_input(tiny_lm):
 
 from collections import Counter
 
-from jaxdecode import exact, rules
+from jaxdecode.eval import exact
+from jaxdecode import rules
 
 def _penalties(f=0.7):
     return rules.chain(rules.repetition_penalty(1.5), rules.frequency_penalty(f),
@@ -366,7 +367,7 @@ def test_penalties_across_chunks_and_past_T_equal_numpy_loop(window8, greedy):
 
 @pytest.fixture(scope="module")
 def shipped(backend):
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     try:
         return checkpoint.load(backend=backend)
@@ -378,7 +379,7 @@ def shipped(backend):
 @functools.lru_cache(maxsize=1)
 def _book_greedy_300(shipped_path: str):
     """The book's loop (a full forward per character) on the shipped model: 300 greedy tokens."""
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     lm = checkpoint.load(shipped_path, backend="portable")
     prompt = lm.vocab.encode("KATHARINA:\nMoved! in good time: ")

@@ -1,4 +1,4 @@
-"""Batch generation sharded over devices (jaxdecode.serving.sharding) against one device.
+"""Batch generation sharded over devices (jaxdecode.decoding.sharded) against one device.
 
 Several devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before jax is
 imported, so the sharded runs happen in other processes, started once for the module and run
@@ -37,9 +37,9 @@ def cases():
     """Each case: (name, model, params, prompts, n, key, keyword arguments of sample_tokens)."""
     from jaxdecode import constraints as C
     from jaxdecode import rules
-    from jaxdecode.model import ModelConfig, init_params
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
     from jaxdecode.models import TinyTransformer, decoder_for
-    from jaxdecode.vocab import Vocab
+    from jaxdecode.io.vocab import Vocab
 
     cfg = ModelConfig(V=12, T=16, d=32, L=2, heads=4)
     params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(42)))
@@ -72,9 +72,9 @@ def text_case():
     """A text request through ``generate``: a prompt longer than the model's window (the window
     mode from the first step), two samples of each prompt (per-prompt seeds: one key per row)."""
     from jaxdecode import rules
-    from jaxdecode.checkpoint import LanguageModel
-    from jaxdecode.model import ModelConfig, init_params
-    from jaxdecode.vocab import Vocab
+    from jaxdecode.models.checkpoint import LanguageModel
+    from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+    from jaxdecode.io.vocab import Vocab
 
     cfg = ModelConfig(V=12, T=16, d=32, L=2, heads=4)
     params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(42)))
@@ -85,7 +85,7 @@ def text_case():
 
 def run_text_case(sharded: bool) -> list:
     import jaxdecode
-    from jaxdecode.serving.sharding import sharded_generate
+    from jaxdecode.decoding.sampling import sharded_generate
 
     lm, prompts, n, kw = text_case()
     outs = (sharded_generate if sharded else jaxdecode.generate)(lm, prompts, n, **kw)
@@ -99,8 +99,8 @@ def result_dict(res) -> dict:
 
 
 def run_case(case, sharded: bool, mesh=None) -> dict:
-    from jaxdecode.sampling import sample_tokens
-    from jaxdecode.serving.sharding import sharded_sample_tokens
+    from jaxdecode.decoding.sampling import sample_tokens
+    from jaxdecode.decoding.sharded import sharded_sample_tokens
 
     name, model, params, prompts, n, key, kw = case
     if sharded:
@@ -125,7 +125,7 @@ def _describe(tree) -> list:
 def _sharded_main(out_path: str) -> None:
     """On 4 devices: every case, and the layout of the first call of each program per case."""
     jax.config.update("jax_numpy_rank_promotion", "raise")
-    from jaxdecode.serving import sharding as S
+    from jaxdecode.decoding import sharded as S
 
     assert jax.device_count() == DEVICES, jax.devices()
     layouts: dict = {}
@@ -320,7 +320,7 @@ def test_four_devices_equal_one(launched):
 
 def test_one_device_mesh():
     """The same code on the single device here (the default mesh: every device)."""
-    from jaxdecode.serving.sharding import make_mesh
+    from jaxdecode.decoding.sharded import make_mesh
 
     assert jax.device_count() == 1 and make_mesh().devices.shape == (1,)
     assert run_text_case(sharded=True) == run_text_case(sharded=False)
@@ -353,8 +353,8 @@ def test_two_processes_equal_one_device(launched, tiny_ckpt):
 
 
 def test_pad_batch_and_mesh_checks():
-    from jaxdecode.core import DUMMY_ROW_ID, make_batch
-    from jaxdecode.serving.sharding import Placement, pad_batch
+    from jaxdecode.decoding.common import DUMMY_ROW_ID, make_batch
+    from jaxdecode.decoding.sharded import Placement, pad_batch
     from jax.sharding import Mesh
 
     b = make_batch([np.array([1, 2, 3]), np.array([4])], 5, V=8, T=16, row_ids=[7, 3])
@@ -368,7 +368,7 @@ def test_pad_batch_and_mesh_checks():
 
 
 def test_gather_prompts_one_process():
-    from jaxdecode.serving.sharding import gather_prompts
+    from jaxdecode.decoding.sharded import gather_prompts
 
     rows, own = gather_prompts([[1, 2], np.array([3])])
     assert [r.tolist() for r in rows] == [[1, 2], [3]] and own == slice(0, 2)

@@ -1,4 +1,4 @@
-"""Conditioning on a constraint (jaxdecode.smc): the exact enumeration against a brute force over
+"""Conditioning on a constraint (jaxdecode.decoding.smc): the exact enumeration against a brute force over
 every token string written here from Python's ``re`` and a plain forward per prefix, the masked
 distribution against the loop's samples (chi-square, with its power against a named wrong
 sampler), the importance weights exactly, SMC converging to the exact conditional, and the study
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from jaxdecode import constraints as C
-from jaxdecode import exact, smc
-from jaxdecode import model as M
-from jaxdecode.sampling import sample_tokens
+from jaxdecode.eval import exact
+from jaxdecode.decoding import smc
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.decoding.sampling import sample_tokens
 
 PROMPT = "hi"
 CHOICES = ["ab", "abc", "ba", "cab"]  # "ab" is a prefix of "abc": a final state that can continue
@@ -31,7 +32,7 @@ IDS = ["choices-n3", "choices-n2", "abc13-n3", "abba-n5"]
 
 @pytest.fixture(scope="module")
 def lm(tiny_model):
-    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.models.checkpoint import LanguageModel
 
     cfg, params, vocab = tiny_model
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend="portable")
@@ -49,7 +50,7 @@ def _regex(kind, pattern):
 
 
 class Brute:
-    """The definitions of jaxdecode.smc computed from scratch: the language from ``re.fullmatch``
+    """The definitions of jaxdecode.decoding.smc computed from scratch: the language from ``re.fullmatch``
     over every token string of up to ``n`` tokens, next-token probabilities from a plain full
     forward of the prompt and prefix (float64 softmax)."""
 
@@ -388,9 +389,9 @@ def test_study_on_the_shipped_model(tmp_path, corpus_path):
     import json
 
     import jaxdecode
-    from jaxdecode.studies import constrained
+    from jaxdecode.eval.studies import constrained
 
-    lm = jaxdecode.checkpoint.load()
+    lm = jaxdecode.models.checkpoint.load()
     # a reduced configuration: 256 particles instead of 2,000 (about 11 s with the model's load)
     res = constrained.run(lm, tmp_path, data_path=corpus_path, progress=False, particles=256)
     names = ["constrained.json", "constrained.md", "constrained.png"]

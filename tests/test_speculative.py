@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxdecode import model as M
+from jaxdecode.models.charlm import transformer as M
 from jaxdecode import rules
-from jaxdecode import sampling as S
+from jaxdecode.decoding import sampling as S
 from jaxdecode import speculative as SP
 from jaxdecode.speculative import loop as SPL
-from jaxdecode.exact import chisquare_pvalue, exact_distribution, model_next_logits
-from jaxdecode.model import ModelConfig, init_params
+from jaxdecode.eval.exact import chisquare_pvalue, exact_distribution, model_next_logits
+from jaxdecode.models.charlm.transformer import ModelConfig, init_params
 from jaxdecode.models import decoder_for
 
 P_MIN = 1e-3  # chi-square p-value below which a fixed-seed sample counts as a mismatch
@@ -74,7 +74,7 @@ def make_drafts(params, cfg: ModelConfig, seed: int = 1, backend: str = "portabl
     return {
         "ngram": SP.NGramDraft.from_tokens(text, V, n=3),
         "backoff": SP.NGramDraft.from_tokens(text, V, n=4, backoff=2.0),
-        "distilled": SP.NGramDraft.distill(params, cfg, text[:1000], n=4),
+        "distilled": SP.NGramDraft.distill(decoder_for(cfg, "portable"), params, text[:1000], n=4),
         "model": SP.ModelDraft(random_params(dcfg, seed, 0.5), decoder_for(dcfg, backend)),
         "lookup": SP.PromptLookupDraft(2),
     }
@@ -89,8 +89,8 @@ def exact_drafts(exact_model, backend):
 @pytest.fixture(scope="module")
 def small_lm(backend):
     """A random model shaped like conftest's ``tiny_lm`` (V=12, T=16), with one layer."""
-    from jaxdecode.checkpoint import LanguageModel
-    from jaxdecode.vocab import Vocab
+    from jaxdecode.models.checkpoint import LanguageModel
+    from jaxdecode.io.vocab import Vocab
 
     cfg = ModelConfig(V=12, T=16, d=16, L=1, heads=2)
     return LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={},
@@ -302,7 +302,7 @@ def test_target_predictions_match_the_forward_pass(exact_params, N, stride):
     params, cfg = exact_params
     T = cfg.T
     tokens = np.random.default_rng(N).integers(0, cfg.V, N)
-    got = SP.target_predictions(params, cfg, tokens, stride=stride, batch=3)
+    got = SP.target_predictions(decoder_for(cfg, "portable"), params, tokens, stride=stride, batch=3)
     step = 3 * T // 4 if stride is None else stride
     want = np.zeros((N, cfg.V), np.float32)
     want[0, tokens[0]] = 1.0
@@ -317,9 +317,9 @@ def test_target_predictions_match_the_forward_pass(exact_params, N, stride):
 def test_target_predictions_bad_settings(exact_params):
     params, cfg = exact_params
     with pytest.raises(ValueError, match="stride"):
-        SP.target_predictions(params, cfg, np.arange(5), stride=cfg.T + 1)
+        SP.target_predictions(decoder_for(cfg, "portable"), params, np.arange(5), stride=cfg.T + 1)
     with pytest.raises(ValueError, match="token ids"):
-        SP.target_predictions(params, cfg, np.array([0, cfg.V]))
+        SP.target_predictions(decoder_for(cfg, "portable"), params, np.array([0, cfg.V]))
 
 
 def test_distilled_table_averages_the_targets_predictions(exact_params):
@@ -327,18 +327,18 @@ def test_distilled_table_averages_the_targets_predictions(exact_params):
     table overlaps the target's predictions on new text more than counting does."""
     params, cfg = exact_params
     tokens = np.random.default_rng(5).integers(0, cfg.V, 2000)
-    d = SP.NGramDraft.distill(params, cfg, tokens, n=2, backoff=1e-6)
-    pred = SP.target_predictions(params, cfg, tokens)
+    d = SP.NGramDraft.distill(decoder_for(cfg, "portable"), params, tokens, n=2, backoff=1e-6)
+    pred = SP.target_predictions(decoder_for(cfg, "portable"), params, tokens)
     for c in range(cfg.V):
         after = np.flatnonzero(tokens[:-1] == c) + 1
         got = np.exp(np.asarray(d._next_logits(jnp.asarray([[c]], jnp.int32))))[0]
         np.testing.assert_allclose(got, pred[after].mean(axis=0), rtol=1e-4, atol=1e-6)
     # held-out text: the distilled 3-gram overlaps the target's predictions more than the counted
     held = np.random.default_rng(6).integers(0, cfg.V, 600)
-    p_held = SP.target_predictions(params, cfg, held)[2:]
+    p_held = SP.target_predictions(decoder_for(cfg, "portable"), params, held)[2:]
     ctx = jnp.asarray(np.stack([held[:-2], held[1:-1]], axis=1), jnp.int32)
     overlap = {}
-    for name, draft in (("distilled", SP.NGramDraft.distill(params, cfg, tokens, n=3, backoff=2.0)),
+    for name, draft in (("distilled", SP.NGramDraft.distill(decoder_for(cfg, "portable"), params, tokens, n=3, backoff=2.0)),
                         ("counted", SP.NGramDraft.from_tokens(tokens, cfg.V, n=3, backoff=2.0))):
         q = np.exp(np.asarray(draft._next_logits(ctx)))
         overlap[name] = np.minimum(p_held, q).sum(axis=1).mean()  # the acceptance rate
@@ -357,7 +357,7 @@ def test_ngram_bad_settings(kwargs, message):
 
 
 def test_ngram_from_corpus_uses_the_training_split():
-    from jaxdecode.vocab import Vocab
+    from jaxdecode.io.vocab import Vocab
 
     vocab = Vocab("ab")
     d = SP.NGramDraft.from_corpus(vocab, "ab" * 45 + "bbbbbbbbbb", n=2)
@@ -604,7 +604,7 @@ def test_the_loop_reads_no_files():
     from pathlib import Path
 
     tree = ast.parse(Path(SPL.__file__).read_text(encoding="utf-8"))
-    banned = {"pathlib", "jaxdecode.data", "jaxdecode.checkpoint", "jaxdecode.paths", "io", "os", "shutil",
+    banned = {"pathlib", "jaxdecode.io.data", "jaxdecode.models.checkpoint", "jaxdecode.io.paths", "io", "os", "shutil",
               "tempfile"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -628,7 +628,7 @@ def test_the_loop_reads_no_files():
 def test_stop_strings_and_streaming(small_lm, small_drafts, backend):
     """A row ends after its first stop string (also one that straddles two host round trips),
     with the tokens of the run without stops; streamed pieces add up to the outputs."""
-    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.models.checkpoint import LanguageModel
 
     cfg = ModelConfig(V=12, T=64, d=16, L=1, heads=2)
     lm = LanguageModel(params=random_params(cfg, 3, 1.0), cfg=cfg, vocab=small_lm.vocab, meta={}, backend=backend)

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode import studies
-from jaxdecode.studies import common
+from jaxdecode.eval import studies
+from jaxdecode.io import reports as common
 
 
 @pytest.fixture(scope="module")
 def shipped():
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
 
     return checkpoint.load()
 
@@ -25,7 +25,7 @@ def shipped():
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     """The tiny random model on the default backend (one LanguageModel, not one per backend)."""
-    from jaxdecode.checkpoint import LanguageModel
+    from jaxdecode.models.checkpoint import LanguageModel
 
     cfg, params, vocab = tiny_model
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={})
@@ -89,7 +89,7 @@ def test_registry_errors(tmp_path, monkeypatch):
 
 
 def test_cli_reports_a_missing_study(monkeypatch, capsys):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     monkeypatch.setitem(studies.STUDIES, "ghost", studies.Study("ghost", "no_such_module", "missing"))
     assert main(["study", "ghost"]) == 2
@@ -113,7 +113,7 @@ def test_every_study_module_has_run():
 
 
 def test_truncation_shows_the_chapters_pattern(shipped, tmp_path):
-    from jaxdecode.studies import truncation
+    from jaxdecode.eval.studies import truncation
 
     res = truncation.run(shipped, tmp_path / "a", progress=False)
     V = len(shipped.vocab)
@@ -142,7 +142,7 @@ def test_truncation_shows_the_chapters_pattern(shipped, tmp_path):
 
 
 def test_study_command_truncation(tmp_path, capsys):
-    from jaxdecode.cli import main
+    from jaxdecode.cli.main import main
 
     out = tmp_path / "trunc"
     assert main(["study", "truncation", "--out", str(out), "--seed", "3", "--quiet"]) == 0
@@ -165,7 +165,7 @@ def test_all_runs_each_study_into_its_folder_and_skips_missing_ones(shipped, tmp
 
 
 def test_study_parser_lists_every_study():
-    from jaxdecode.cli import build_parser
+    from jaxdecode.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["study"]
     name = next(a for a in sub._actions if a.dest == "name")
@@ -177,8 +177,8 @@ def test_study_parser_lists_every_study():
 
 
 def test_cost_study_small(tiny, tmp_path):
-    from jaxdecode import kernels
-    from jaxdecode.studies import cost
+    from jaxdecode.native import kernels
+    from jaxdecode.eval.studies import cost
 
     res = cost.run(tiny, tmp_path, n=4, batch_sizes=(1, 2), prompt_lengths=(4, 8), latency_batches=(1,),
                    throughput_prompt=4, repeats=1, progress=False)
@@ -221,7 +221,7 @@ def tiny_corpus(tmp_path_factory):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _forward(params, cfg, tokens):
-    from jaxdecode import model as M
+    from jaxdecode.models.charlm import transformer as M
 
     return M.forward(params, cfg, tokens)
 
@@ -259,7 +259,7 @@ def _book_decoders(lm, prompt: str, n: int, k: int, seed: int) -> dict:
 
 
 def test_decoders_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
-    from jaxdecode.studies import decoders
+    from jaxdecode.eval.studies import decoders
 
     text = tiny_corpus.read_text()
     prompt = text[100:108]
@@ -282,7 +282,7 @@ def test_decoders_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
 
 
 def test_beam_curse_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
-    from jaxdecode.studies import beam_curse
+    from jaxdecode.eval.studies import beam_curse
 
     res = _twice(lambda out, **kw: beam_curse.run(tiny, out, **kw), tmp_path, "beam_curse",
                  data_path=tiny_corpus, n_prompts=2, n=3, ks=(1, 2), progress=False)
@@ -291,7 +291,7 @@ def test_beam_curse_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
 
 
 def test_speculative_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
-    from jaxdecode.studies import speculative
+    from jaxdecode.eval.studies import speculative
 
     res = _twice(lambda out, **kw: speculative.run(tiny, out, **kw), tmp_path, "speculative",
                  data_path=tiny_corpus, n=6, gammas=(1, 2), samples=2, prompt="abc", progress=False)
@@ -314,7 +314,7 @@ def test_speculative_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
 def test_decoders_study_shows_the_chapters_ordering(shipped, corpus_path, tmp_path):
     """After the KATHARINA prompt: beam search's text is more probable than Shakespeare's line,
     which is more probable than a sample at temperature 1; greedy falls into a loop."""
-    from jaxdecode.studies import decoders
+    from jaxdecode.eval.studies import decoders
 
     res = decoders.run(shipped, tmp_path, data_path=corpus_path, progress=False)
     lp = {row["decoder"]: row["mean_logprob"] for row in res["rows"]}

@@ -1,4 +1,4 @@
-"""The quality–likelihood study (jaxdecode.studies.tradeoff): its measures on hand-made texts, one
+"""The quality–likelihood study (jaxdecode.eval.studies.tradeoff): its measures on hand-made texts, one
 compiled program per family, the chapter's qualitative findings on the shipped model, and
 byte-identical output for a seed."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxdecode import rules
-from jaxdecode import sampling as S
-from jaxdecode.studies import tradeoff as TR
+from jaxdecode.decoding import sampling as S
+from jaxdecode.eval.studies import tradeoff as TR
 
 # ----------------------------------------------------------------------------- measures
 
@@ -162,7 +162,7 @@ SMALL = {"n": 150, "n_prompts": 10}
 
 @pytest.fixture(scope="module")
 def shipped():
-    from jaxdecode.checkpoint import load
+    from jaxdecode.models.checkpoint import load
 
     return load()
 
@@ -171,7 +171,7 @@ def shipped():
 def small_study(shipped, corpus_path, tmp_path_factory):
     import importlib.util
 
-    contrastive = importlib.util.find_spec("jaxdecode.contrastive") is not None
+    contrastive = importlib.util.find_spec("jaxdecode.decoding.contrastive") is not None
     out = tmp_path_factory.mktemp("tradeoff")
     result = TR.run(shipped, out, seed=0, data_path=corpus_path, progress=False, contrastive=contrastive,
                     **SMALL)

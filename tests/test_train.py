@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from jaxdecode import checkpoint
-from jaxdecode import data as data_lib
-from jaxdecode import train as train_lib
-from jaxdecode.cli import main
-from jaxdecode.model import ModelConfig, init_params
-from jaxdecode.train import TrainConfig, held_out_loss, train
+from jaxdecode.models import checkpoint
+from jaxdecode.io import data as data_lib
+from jaxdecode.models.charlm import train as train_lib
+from jaxdecode.cli.main import main
+from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+from jaxdecode.models.charlm.train import TrainConfig, held_out_loss, train
 
 TINY = {"d": 16, "L": 1, "heads": 2, "T": 32, "batch": 2, "steps": 6, "warmup": 1, "eval_every": 2, "eval_windows": 3}
 

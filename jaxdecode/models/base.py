@@ -158,6 +158,17 @@ def write_blocks(pool_layer, new, tables, positions, valid):
         jnp.transpose(new, (0, 2, 1, 3)).astype(pool_layer.dtype), mode="drop")
 
 
+def copy_blocks(pool: PagedKV, src, dst) -> PagedKV:
+    """Block ``src[i]`` copied into block ``dst[i]`` in every layer (the copies on write of
+    :meth:`jaxdecode.serving.blocks.BlockAllocator.append`; every source is read before any write)."""
+    src = jnp.asarray(src, jnp.int32).reshape(-1)
+    dst = jnp.asarray(dst, jnp.int32).reshape(-1)
+    if src.shape != dst.shape:
+        raise ValueError(f"copy_blocks: {src.shape[0]} sources for {dst.shape[0]} destinations")
+    move = lambda a: a.at[dst].set(a[src], mode="drop")
+    return PagedKV(tuple(map(move, pool.k)), tuple(map(move, pool.v)))
+
+
 def gather_blocks(pool_layer, tables):
     """The blocks ``tables`` ``[B, cols]`` lists, as one dense ``[B, H, cols * block_size, D]``."""
     g = pool_layer[jnp.clip(tables, 0, pool_layer.shape[0] - 1)]  # [B, cols, H, bs, D]

@@ -15,7 +15,7 @@ class LanguageModel:
     """A loaded model: its ``params``, its ``vocab``, metadata, and the ``decoder`` the loops run it
     through (a :class:`jaxdecode.models.DecodingModel`). For the reference transformer, ``cfg`` is
     its shape and the decoder is built from it on ``backend`` (``"native"``, ``"portable"`` or
-    ``None``/``"auto"``: ``$JAXDECODE_KERNELS``, see :func:`jaxdecode.kernels.select`)."""
+    ``None``/``"auto"``: ``$JAXDECODE_KERNELS``, see :func:`jaxdecode.native.kernels.select`)."""
 
     params: Any
     cfg: Any
@@ -30,7 +30,7 @@ class LanguageModel:
         if self.decoder is None:
             if self.cfg is None:
                 raise ValueError("LanguageModel needs a cfg or a decoder")
-            from .charlm import decoder_for
+            from jaxdecode.models.charlm.decoder import decoder_for
 
             self.decoder = decoder_for(self.cfg, backend)
         if len(self.vocab) != self.decoder.V:
@@ -42,7 +42,7 @@ class LanguageModel:
 
     def with_backend(self, backend: str) -> LanguageModel:
         """The same model on another backend (``"native"`` or ``"portable"``)."""
-        from .charlm import CharLMDecoder, decoder_for
+        from jaxdecode.models.charlm.decoder import CharLMDecoder, decoder_for
 
         if not isinstance(self.decoder, CharLMDecoder):
             if backend in ("portable", "auto", None):

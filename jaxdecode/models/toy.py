@@ -12,8 +12,8 @@ axis 2) and the rows' lengths. Position ``p`` of row ``b`` holds the keys of tha
 ``p``; a query at position ``q`` attends to positions ``<= q``, so whatever lies at or past a
 row's length is never read before it is overwritten: truncating is setting the lengths.
 
-:func:`multichar_lm` wraps it with a :class:`~jaxdecode.vocab.TokenVocab` of 1- to 3-character
-tokens into a :class:`~jaxdecode.checkpoint.LanguageModel`, so the high-level functions
+:func:`multichar_lm` wraps it with a :class:`~jaxdecode.io.vocab.TokenVocab` of 1- to 3-character
+tokens into a :class:`~jaxdecode.models.checkpoint.LanguageModel`, so the high-level functions
 (:func:`jaxdecode.generate`, :func:`jaxdecode.beam_generate`) run on it.
 """
 
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..vocab import TokenVocab
-from .base import DecodingModel, prefill_by_extend, window_by_forward
+from jaxdecode.io.vocab import TokenVocab
+from jaxdecode.models.base import DecodingModel, prefill_by_extend, window_by_forward
 
 
 class ToyCache(NamedTuple):
@@ -229,10 +229,10 @@ _FREQ = {" ": 120, "e": 90, "t": 60, "a": 60, "o": 55, "i": 50, "n": 50, "s": 45
 
 
 def multichar_lm(seed: int = 0, T: int = 64, d: int = 32, L: int = 2, heads: int = 4):
-    """A :class:`~jaxdecode.checkpoint.LanguageModel`: a random :class:`TinyTransformer` over a
-    :class:`~jaxdecode.vocab.TokenVocab` of 40 tokens of 1 to 3 characters (``MULTICHAR_TOKENS``).
+    """A :class:`~jaxdecode.models.checkpoint.LanguageModel`: a random :class:`TinyTransformer` over a
+    :class:`~jaxdecode.io.vocab.TokenVocab` of 40 tokens of 1 to 3 characters (``MULTICHAR_TOKENS``).
     Every text of lowercase letters, spaces and full stops encodes."""
-    from ..checkpoint import LanguageModel
+    from jaxdecode.models.lm import LanguageModel
 
     vocab = TokenVocab(MULTICHAR_TOKENS)
     model = TinyTransformer(V=len(vocab), T=T, d=d, L=L, heads=heads)

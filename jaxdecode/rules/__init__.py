@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .base import Chain, Rule, RuleError, chain, per_row, processed_logprobs
-from .penalties import (
+from jaxdecode.rules.base import Chain, Rule, RuleError, chain, per_row, processed_logprobs
+from jaxdecode.rules.penalties import (
     FrequencyPenalty,
     History,
     NoRepeatNGram,
@@ -38,7 +38,7 @@ from .penalties import (
     presence_penalty,
     repetition_penalty,
 )
-from .truncation import (
+from jaxdecode.rules.truncation import (
     Epsilon,
     Eta,
     MinP,

@@ -8,7 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Rule, RuleError, _col, _is_first_max, _is_tracer, _rule, _setting, _static, _truncate
+from jaxdecode.rules.base import (
+    Rule,
+    RuleError,
+    _col,
+    _is_first_max,
+    _is_tracer,
+    _rule,
+    _setting,
+    _static,
+    _truncate,
+)
 
 
 # ----------------------------------------------------------------------------- penalties

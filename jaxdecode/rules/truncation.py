@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .base import (
+from jaxdecode.rules.base import (
     processed_logprobs,
     Rule,
     _col,

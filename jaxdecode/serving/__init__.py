@@ -1,8 +1,10 @@
-"""Serving: a paged KV cache with prefix sharing, a continuous-batching engine with its simulator,
-and generation sharded over devices."""
+"""Serving: a block allocator with prefix sharing, a continuous-batching engine over any decoding
+model's dense or paged cache, and its simulator.
 
-from .blocks import Allocation, BlockAllocator, OutOfBlocks
-from .paged import PagedCharLM, PagedKV, cache_bytes, copy_blocks, paged_attention, write_cache
+May import: ``models.base`` (the interface), ``decoding``, ``rules``, ``constraints``, ``io``.
+Never a concrete model, the native layer, ``eval`` or ``cli``.
+"""
 
-__all__ = ["Allocation", "BlockAllocator", "OutOfBlocks", "PagedCharLM", "PagedKV", "cache_bytes", "copy_blocks",
-           "paged_attention", "write_cache"]
+from jaxdecode.serving.blocks import Allocation, BlockAllocator, OutOfBlocks
+
+__all__ = ["Allocation", "BlockAllocator", "OutOfBlocks"]

@@ -2,7 +2,7 @@
 block table.
 
 The device holds the keys and values of every layer in a pool of ``num_blocks`` blocks of
-``block_size`` positions (:mod:`jaxdecode.serving.paged`); a sequence's positions live in the
+``block_size`` positions (a model's paged form, :class:`jaxdecode.models.base.PagedPool`); a sequence's positions live in the
 blocks its table lists, position ``p`` in block ``table[p // block_size]`` at offset
 ``p % block_size``. This module decides which blocks each sequence gets; it never touches the
 device. What it does:
@@ -15,7 +15,7 @@ device. What it does:
   block of another (beams); a block returns to the free list when no table references it.
 - **copy on write**: a sequence that appends into a partly filled last block it shares first gets
   a copy of that block; :meth:`~BlockAllocator.append` returns the ``(src, dst)`` block copies the
-  device must do before writing (:func:`jaxdecode.serving.paged.copy_blocks`).
+  device must do before writing (:func:`jaxdecode.models.base.copy_blocks`).
 - **prefix sharing** (as vLLM's automatic prefix caching): every full, computed block is keyed by
   its tokens and the key of the block before it, so equal keys mean equal prefixes. A new
   sequence whose prompt starts with cached full blocks reuses them and needs its keys and values

@@ -76,10 +76,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core import Generation, check_int, encode_stop_strings, finish_text, sample_keys
-from .blocks import BlockAllocator, OutOfBlocks
-from .executors import ModelExecutor, PagedExecutor
-from .requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
+from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
+from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
+from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
+from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
            "Report", "Request",

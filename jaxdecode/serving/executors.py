@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
-from ..rules import Chain, processed_logprobs
-from . import paged as _paged
-from .requests import neutral_rule
+from jaxdecode.models.base import copy_blocks
+from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from jaxdecode.rules import Chain, processed_logprobs
+from jaxdecode.serving.requests import neutral_rule
 
 
 # ----------------------------------------------------------------------------- one decode step
@@ -21,7 +21,7 @@ from .requests import neutral_rule
 
 def _select(logits, rule, rule_state, keys, row_ids, steps, greedy):
     """One token per row, each at its own step: the sampling loop's choice (see
-    ``jaxdecode.sampling._choose``) with a step and a greedy flag per row."""
+    ``jaxdecode.decoding.sampling._choose``) with a step and a greedy flag per row."""
     processed = logits if rule is None else rule.apply(logits, rule_state)
     best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     row_keys = jax.vmap(lambda k, r, s: jax.random.fold_in(jax.random.fold_in(k, r), s))(keys, row_ids, steps)
@@ -106,7 +106,7 @@ class ModelExecutor:
     The cache's leaves must be batch-first, and the cache a prefill returns for ``W`` positions
     must be the leading corner of one of capacity ``T`` (the reference model's and
     :class:`FunctionModel`'s are). The capacity is the model window ``T``; a decode step attends
-    over the filled span, rounded up to :data:`jaxdecode.core.SPAN_BUCKET` positions.
+    over the filled span, rounded up to :data:`jaxdecode.decoding.common.SPAN_BUCKET` positions.
     """
 
     def __init__(self, lm, slots: int):
@@ -246,16 +246,16 @@ def _paged_forward(params, pool, logits, tables, lengths, tokens, counts, src, d
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _copy_pool_blocks(pool, src, dst):
-    return _paged.copy_blocks(pool, src, dst)
+    return copy_blocks(pool, src, dst)
 
 
 class PagedExecutor(ModelExecutor):
     """The device side of a paged :class:`Engine`: one pool of ``num_blocks`` blocks of
-    ``block_size`` positions (the model's :meth:`~jaxdecode.models.DecodingModel.paged` form, e.g.
-    :class:`jaxdecode.serving.paged.PagedCharLM` for the reference transformer) holding every slot's keys and values, found through block tables the engine's
+    ``block_size`` positions (the model's :meth:`~jaxdecode.models.DecodingModel.paged` form)
+    holding every slot's keys and values, found through block tables the engine's
     :class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host; with each slot's logits,
     rule settings and rule state as :class:`ModelExecutor`. ``attention``: the paged attention
-    implementation (:data:`jaxdecode.serving.paged.IMPLS`)."""
+    implementation, which the model's paged form checks."""
 
     def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
         try:  # the model's own paged form: the pool is part of the model interface

@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..rules import Chain, Rule
-from ..rules import penalties as _pen
-from ..rules import truncation as _trunc
+from jaxdecode.rules import Chain, Rule
+from jaxdecode.rules import penalties as _pen
+from jaxdecode.rules import truncation as _trunc
 
 
 # ----------------------------------------------------------------------------- requests

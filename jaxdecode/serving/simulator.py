@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .engine import DEFAULT_PREFILL_CHUNK, POLICIES, Engine, Report, Request
+from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, POLICIES, Engine, Report, Request
 
 __all__ = ["DEFAULT_STEP_MODEL", "ReplayExecutor", "StepTimeModel", "VirtualClock", "compare",
            "poisson_arrivals", "scripts_of", "simulate", "with_arrivals"]
@@ -96,7 +96,7 @@ class StepTimeModel:
             raise ValueError(f"{where}: {e}") from None
 
     def save(self, path) -> None:
-        from ..studies.common import write_json
+        from jaxdecode.io.reports import write_json
 
         write_json(path, self.to_dict())
 

@@ -22,7 +22,7 @@ greedy decoding.
 
 Rows accept different numbers of tokens, so each row has its own output buffer, count, target
 cache length and draft state. The whole run is a few jitted ``lax.while_loop`` segments, one per
-static attended span of the KV cache (as in :mod:`jaxdecode.sampling`): no host round trip per
+static attended span of the KV cache (as in :mod:`jaxdecode.decoding.sampling`): no host round trip per
 token. Randomness: row ``r`` draws all the noise of iteration ``i`` (one uniform per draft token,
 per acceptance test and for the corrected token; fixed entries per position) from
 ``fold_in(fold_in(key, r), i)`` (:func:`iteration_noise`). A row's output therefore depends only
@@ -39,13 +39,18 @@ registry of drafts: :mod:`.drafts.ngram`, :mod:`.drafts.distilled`, :mod:`.draft
 
 from __future__ import annotations
 
-from .acceptance import Noise, _draw, _pick, accept, iteration_noise, row_keys  # noqa: F401 - _draw, _pick: tests
-from .drafts import DRAFTS, Draft, make_draft, register_draft
-from .drafts.distilled import DISTILLED_BACKOFF, DISTILLED_N, distilled_draft, target_predictions
-from .drafts.lookup import LookupState, PromptLookupDraft
-from .drafts.model import ModelDraft, ModelDraftState
-from .drafts.ngram import NGramDraft, NGramState
-from .loop import (
+from jaxdecode.speculative.acceptance import Noise, _draw, _pick, accept, iteration_noise, row_keys  # noqa: F401 - _draw, _pick: tests
+from jaxdecode.speculative.drafts import DRAFTS, Draft, make_draft, register_draft
+from jaxdecode.speculative.drafts.distilled import (
+    DISTILLED_BACKOFF,
+    DISTILLED_N,
+    distilled_draft,
+    target_predictions,
+)
+from jaxdecode.speculative.drafts.lookup import LookupState, PromptLookupDraft
+from jaxdecode.speculative.drafts.model import ModelDraft, ModelDraftState
+from jaxdecode.speculative.drafts.ngram import NGramDraft, NGramState
+from jaxdecode.speculative.loop import (
     SpeculativeGeneration,
     SpeculativeResult,
     SpeculativeStats,

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import constraints as C
-from ..core import (
+from jaxdecode import constraints as C
+from jaxdecode.decoding.common import (
     SPAN_BUCKET,
     Generation,
     batch_bucket,
@@ -34,12 +34,12 @@ from ..core import (
     sample_keys,
     text_streamer,
 )
-from ..models.base import DecodingModel
-from ..rules import processed_logprobs
-from .acceptance import _accept, _take, iteration_noise, row_keys
+from jaxdecode.models.base import DecodingModel
+from jaxdecode.rules import processed_logprobs
+from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
 
 if TYPE_CHECKING:
-    from .drafts import Draft
+    from jaxdecode.speculative.drafts.base import Draft
 
 
 def _logprobs(logits):
@@ -322,7 +322,7 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     first one; its other tokens are exactly those of the run without stops). ``on_chunk(tokens
     [B, c], emitted [B, c])`` streams new tokens every few target passes. With either, the loop
     returns to the host every ``STREAM_ITERATIONS`` passes; the tokens do not change.
-    ``constraint``: as for :func:`jaxdecode.sampling.sample_tokens`; the output then has the
+    ``constraint``: as for :func:`jaxdecode.decoding.sampling.sample_tokens`; the output then has the
     distribution of constrained plain sampling (stops included), whatever the draft proposes.
     """
     gamma = check_int("gamma", gamma, 1)
@@ -441,7 +441,7 @@ def _watch(state: SpecState, B: int, n: int, stops, sent, stop_at, on_chunk) -> 
 
 @dataclasses.dataclass
 class SpeculativeGeneration(Generation):
-    """A :class:`jaxdecode.sampling.Generation` with the speculative run's counts for its row."""
+    """A :class:`jaxdecode.decoding.sampling.Generation` with the speculative run's counts for its row."""
 
     stats: SpeculativeStats = None
 
@@ -455,7 +455,7 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
     """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
 
     Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
-    ``i`` is drawn with its prompt's seed and row id ``j`` (as :func:`jaxdecode.sampling.generate`:
+    ``i`` is drawn with its prompt's seed and row id ``j`` (as :func:`jaxdecode.decoding.sampling.generate`:
     ``seed`` is one seed or one per prompt). Each
     carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
     ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.

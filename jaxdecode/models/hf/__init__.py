@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import SUPPORTED, ConfigError, HFConfig, end_tokens, read_config
-from .tokenizer import HFTokenizer, TokenizerError
-from .transformer import HFCache, HFDecoder
-from .weights import WeightsError, read_params
+from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, read_config
+from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
+from jaxdecode.models.hf.transformer import HFCache, HFDecoder
+from jaxdecode.models.hf.weights import WeightsError, read_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,7 +38,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
     ``max_position_embeddings`` (the loops allocate and re-read up to the window)."""
     import jax.numpy as jnp
 
-    from ..lm import LanguageModel
+    from jaxdecode.models.lm import LanguageModel
 
     folder = Path(folder)
     if dtype not in DTYPES:

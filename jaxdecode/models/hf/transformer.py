@@ -32,9 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base import (DecodingModel, PagedKV, PagedPool, gather_blocks, prefill_by_extend, window_by_forward,
-                    write_blocks)
-from .config import HFConfig
+from jaxdecode.models.base import (
+    DecodingModel,
+    PagedKV,
+    PagedPool,
+    gather_blocks,
+    prefill_by_extend,
+    window_by_forward,
+    write_blocks,
+)
+from jaxdecode.models.hf.config import HFConfig
 
 
 class HFCache(NamedTuple):

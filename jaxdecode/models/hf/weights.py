@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import HFConfig
+from jaxdecode.models.hf.config import HFConfig
 
 
 class WeightsError(ValueError):

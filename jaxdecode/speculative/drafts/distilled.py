@@ -13,59 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import model as M
-from ... import paths
-from ...data import read_corpus
-from . import register_draft
-from .ngram import NGramDraft
-
-
-def target_predictions(params, cfg: M.ModelConfig, tokens, *, stride: int | None = None,
-                       batch: int = 16, progress: bool = False) -> np.ndarray:
-    """``[N, V]`` float32: row ``i`` is the target's next-token distribution for token ``i``
-    given the tokens before it (row 0, which has none, is the one-hot of token 0).
-
-    The text is read in windows of ``T`` tokens starting every ``stride`` (default ``3 T / 4``):
-    the first window gives the predictions for tokens 1 .. T, window ``j >= 1`` (starting at
-    ``s = j * stride``) those for tokens ``s + T - stride + 1 .. s + T``. A prediction therefore
-    sees all earlier tokens up to ``T``, and at least ``T - stride`` of them beyond.
-    ``progress`` shows a progress bar (tqdm) on stderr."""
-    T, V = cfg.T, cfg.V
-    stride = (3 * T) // 4 if stride is None else stride
-    if not isinstance(stride, int) or not 1 <= stride <= T:
-        raise ValueError(f"target_predictions: stride must be an integer in [1, T={T}], got {stride!r}")
-    if batch < 1:
-        raise ValueError(f"target_predictions: batch must be >= 1, got {batch}")
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    N = len(tokens)
-    if N and (tokens.min() < 0 or tokens.max() >= V):
-        raise ValueError(f"target_predictions: token ids must lie in [0, {V})")
-    out = np.zeros((N, V), np.float32)
-    if N == 0:
-        return out
-    out[0, tokens[0]] = 1.0
-    J = 1 + -(-max(0, N - 1 - T) // stride)  # windows until token N - 1 is predicted
-    padded = np.zeros(((J - 1) * stride + T + 1,), np.int32)
-    padded[:N] = tokens
-    starts = np.arange(J) * stride
-    probs = jax.jit(lambda p, w: jax.nn.softmax(M.forward(p, cfg, w), axis=-1))  # weights as arguments
-    from tqdm import tqdm
-
-    bar = tqdm(total=J, desc="target predictions", unit="window", leave=False, disable=not progress,
-               file=sys.stderr)
-    for b0 in range(0, J, batch):
-        part = starts[b0:b0 + batch]
-        idx = np.concatenate([part, np.full(batch - len(part), part[-1])])  # one compiled shape
-        windows = padded[idx[:, None] + np.arange(T)[None, :]]
-        p = np.asarray(probs(params, jnp.asarray(windows)))
-        for j, s in enumerate(part):
-            first = 0 if s == 0 else T - stride  # window position of the first kept prediction
-            lo, hi = s + first + 1, min(s + T + 1, N)  # the tokens it predicts
-            if hi > lo:
-                out[lo:hi] = p[j, first:first + hi - lo]
-        bar.update(len(part))
-    bar.close()
-    return out
+from jaxdecode.io import paths
+from jaxdecode.io.data import read_corpus
+from jaxdecode.speculative.drafts.base import register_draft
+from jaxdecode.speculative.drafts.ngram import NGramDraft, target_predictions
 
 
 DISTILLED_N = 6
@@ -125,7 +76,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def estimated_seconds(cfg: M.ModelConfig, tokens: int) -> float:
+def estimated_seconds(cfg, tokens: int) -> float:
     """A rough build time: the forward passes' floating-point operations (windows of ``T`` every
     ``3 T / 4`` tokens) at about 30 GFLOP/s per core, plus the table."""
     d, L, T, V = cfg.d, cfg.L, cfg.T, cfg.V
@@ -150,7 +101,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
 
     Reading the corpus through the target takes a few minutes of CPU (the shipped model over a
     million characters: about 2 minutes on two cores), so the table is kept in
-    :func:`jaxdecode.paths.cache_dir` ``("drafts")`` (``$JAXDECODE_CACHE/drafts``, default
+    :func:`jaxdecode.io.paths.cache_dir` ``("drafts")`` (``$JAXDECODE_CACHE/drafts``, default
     ``~/.cache/jaxdecode/drafts``) by a hash of the weights, the text and the settings, written
     atomically. A cache file that cannot be read is rebuilt. With ``$JAXDECODE_CACHE`` set to an
     empty string no cache file is read or written.
@@ -166,7 +117,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
     if folder is None:  # caching off
         if progress:
             _notice(f"building the distilled draft ({took}; caching is off, so it is not kept)")
-        return NGramDraft.distill(lm.params, lm.cfg, tokens, n=n, backoff=backoff, progress=progress)
+        return NGramDraft.distill(lm.decoder, lm.params, tokens, n=n, backoff=backoff, progress=progress)
     path = folder / f"distilled-{_cache_key(lm, tokens, n, backoff)}.npz"
     draft = _read(path, n)
     if draft is not None:
@@ -182,7 +133,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
             return draft
         if progress:
             _notice(f"building the distilled draft (once, {took}); cached at {path}")
-        draft = NGramDraft.distill(lm.params, lm.cfg, tokens, n=n, backoff=backoff, progress=progress)
+        draft = NGramDraft.distill(lm.decoder, lm.params, tokens, n=n, backoff=backoff, progress=progress)
         _save(draft, path)
     return draft
 

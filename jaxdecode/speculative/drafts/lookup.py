@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import Draft, _draft, _no_backoff, _static, register_draft
+from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static, register_draft
 
 
 class LookupState(NamedTuple):

@@ -7,10 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ...checkpoint import DRAFT_NAME, load
-from ...models.base import DecodingModel
-from ..acceptance import _pick
-from . import Draft, _draft, _no_backoff, _static, register_draft
+from jaxdecode.models.checkpoint import DRAFT_NAME, load
+from jaxdecode.models.base import DecodingModel
+from jaxdecode.speculative.acceptance import _pick
+from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static, register_draft
 
 
 class ModelDraftState(NamedTuple):

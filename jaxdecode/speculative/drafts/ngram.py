@@ -7,15 +7,16 @@ The lookups of the decoding loop (:meth:`NGramDraft.propose` and the rest) run i
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...data import read_corpus
-from ..acceptance import _pick
-from . import Draft, _draft, _static, register_draft
+from jaxdecode.io.data import read_corpus
+from jaxdecode.speculative.acceptance import _pick
+from jaxdecode.speculative.drafts.base import Draft, _draft, _static, register_draft
 
 
 class NGramState(NamedTuple):
@@ -228,19 +229,16 @@ class NGramDraft(Draft):
         return cls.from_tokens(vocab.encode(train), len(vocab), n=n, alpha=alpha, backoff=backoff)
 
     @classmethod
-    def distill(cls, params, cfg, tokens, n: int = 6, backoff: float = 2.0, **predict) -> NGramDraft:
+    def distill(cls, model, params, tokens, n: int = 6, backoff: float = 2.0, **predict) -> NGramDraft:
         """An n-gram table of the target's own predictions: each context's row is the average of
         what the target predicts after it in ``tokens``
-        (:func:`jaxdecode.speculative.drafts.distilled.target_predictions`; ``predict`` goes
-        there), interpolated with the shorter contexts as with ``backoff``.
+        (:func:`target_predictions` of the decoding model ``model``; ``predict`` goes there), interpolated with the shorter contexts as with ``backoff``.
 
         Counting estimates the text's next-token distribution; this estimates the target's, which
         is what a draft must match: on the shipped model and corpus, the 6-gram table accepts
         about 0.88 of its proposals against about 0.81 for the counted 5-gram."""
-        from .distilled import target_predictions  # runs the target; distilled builds on this module
-
-        soft = target_predictions(params, cfg, tokens, **predict)
-        return cls.from_tokens(tokens, cfg.V, n=n, backoff=backoff, soft=soft)
+        soft = target_predictions(model, params, tokens, **predict)
+        return cls.from_tokens(tokens, model.V, n=n, backoff=backoff, soft=soft)
 
     # ------------------------------------------------------------------ lookup (jax)
 
@@ -327,4 +325,58 @@ def _build(lm, data_path=None, *, n: int | None = None, backoff: float | None = 
                                   backoff=backoff)
 
 
-__all__ = ["NGramDraft", "NGramState"]
+__all__ = ["NGramDraft", "NGramState", "target_predictions"]
+
+
+def target_predictions(model, params, tokens, *, stride: int | None = None,
+                       batch: int = 16, progress: bool = False) -> np.ndarray:
+    """``[N, V]`` float32: row ``i`` is the target's next-token distribution for token ``i``
+    given the tokens before it (row 0, which has none, is the one-hot of token 0). The target is
+    the decoding model ``model`` (:class:`jaxdecode.models.base.DecodingModel`) with ``params``.
+
+    The text is read in windows of ``T`` tokens starting every ``stride`` (default ``3 T / 4``):
+    the first window gives the predictions for tokens 1 .. T, window ``j >= 1`` (starting at
+    ``s = j * stride``) those for tokens ``s + T - stride + 1 .. s + T``. A prediction therefore
+    sees all earlier tokens up to ``T``, and at least ``T - stride`` of them beyond.
+    ``progress`` shows a progress bar (tqdm) on stderr."""
+    T, V = model.T, model.V
+    stride = (3 * T) // 4 if stride is None else stride
+    if not isinstance(stride, int) or not 1 <= stride <= T:
+        raise ValueError(f"target_predictions: stride must be an integer in [1, T={T}], got {stride!r}")
+    if batch < 1:
+        raise ValueError(f"target_predictions: batch must be >= 1, got {batch}")
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    N = len(tokens)
+    if N and (tokens.min() < 0 or tokens.max() >= V):
+        raise ValueError(f"target_predictions: token ids must lie in [0, {V})")
+    out = np.zeros((N, V), np.float32)
+    if N == 0:
+        return out
+    out[0, tokens[0]] = 1.0
+    J = 1 + -(-max(0, N - 1 - T) // stride)  # windows until token N - 1 is predicted
+    padded = np.zeros(((J - 1) * stride + T + 1,), np.int32)
+    padded[:N] = tokens
+    starts = np.arange(J) * stride
+    def window_probs(p, w):  # each window from an empty cache: the logits of its every position
+        logits = model.extend(p, model.empty_cache(w.shape[0], T), w, in_place=False)[0]
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+    probs = jax.jit(window_probs)  # weights as arguments
+    params = model.prepare(params, batch)
+    from tqdm import tqdm
+
+    bar = tqdm(total=J, desc="target predictions", unit="window", leave=False, disable=not progress,
+               file=sys.stderr)
+    for b0 in range(0, J, batch):
+        part = starts[b0:b0 + batch]
+        idx = np.concatenate([part, np.full(batch - len(part), part[-1])])  # one compiled shape
+        windows = padded[idx[:, None] + np.arange(T)[None, :]]
+        p = np.asarray(probs(params, jnp.asarray(windows)))
+        for j, s in enumerate(part):
+            first = 0 if s == 0 else T - stride  # window position of the first kept prediction
+            lo, hi = s + first + 1, min(s + T + 1, N)  # the tokens it predicts
+            if hi > lo:
+                out[lo:hi] = p[j, first:first + hi - lo]
+        bar.update(len(part))
+    bar.close()
+    return out

@@ -1,0 +1,308 @@
+"""What every ``jaxdecode`` command shares: one-line usage errors, argument types, JSON output,
+notes on stderr and checked text encoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+class UsageError(ValueError):
+    """Bad input from the command line: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (``jaxdecode: error: ...``, exit code 2) instead of
+    a usage block: :func:`main` reports the :class:`UsageError`."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _known_options(parser) -> set[str]:
+    """Every option string of ``parser`` and its subcommands."""
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _known_options(sub)
+    return found
+
+
+def _argument_hint(parser, argv) -> str:
+    """What to add to an argparse error: where the help is, and, when a word starts with '-' but
+    is no option (a prompt such as "-- Enter ROMEO"), how to pass it."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    where = f"jaxdecode {command}" if sub is not None and command in sub.choices else "jaxdecode"
+    known = _known_options(parser)
+
+    def is_option(word):
+        head = word.split("=", 1)[0]
+        return head in known or (head.startswith("--") and any(k.startswith(head) for k in known))
+
+    for word in argv:
+        if word == "--":
+            break
+        if word.startswith("-") and len(word) > 1 and not is_option(word):
+            try:
+                float(word)
+                continue  # a negative number
+            except ValueError:
+                pass
+            return f" (a text that starts with '-' goes after '--', as in: {where} -- {word!r})"
+    return f" (see: {where} --help)"
+
+
+SEED_MAX = 2**32 - 1  # PRNGKey keeps 32 bits of a seed: larger seeds would repeat smaller ones
+
+
+def _seed(text: str) -> int:
+    """A --seed value: an integer in [0, SEED_MAX]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"the seed must be an integer from 0 to {SEED_MAX}, got {text!r}")
+    return value
+
+
+def _plain(obj):
+    """``obj`` with every non-finite float as None (JSON has no NaN: an output of no characters
+    has no mean log-probability)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _print_json(obj, **kwargs) -> None:
+    """``obj`` as strict JSON on stdout."""
+    print(json.dumps(_plain(obj), ensure_ascii=False, allow_nan=False, **kwargs))
+
+
+def _note(args, message: str) -> None:
+    """A one-line note on stderr (none with --quiet)."""
+    if not getattr(args, "quiet", False):
+        print(f"jaxdecode: note: {message}", file=sys.stderr, flush=True)
+
+
+def _encode(lm, text: str, what: str):
+    """``lm.vocab.encode(text)``; a character outside the vocabulary is a UsageError naming ``what``."""
+    from jaxdecode.io.vocab import UnknownCharacterError
+
+    try:
+        return lm.vocab.encode(text)
+    except UnknownCharacterError as e:
+        shown = ", ".join(f"{c!r} at position {i}" for i, c in e.unknown[:10])
+        more = f" (and {len(e.unknown) - 10} more)" if len(e.unknown) > 10 else ""
+        raise UsageError(f"{what} contains characters outside the model's vocabulary: {shown}{more} "
+                         f"('jaxdecode info' lists the vocabulary)") from None
+
+
+def _unescape(s: str) -> str:
+    r"""Turn the escapes ``\n``, ``\t`` and ``\\`` into their characters."""
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            nxt = s[i + 1]
+            if nxt in "nt\\":
+                out.append({"n": "\n", "t": "\t", "\\": "\\"}[nxt])
+                i += 2
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _draft_kind(text: str) -> str:
+    """``--speculative``: a registered draft, or the folder of a smaller model (same tokenizer)."""
+    from pathlib import Path
+
+    from jaxdecode.speculative import DRAFTS
+
+    if text in DRAFTS or Path(text).is_dir():
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DRAFTS)}, or give "
+                                     "the folder of a smaller model with the same tokenizer)")
+
+
+def _unit(lm) -> str:
+    """What a token of ``lm`` is called in messages: a character for the character model."""
+    return "token" if getattr(lm.vocab, "subword", False) else "character"
+
+
+def _model_draft(folder):
+    """A smaller model with the same tokenizer, as a speculative draft (None: no folder given)."""
+    if folder is None:
+        return None
+    from jaxdecode.models.checkpoint import load
+    from jaxdecode.speculative import ModelDraft
+
+    return ModelDraft.from_lm(load(folder))
+
+
+# The rule flags in the order --help lists them: temperature, the truncations, then the penalties
+# (within a kind, the registry's order).
+_FLAG_KINDS = ("temperature", "truncation", "penalty")
+
+
+def _rule_specs():
+    from jaxdecode.rules import REGISTRY
+
+    return sorted(REGISTRY, key=lambda spec: _FLAG_KINDS.index(spec.kind))
+
+
+def _settings(args) -> dict:
+    from jaxdecode.rules import REGISTRY
+
+    return {spec.name: getattr(args, spec.name) for spec in REGISTRY
+            if getattr(args, spec.name) is not None}
+
+
+def _load(args):
+    from jaxdecode.models import checkpoint
+
+    return checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32")
+
+
+def _read_prompt(args) -> str:
+    prompt = _unescape(args.prompt)
+    if not prompt:
+        raise UsageError("the prompt is empty: give at least one character")
+    return prompt
+
+
+def _constraint(args, lm):
+    """The --regex / --choice / --json-schema constraint, compiled for ``lm``'s vocabulary, or None."""
+    from jaxdecode import constraints as C
+
+    given = [f for f, on in (("--regex", args.regex is not None), ("--choice", bool(args.choice)),
+                             ("--json-schema", args.json_schema is not None)) if on]
+    if len(given) > 1:
+        raise UsageError(f"give one constraint, not {' and '.join(given)}")
+    if args.regex is not None:
+        c = C.compile_regex(_unescape(args.regex), lm.vocab)
+    elif args.choice:
+        c = C.compile_choices([_unescape(x) for x in args.choice], lm.vocab)
+    elif args.json_schema is not None:
+        try:
+            text = open(args.json_schema, encoding="utf-8").read()
+        except OSError as e:
+            raise UsageError(f"cannot read the JSON schema {args.json_schema}: {e.strerror}") from None
+        c = C.compile_json_schema(text, lm.vocab)
+    else:
+        return None
+    c.check_budget(args.n)
+    return c
+
+
+def _constraint_settings(args) -> dict:
+    return {k: v for k, v in (("regex", args.regex), ("choice", args.choice), ("json_schema", args.json_schema))
+            if v}
+
+
+def _streaming(args, prompt):
+    """Whether to stream (one sample, not JSON; a terminal or --stream), and the callback."""
+    stream = not args.json and args.num_samples == 1 and (sys.stdout.isatty() or args.stream)
+    if not stream:
+        return False, None
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def on_text(row, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    return True, on_text
+
+
+BIG_REQUEST = 50_000  # characters: a request this large shows a progress bar
+
+
+def _memory_size(text: str) -> int:
+    from jaxdecode.decoding.budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None, bar: bool = True):
+    """Generation that reaches past the model's window ``T`` runs the exact window path (a forward
+    over the last ``T`` characters per step, much slower than a cached step): say so on stderr and,
+    with ``bar``, show a progress bar with the time left, advanced through ``on_text``.
+
+    Returns ``(on_text, close)``: the callback to give the loop (``on_text`` that also advances the
+    bar) and what to call when generation ends. No bar when the text itself streams to a terminal,
+    or with --quiet."""
+    T = lm.decoder.T
+    if prompt_len + n <= T or n == 0:
+        return on_text, lambda: None
+    if prompt_len > T:
+        _note(args, f"the prompt has {prompt_len} characters: the model sees only the last {T} (its window "
+                    f"T), and each character generated past T runs the exact window path (a forward over "
+                    f"the last {T} characters per step), much slower than within T")
+    else:
+        past = prompt_len + n - T
+        _note(args, f"{past} of the {n} characters {'lies' if past == 1 else 'lie'} past the model's window "
+                    f"T={T}: each runs the exact window path (a forward over the last {T} characters per step), much "
+                    f"slower than within T")
+    if not bar or args.quiet or (on_text is not None and sys.stdout.isatty()):
+        return on_text, lambda: None
+    from tqdm import tqdm
+
+    # the bar counts only the slow characters (those past T), so that its rate and time left are theirs
+    fast = max(0, T - prompt_len)
+    progress = tqdm(total=(n - fast) * rows, unit="char", desc="past the window", file=sys.stderr,
+                    leave=False, dynamic_ncols=True)
+    made = [0] * rows
+
+    def advance(row, text):
+        before = made[row]
+        made[row] += len(text)
+        slow = max(0, made[row] - fast) - max(0, before - fast)
+        if slow:
+            progress.update(slow)
+        if on_text is not None:
+            on_text(row, text)
+
+    return advance, progress.close
+
+
+def _print_samples(outs, unit="character"):
+    for i, o in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per {unit})")
+        print(o.prompt + o.text)
+
+
+def _stops(args, lm):
+    """The --stop strings, unescaped and checked against the vocabulary, or None."""
+    if not args.stop:
+        return None
+    stops = [_unescape(s) for s in args.stop]
+    for s in stops:
+        if not s:
+            raise UsageError("--stop: a stop string must not be empty")
+        _encode(lm, s, f"the stop string {s!r}")
+    return stops

@@ -1,0 +1,344 @@
+"""Greedy and ancestral sampling as jitted loops over a decoding model's cache, for ragged batches.
+
+The loop runs in chunks of up to ``chunk`` steps, each one jitted loop; between chunks the host
+receives the new tokens (for streaming) and checks whether every row has stopped. Batches are
+bucketed (:mod:`jaxdecode.decoding.common`) so that new prompts do not recompile. The cache grows with the
+text, chunk by chunk, unless the model attends only over each row's filled part
+(``reads_only_filled``, the native CPU layer), where it is allocated once per request.
+
+The loop knows the model only through :mod:`jaxdecode.models.base`. Rule settings are traced
+(see :mod:`jaxdecode.rules`), so one compiled program serves every value.
+
+Randomness: the key of row ``r`` at step ``s`` is ``fold_in(fold_in(key[r], row_id[r]), s)``
+(``key``: one for every row, or one per row), so a row's sample depends only on its key, its row
+id and the step, never on which other prompts share the batch, on the batch size, on padding or on
+how a large request is split into batches.
+
+Past the model window ``T`` the reference model sees a different window at every step; the loop
+then switches to the model's exact window mode (``window``: a forward over the last ``T`` tokens
+of every row per step).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.decoding.common import (
+    PROMPT_BUCKET,
+    SPAN_BUCKET,
+    Generation,
+    batch_bucket,
+    check_int,
+    encode_prompts,
+    encode_stop_strings,
+    finish_text,
+    encode_stops,
+    make_batch,
+    pad_rule,
+    push_recent,
+    round_up,
+    sample_keys,
+    text_streamer,
+)
+from jaxdecode.decoding import budget as budget_lib
+from jaxdecode import constraints as C
+from jaxdecode.models.base import DecodingModel
+
+from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
+    DEFAULT_CHUNK,
+    SMALL_BATCH_CHUNK,
+    WHOLE_CHUNK_MAX,
+    SamplingState,
+    StepOutput,
+    _cache_chunk,
+    _window_chunk,
+    _prefill,
+    _prefill_shared,
+    _grow,
+    _window_start,
+    _rule_init,
+    TokenResult,
+)
+
+__all__ = ["Generation", "SamplingState", "StepOutput", "TokenResult", "generate", "sample_tokens", "sharded_generate",
+           "PROMPT_BUCKET", "SPAN_BUCKET", "batch_bucket", "round_up", "pad_rule", "encode_stops", "push_recent"]
+
+
+def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, key: jax.Array,
+                  rule=None, greedy: bool = False, row_ids: Sequence[int] | None = None,
+                  stops: Sequence[np.ndarray] = (), chunk: int | None = None,
+                  on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                  constraint=None, *, memory_budget: int | str | None = None, max_rows: int | None = None,
+                  progress: bool | str = False, mesh=None) -> TokenResult:
+    """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
+    (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
+
+    ``key``: one PRNG key for every row, or one per row (``[B, 2]``). A request of any size runs
+    in batches that fit ``memory_budget`` (bytes, or a size such as ``"2G"``), of at most
+    ``max_rows`` rows each (defaults: :mod:`jaxdecode.decoding.budget`); rows keep their ids, so the tokens
+    do not depend on the split.
+    ``progress``: a tqdm bar on stderr (a string: its label). ``mesh``: a
+    :class:`jax.sharding.Mesh` with a ``"data"`` axis: each batch is split over its devices
+    (:mod:`jaxdecode.decoding.sharded`), with the tokens of one device.
+
+    ``constraint``: a :class:`jaxdecode.constraints.Constraint` for every row, or one per row
+    (None: free); a constrained row's output is in the pattern's language, and the row may stop
+    before ``n`` where the pattern allows it (see :mod:`jaxdecode.constraints`).
+
+    ``rule``: a :mod:`jaxdecode.rules` rule (or chain) applied before choosing; ``greedy`` takes
+    the argmax of the processed logits instead of sampling. ``row_ids`` (default ``0..B-1``) name
+    the rows for the PRNG. ``stops``: token sequences that end a row once generated.
+    ``on_chunk(tokens [B, c], emitted [B, c])`` is called after every chunk (for streaming);
+    ``chunk`` is the number of steps between host round trips (default 64 up to 4 rows, else 32;
+    up to 4 rows with neither ``on_chunk`` nor ``stops``, the request's length rounded up to a
+    power of two, at most 512, when the model reads only the filled cache).
+    """
+    rows = _as_rows(prompts)
+    B = len(rows)
+    if B == 0:
+        raise ValueError("no prompts given")
+    check_int("the number of new tokens n", n, 0)
+    ids = np.arange(B) if row_ids is None else np.asarray(row_ids)
+    if ids.shape != (B,):
+        raise ValueError(f"row_ids must have one id per prompt ({B}), got shape {ids.shape}")
+    key = jnp.asarray(key)
+    if key.ndim == 2 and key.shape[0] != B:
+        raise ValueError(f"{key.shape[0]} keys for {B} prompts: give one key, or one per prompt")
+    if key.ndim not in (1, 2):
+        raise ValueError(f"key must be one PRNG key or one per prompt, got shape {key.shape}")
+    longest = max(len(r) for r in rows)
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    capacity = round_up(min(model.T, longest + n) + SMALL_BATCH_CHUNK, SPAN_BUCKET)
+    per_row = budget_lib.row_bytes(model, longest, n, capacity, heads)
+    size = budget_lib.rows_per_batch(per_row, memory_budget, max_rows)
+    if mesh is not None:  # each device holds the cache of its share of the rows
+        size *= mesh.shape["data"]
+    parts = budget_lib.groups(B, size)
+    cons = constraint if isinstance(constraint, (list, tuple)) else None
+    if cons is not None and len(cons) != B:
+        raise C.ConstraintError(f"give one constraint per row ({B}), got {len(cons)}")
+    rule_rows = _rule_per_row(rule, B)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=B * n, unit="tok", unit_scale=True, desc=progress if isinstance(progress, str) else "generate",
+                   file=sys.stderr, leave=False, dynamic_ncols=True)
+    results = []
+    try:
+        for part in parts:
+            sel = np.asarray(part)
+
+            def chunk_cb(tokens, emitted, sel=sel):
+                if bar is not None:
+                    bar.update(int(tokens.size))
+                if on_chunk is not None:
+                    full_t = np.zeros((B, tokens.shape[1]), tokens.dtype)
+                    full_e = np.zeros((B, tokens.shape[1]), bool)
+                    full_t[sel], full_e[sel] = tokens, emitted
+                    on_chunk(full_t, full_e)
+
+            results.append(_sample_batch(
+                model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel],
+                rule=rule if len(parts) == 1 else rule_rows(sel), greedy=greedy, row_ids=ids[sel], stops=stops,
+                chunk=chunk, on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
+                constraint=constraint if cons is None else [cons[i] for i in sel], mesh=mesh))
+    finally:
+        if bar is not None:
+            bar.close()
+    if len(results) == 1:
+        return results[0]
+    width = max(r.tokens.shape[1] for r in results)
+    pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)
+    return TokenResult(np.concatenate([pad(r.tokens, 0) for r in results]),
+                       np.concatenate([pad(r.model_logprobs, 0) for r in results]),
+                       np.concatenate([pad(r.sample_logprobs, 0) for r in results]),
+                       np.concatenate([r.counts for r in results]),
+                       np.concatenate([r.stopped for r in results]))
+
+
+def _as_rows(prompts) -> list[np.ndarray]:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        return list(prompts.astype(np.int32))
+    return [np.asarray(p).reshape(-1) for p in prompts]
+
+
+def _rule_per_row(rule, B: int):
+    """``sel -> rule`` with every per-row setting cut to the rows ``sel``."""
+    def cut(sel):
+        if rule is None:
+            return None
+
+        def fix(a):
+            a = jnp.asarray(a)
+            if a.ndim == 0:
+                return a
+            if a.shape[0] != B:
+                raise ValueError(f"a per-row rule setting has {a.shape[0]} values for {B} rows")
+            return a[sel]
+
+        return jax.tree_util.tree_map(fix, rule)
+
+    return cut
+
+
+def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
+                  on_chunk=None, constraint=None, mesh=None) -> TokenResult:
+    """:func:`sample_tokens` for one batch (``key``: one, or one per row)."""
+    if mesh is not None:
+        from jaxdecode.decoding.sharded import Placement, sample_batch
+
+        return sample_batch(model, params, prompts, n, key, rule=rule, greedy=greedy, row_ids=row_ids,
+                            stops=stops, chunk=chunk, on_chunk=on_chunk, constraint=constraint,
+                            placement=Placement(mesh))
+    batch = make_batch(prompts, n, model.V, model.T, row_ids)
+    B, Bb, T = batch.B, batch.Bb, model.T
+    key = jnp.asarray(key)
+    if key.ndim == 2:  # one key per row: the dummy rows take the first
+        key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (Bb - B, key.shape[1]))])
+    if n == 0:
+        e = np.zeros((B, 0), np.int32)
+        return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
+                           np.zeros(B, bool))
+    con, cstate, budget = C.for_rows(constraint, B, Bb, model.V, n)
+    whole = model.reads_only_filled
+    if chunk is None:
+        chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
+        if B <= 4 and on_chunk is None and not stops and con is None and whole:
+            # nothing to stream or to check between chunks, and a few rows, where each host round
+            # trip costs about half a millisecond: the request in one chunk (a power of two, so
+            # one program per size bucket of n)
+            chunk = max(chunk, min(batch_bucket(n), WHOLE_CHUNK_MAX))
+    chunk = min(chunk, batch_bucket(n))  # short requests get a smaller buffer
+    Pmax, Pb = batch.Pmax, batch.Pb
+    rule_b = pad_rule(rule, B, Bb)
+    stop_arr, stop_lens = encode_stops(stops)
+    S = stop_arr.shape[1] if stop_arr is not None else 1
+
+    rule_state = None
+    if rule_b is not None:
+        rule_state = _rule_init(rule_b, jnp.asarray(batch.prompt), jnp.asarray(batch.length), V=model.V,
+                                max_new=round_up(n, 256))
+
+    # The cache a chunk starting after `taken` steps needs: allocated once for the whole request
+    # when attention reads each row only up to its length, else grown with the text.
+    def capacity(taken):
+        return round_up((min(T, Pmax + n) if whole else Pmax + taken) + chunk, SPAN_BUCKET)
+
+    params = model.prepare(params, Bb)
+    cache = None
+    if Pmax <= T:
+        tokens = batch.prompt[:, :min(Pb, T)]
+        first: dict[bytes, int] = {}  # each distinct prompt's first row
+        same = [first.setdefault(tokens[i, :batch.length[i]].tobytes(), i) for i in range(B)]
+        if len(first) < B:  # several samples of a prompt: prefill it once, copy its cache
+            uniq = list(first.values())
+            Ub = batch_bucket(len(uniq))
+            where = {r: j for j, r in enumerate(uniq)}
+            rows = np.zeros((Bb,), np.int32)  # dummy rows copy the first prompt (discarded)
+            rows[:B] = [where[r] for r in same]
+            tok_u = np.zeros((Ub, tokens.shape[1]), np.int32)
+            len_u = np.ones((Ub,), np.int32)
+            tok_u[:len(uniq)], len_u[:len(uniq)] = tokens[uniq], batch.length[uniq]
+            logits, cache = _prefill_shared(params, jnp.asarray(tok_u), jnp.asarray(len_u), jnp.asarray(rows),
+                                            model=model, capacity=capacity(0))
+        else:
+            logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(batch.length),
+                                     model=model, capacity=capacity(0))
+        n_cache = min(n, T - Pmax)
+    else:
+        logits = _window_start(params, jnp.asarray(batch.recent), jnp.asarray(batch.length), model=model)
+        n_cache = 0
+    state = SamplingState(
+        logits=logits, recent=jnp.asarray(batch.recent), length=jnp.asarray(batch.length), rule_state=rule_state,
+        done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0), cstate=cstate)
+    common = {"rule": rule_b, "key": key, "row_ids": jnp.asarray(batch.row_ids), "stops": stop_arr,
+              "stop_lens": stop_lens, "con": con, "budget": budget}
+
+    outs, taken = [], 0
+    while taken < n:
+        valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
+        step_end = np.int32(taken + valid)  # a numpy scalar: a jnp one costs a dispatch of its own
+        if taken < n_cache:
+            if model.capacity(cache) < capacity(taken):
+                cache = _grow(cache, model=model, capacity=capacity(taken))
+            state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, model=model,
+                                             chunk=chunk, greedy=greedy, **common)
+        else:
+            cache = None
+            state, out = _window_chunk(params, state, step_end=step_end, model=model, chunk=chunk,
+                                       greedy=greedy, **common)
+        out = jax.device_get(out)
+        out = StepOutput(*(np.asarray(a)[:valid, :B].T for a in out))  # [B, valid]
+        outs.append(out)
+        taken += valid
+        if on_chunk is not None:
+            on_chunk(out.token, out.emitted)
+        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
+            break  # every row has stopped
+
+    cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
+    tokens, mlp, slp, emitted = cat(0), cat(1), cat(2), cat(3)
+    counts = emitted.sum(axis=1).astype(np.int32)
+    stopped = np.asarray(state.done)[:B]
+    return TokenResult(tokens.astype(np.int32), mlp.astype(np.float32), slp.astype(np.float32),
+                       counts, stopped)
+
+
+def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
+             key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
+             stop: str | Sequence[str] | None = None, chunk: int | None = None,
+             on_text: Callable[[int, str], None] | None = None, constraint=None,
+             memory_budget: int | str | None = None, max_rows: int | None = None,
+             progress: bool | str = False, mesh=None) -> list[Generation]:
+    """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
+
+    Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
+
+    Seeds are per prompt, like a per-request seed: ``seed`` is one seed for every prompt or a list
+    with one per prompt, and sample ``j`` of a prompt is drawn with the key ``PRNGKey(seed)`` of
+    its prompt and row id ``j``. So a prompt's samples depend only on the prompt, its seed, ``j``
+    and the settings: never on the other prompts of the request, its position among them, or how
+    the request is split into batches (``memory_budget``, ``max_rows``: see
+    :func:`sample_tokens`). ``key`` (instead of ``seed``): one key for every prompt.
+
+    ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
+    :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
+    ``progress``: a bar on stderr. ``mesh``: split each batch over devices (see
+    :func:`sample_tokens`).
+    """
+    prompts, rows = encode_prompts(lm, prompts, num_samples)
+    stop_tokens = encode_stop_strings(lm, stop)
+    keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
+
+    constraint = C.per_sample(constraint, len(prompts), num_samples)
+    res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stop_tokens,
+                        row_ids=row_ids, chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
+                        memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
+    out = []
+    for r in range(len(rows)):
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        c = len(toks)
+        out.append(Generation(prompt=prompts[r // num_samples], text=text, tokens=toks,
+                              model_logprobs=res.model_logprobs[r, :c],
+                              sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))
+    return out
+
+
+def sharded_generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
+                     key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
+                     stop: str | Sequence[str] | None = None, chunk: int | None = None,
+                     on_text: Callable[[int, str], None] | None = None, constraint=None,
+                     mesh: jax.sharding.Mesh | None = None) -> list[Generation]:
+    """:func:`jaxdecode.generate` with the batch split over ``mesh`` (default: every device); the
+    same texts, tokens and log-probabilities, on every process."""
+    from jaxdecode.decoding.sharded import make_mesh
+
+    return generate(lm, prompts, n, seed=seed, key=key, rule=rule, greedy=greedy, num_samples=num_samples,
+                    stop=stop, chunk=chunk, on_text=on_text, constraint=constraint,
+                    mesh=make_mesh() if mesh is None else mesh)

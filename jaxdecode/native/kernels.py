@@ -1,0 +1,288 @@
+"""The native CPU layer: C++ decode operations called through XLA's FFI (``jax.ffi``).
+
+XLA CPU turns the attention of a decode step (one or a few queries per row against a long KV
+cache) into a batched product over ``B * heads`` tiny matrices, after copying the attended part of
+the cache out of the cache buffer. :func:`attention` instead calls a C++ kernel that reads every
+row's keys and values in place, only up to that row's own length. For decode passes (a step at
+any batch up to 1,024 rows, a speculative verify pass, a beam step), :func:`decode_layer` runs a
+whole decoder layer as one call on weights packed by :func:`pack`. :func:`dense` /
+:func:`packed_dense` serve single products.
+
+This module only builds, loads and calls the native code; it has no ``jax.numpy`` fallback. The
+portable computation is the model's own code (:mod:`jaxdecode.models.charlm.transformer`), which the native layer is
+tested against, and which every other backend (GPU, TPU) runs. Whether a model uses this layer
+is decided once, when it is built (:func:`select`), never behind jit's back.
+
+The library is compiled on first use with the system's C++ compiler (``-O3 -march=native``)
+from ``csrc/*.cc`` against the XLA FFI headers that ship with jaxlib, and cached under
+``$JAXDECODE_CACHE/kernels`` by a hash of the sources, jaxlib's version, the CPU and
+``$JAXDECODE_CXXFLAGS`` (extra compiler flags, for sanitizer builds).
+``JAXDECODE_KERNELS`` selects the default backend of loaded models: ``auto`` (the native layer
+on the CPU backend if it builds), ``0`` (never) or ``1`` (required: an error if it cannot be
+built or the default backend is not the CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.io import paths
+
+_CSRC = Path(__file__).parent / "csrc"
+_TARGET = "jaxdecode_decode_attention"
+_DENSE = "jaxdecode_dense"
+_PACKED = "jaxdecode_packed_dense"
+_LAYER = "jaxdecode_decode_layer"
+DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
+PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
+# decode_layer: one native call per layer beats XLA's operations at every batch measured (1 to
+# 256 rows; from 64 rows the call runs as a pipeline, see csrc/layer.cc). The limit bounds the
+# call's scratch memory (10 * d floats a row).
+LAYER_MAX_ROWS = 1024
+PREFILL_MAX_ROWS = 64  # prompts of up to this many positions in all are prefilled through it
+
+
+class KernelError(RuntimeError):
+    """The native kernel was required (``JAXDECODE_KERNELS=1``) but could not be built."""
+
+
+def _mode() -> str:
+    mode = os.environ.get("JAXDECODE_KERNELS", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise KernelError(f"JAXDECODE_KERNELS must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and feature flags (the library is built with -march=native)."""
+    found = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")) and line not in found:
+                    found.append(line)
+                if len(found) == 2:
+                    break
+    except OSError:
+        pass
+    return "".join(found) or platform.processor()
+
+
+def _sources() -> list[Path]:
+    """The C++ sources of the native layer (compiled together into one library) and its headers."""
+    return sorted(_CSRC.glob("*.cc")) + sorted(_CSRC.glob("*.h"))
+
+
+def _build_dir() -> Path:
+    """``$JAXDECODE_CACHE/kernels``; with caching off, a temporary folder for this process."""
+    d = paths.cache_dir("kernels")
+    if d is None:
+        d = Path(tempfile.gettempdir()) / f"jaxdecode-kernels-{os.getpid()}"
+    return d
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the native layer (if not already built) and return the shared library's path."""
+    import jaxlib
+
+    sources = _sources()
+    h = hashlib.sha256()
+    for f in sources:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    extra = os.environ.get("JAXDECODE_CXXFLAGS", "").split()  # e.g. -fsanitize=address (docs/native.md)
+    h.update(jaxlib.__version__.encode() + _cpu_name().encode() + platform.machine().encode())
+    h.update("\0".join(extra).encode())
+    out = _build_dir() / f"native-{h.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise KernelError("no C++ compiler found (set CXX or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one build at a time per library: a second process waits, then finds the first one's library
+    with paths.lock(out.with_name(out.name + ".lock")):
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", *extra, f"-I{jax.ffi.include_dir()}",
+               f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
+        print("jaxdecode: compiling the native CPU kernels (once, under a minute)...", file=sys.stderr, flush=True)
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{res.stderr[-2000:]}")
+            os.replace(tmp, out)  # atomic: an interrupted build never leaves half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    if verbose:
+        print(f"built {out}")
+    return out
+
+
+@functools.cache
+def _library() -> str | None:
+    """Build and register the native layer once per process; None, or why it is unavailable."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodeDecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
+        jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
+        jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
+        return None
+    except Exception as e:  # no compiler, failed build, unloadable library
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def select(mode: str | None = None) -> tuple[bool, str]:
+    """Decide once whether a model uses the native layer: ``(native, why)``.
+
+    ``mode``: ``"auto"``, ``"0"``/``"portable"`` or ``"1"``/``"native"``; default
+    ``$JAXDECODE_KERNELS``. Off the CPU backend nothing is built. ``"1"`` raises
+    :class:`KernelError` (one line) when the native layer cannot be used.
+    """
+    source = "JAXDECODE_KERNELS" if mode is None else "backend"
+    mode = _mode() if mode is None else {"portable": "0", "native": "1"}.get(mode, mode)
+    if mode not in ("auto", "0", "1"):
+        raise KernelError(f"backend must be auto, native or portable, got {mode!r}")
+    if mode == "0":
+        return False, ("portable: the native layer is turned off (JAXDECODE_KERNELS=0)" if source != "backend"
+                       else "portable: chosen by the caller")
+    platform_name = jax.default_backend()
+    if platform_name != "cpu":
+        if mode == "1":
+            raise KernelError(f"the native layer ({source}=native) needs the CPU backend, but JAX runs on {platform_name}")
+        return False, f"portable: JAX runs on {platform_name} (the native layer is for the CPU only)"
+    failure = _library()
+    if failure is not None:
+        if mode == "1":
+            raise KernelError(f"the native CPU layer is required ({source}=native) but unavailable: {failure}")
+        return False, f"portable: the native CPU layer could not be built ({failure})"
+    why = {("JAXDECODE_KERNELS", "1"): "required by JAXDECODE_KERNELS=1", ("backend", "1"): "chosen by the caller"}.get(
+        (source, mode), f"built and loaded ({source}=auto)")
+    return True, f"native: the C++ CPU layer, {why}"
+
+
+def available() -> bool:
+    """Whether the native layer can be used in this process (CPU backend, built and loaded)."""
+    return jax.default_backend() == "cpu" and _library() is None
+
+
+def fuses_rows(rows: int) -> bool:
+    """Whether a native decode pass of ``rows`` rows runs each layer as one :func:`decode_layer` call."""
+    return 0 < rows <= LAYER_MAX_ROWS
+
+
+def _check_float32(*args):
+    for a in args:
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float32:
+            raise TypeError(f"the native CPU layer computes in float32, got an operand of dtype {a.dtype}")
+
+
+def attention(q, k, v, lim, k2, v2, n2, scale: float):
+    """Softmax attention of queries ``q`` ``[B, H, S, D]`` over two key/value buffers, natively.
+
+    Query ``(b, s)`` sees positions ``t < lim[b, s]`` of ``k, v`` ``[B, H, C, D]`` and
+    ``t < n2[b, s]`` of ``k2, v2`` ``[B * H, L, D]`` (``lim``, ``n2``: ``[B, S]`` int32). Every
+    query must see at least one position. The model's portable equivalent is
+    :func:`jaxdecode.models.charlm.transformer.attend`.
+    """
+    lim = jnp.asarray(lim, jnp.int32)
+    n2 = jnp.asarray(n2, jnp.int32)
+    _check_float32(q, k, v, k2, v2)
+    return _ffi(_TARGET, q.shape, scale=np.float32(scale))(q, k, v, lim, k2, v2, n2)
+
+
+def _ffi(target: str, shape, **attrs):
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")
+    return lambda *args: call(*args, **attrs)
+
+
+def _rows_kernel(target: str, x, N: int):
+    """The native product ``target`` on ``x`` ``[..., K]`` flattened to rows, output ``[..., N]``."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    M = math.prod(lead)
+    call = _ffi(target, (M, N))
+    return lambda x, w, b: call(x.reshape(M, K), w, b).reshape(*lead, N)
+
+
+def dense(x, w, b):
+    """``x @ w + b`` natively, for ``x`` ``[..., K]`` (a few rows), ``w`` ``[K, N]`` (``N % 8 == 0``),
+    ``b`` ``[N]``: the kernel streams the weights in order, split over XLA's threads (a one-row
+    product is bound by reading the weights, which XLA CPU does on one thread)."""
+    _check_float32(x, w, b)
+    return _rows_kernel(_DENSE, x, w.shape[1])(x, w, b)
+
+
+def pack(w):
+    """``w`` ``[K, N]`` in panels of 16 columns, ``[N / 16, K, 16]``, for :func:`packed_dense`."""
+    K, N = w.shape
+    return w.reshape(K, N // 16, 16).transpose(1, 0, 2)
+
+
+def unpack(wp):
+    """The inverse of :func:`pack`."""
+    P, K, _ = wp.shape
+    return wp.transpose(1, 0, 2).reshape(K, 16 * P)
+
+
+def packed_dense(x, wp, b):
+    """``x @ w + b`` natively with ``wp = pack(w)`` (for a few rows)."""
+    _check_float32(x, wp, b)
+    return _rows_kernel(_PACKED, x, 16 * wp.shape[0])(x, wp, b)
+
+
+SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}
+WRITES = {None: 0, "cache": 1, "buffer": 2}
+
+
+def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = "auto",
+                 write: str | None = None):
+    """One pre-norm decoder layer for a few new positions per row, as a single native call.
+
+    ``x`` ``[B, S, d]`` are the inputs at ``S`` new positions of each row; ``weights`` is the
+    tuple ``(ln1 scale, ln1 bias, qkv kernel, qkv bias, proj kernel, proj bias, ln2 scale, ln2 bias,
+    ff1 kernel, ff1 bias, ff2 kernel, ff2 bias)`` with the four kernels packed by :func:`pack`.
+    New position ``s`` of row ``b`` attends to positions ``t < lim[b, s]`` of the cache ``k, v``
+    ``[B, H, C, hd]``, ``t < n2[b, s]`` of the buffer ``k2, v2`` ``[B * H, L, hd]``, and the new
+    positions ``0..s`` of its row. Returns the layer's output ``[B, S, d]`` and the new positions'
+    keys and values ``[B, H, S, hd]``, for the caller to write into its cache; or, with ``write``
+    ``"cache"`` (``"buffer"``), the cache ``k, v`` (the buffer ``k2, v2``) with the new positions
+    written at ``lim[:, 0]`` (``n2[:, 0]``), in place where XLA can donate it. The ``S`` new
+    positions must fit there (``lim[:, 0] + S <= C``); the queries then see exactly what they
+    would see with ``write=None``. The model's portable equivalent is
+    :meth:`jaxdecode.models.charlm.transformer.Block.decode`, which the tests compare this with.
+
+    ``schedule`` (``"auto"``, ``"phases"`` or ``"pipeline"``) picks how the native call shares the
+    work between threads (``"auto"``: a pipeline over blocks of rows from 64 rows on); it changes
+    the order of some sums, hence the last bits of some results, never what is computed.
+    """
+    B, S, d = x.shape
+    H, D = k.shape[1], k.shape[3]
+    lim = jnp.asarray(lim, jnp.int32)
+    n2 = jnp.asarray(n2, jnp.int32)
+    _check_float32(x, k, v, k2, v2, *weights)
+    mode = WRITES[write]
+    shape = {0: (B, H, S, D), 1: k.shape, 2: k2.shape}[mode]
+    kv = jax.ShapeDtypeStruct(shape, jnp.float32)
+    aliases = {1: {13: 1, 14: 2}, 2: {16: 1, 17: 2}}.get(mode, {})  # operand index -> output
+    call = jax.ffi.ffi_call(_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), kv, kv),
+                            vmap_method="sequential", input_output_aliases=aliases)
+    y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps),
+                     schedule=np.int32(SCHEDULES[schedule]), write=np.int32(mode))
+    return y.reshape(B, S, d), kn, vn
