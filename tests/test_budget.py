@@ -159,3 +159,69 @@ def test_cli_batches_and_bar(tiny_ckpt, capsys, monkeypatch):
         assert cli.main(argv[:-1] + [flag, value]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- the loops that do not split
+
+def _fits(message: str) -> int:
+    import re
+
+    m = re.search(r"over the memory budget of [^:]+: (\d+) [a-z ]+ fit", message)
+    assert m, message
+    return int(m.group(1))
+
+
+def _pow2_at_most(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+SMALL = "200K"
+
+
+def _beam(lm, size, budget):
+    return jd.beam_generate(lm, ["abc"] * (1 if size <= 12 else size // 4), 6, min(size, 12) if size <= 12 else 4,
+                            memory_budget=budget)
+
+
+def _contrastive(lm, size, budget):
+    return jd.contrastive_generate(lm, ["abc"] * max(1, size // 4), 6, k=min(size, 4), alpha=0.5,
+                                   memory_budget=budget)
+
+
+def _speculative(lm, size, budget):
+    from jaxdecode import speculative as SP
+
+    return SP.speculative_generate(lm, "abc", 6, draft=SP.PromptLookupDraft(2), num_samples=size,
+                                   memory_budget=budget)
+
+
+def _smc(lm, size, budget):
+    from jaxdecode import constraints as C
+    from jaxdecode.decoding.smc import smc_generate
+
+    return smc_generate(lm, "a", 4, C.compile_choices(["bad", "cab"], lm.vocab), size, memory_budget=budget)
+
+
+@pytest.mark.parametrize("run, big", [(_beam, 64), (_contrastive, 64), (_speculative, 256), (_smc, 4096)],
+                         ids=["beam", "contrastive", "speculative", "smc"])
+def test_loops_refuse_what_does_not_fit_and_run_what_does(lm, run, big):
+    """Over the budget: one line that names what fits, before anything runs. The same budget then
+    runs a request of that size (rounded down to a power of two where rows are bucketed)."""
+    with pytest.raises(budget.MemoryBudgetError) as e:
+        run(lm, big, SMALL)
+    message = str(e.value)
+    assert "\n" not in message and "200.0 KiB" in message
+    fit = _fits(message)
+    assert 1 <= fit < big
+    run(lm, _pow2_at_most(fit), SMALL)  # fits: runs
+    with pytest.raises(budget.MemoryBudgetError):
+        run(lm, 2 * _pow2_at_most(fit) if run is not _beam else fit + 1, SMALL)
+
+
+def test_cli_smc_over_the_budget_is_one_line(tiny_ckpt, capsys):
+    from jaxdecode.cli import main
+
+    rc = main(["generate", "a", "--ckpt", str(tiny_ckpt), "-n", "4", "--choice", "bad", "--choice", "cab",
+               "--smc", "5000", "--memory-budget", "1M"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "5000 particles" in err and "fit" in err, err

@@ -41,7 +41,8 @@ def generate_contrastive(args, prompt, settings):
     stream, on_text = _streaming(args, prompt)
     on_text, done = _past_window(args, lm, len(ids), args.n, 1, on_text)
     try:
-        out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text)[0]
+        out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text,
+                                   memory_budget=args.memory_budget)[0]
     except ValueError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -70,7 +71,7 @@ def generate_smc(args, lm, prompt, constraint, settings):
         raise UsageError(f"--smc must be >= 1 particle, got {args.smc}")
     from jaxdecode.decoding.smc import smc_generate
 
-    res = smc_generate(lm, prompt, args.n, constraint, args.smc, seed=args.seed)
+    res = smc_generate(lm, prompt, args.n, constraint, args.smc, seed=args.seed, memory_budget=args.memory_budget)
     ranked = sorted(res.distribution.items(), key=lambda kv: (-kv[1], kv[0]))
     rng = np.random.default_rng(args.seed)
     draws = rng.choice(len(ranked), size=args.num_samples, p=np.array([p for _, p in ranked]) / sum(p for _, p in ranked))
@@ -105,8 +106,8 @@ def generate_beam(args, prompt, rule, settings):
     constraint = _constraint(args, lm)
     stop = _stops(args, lm)
     _past_window(args, lm, len(ids), args.n, bar=False)  # beam search reports nothing until the end
-    hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha,
-                         stop=stop, rule=rule, constraint=constraint)[0]
+    hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha, stop=stop, rule=rule,
+                         constraint=constraint, memory_budget=args.memory_budget)[0]
     if args.json:
         doc = {"outputs": [{"prompt": prompt, "text": h.text, "mean_logprob": h.mean_logprob,
                             "tokens": np.asarray(h.tokens).tolist(), "score": h.score,
@@ -158,6 +159,7 @@ def generate_speculative(args, prompt, rule, settings):
         draft = ModelDraft.from_lm(small)
     stream, on_text = _streaming(args, prompt)
     outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
+                                memory_budget=args.memory_budget,
                                 greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text,
                                 constraint=constraint)
     total = SpeculativeStats.total([o.stats for o in outs])

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import constraints as C
+from jaxdecode.decoding import budget as budget_lib
 from jaxdecode.decoding.common import (
     SPAN_BUCKET,
     check_int,
@@ -373,7 +374,7 @@ def _alpha_per_row(length_penalty_alpha, B: int, Bb: int) -> np.ndarray:
 def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, k: int, *,
                 n_best: int = 1, length_penalty: float | Sequence[float] = 0.0,
                 end_tokens: Sequence[int | Sequence[int]] | None = None, rule=None,
-                chunk: int = DEFAULT_CHUNK, constraint=None) -> BeamResult:
+                chunk: int = DEFAULT_CHUNK, constraint=None, memory_budget: int | str | None = None) -> BeamResult:
     """Beam search of width ``k`` for ``n`` tokens after each prompt (token arrays of any lengths)
     with ``model`` (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) and ``params``.
 
@@ -385,7 +386,9 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     prompt (None: free); every hypothesis of a constrained prompt is then in its language, up to
     ``n`` tokens, and one that stops before ``n`` scores the log of the model's stop probability
     (see the module docstring).
-    Returns up to ``n_best`` (<= k) hypotheses per prompt, best first.
+    Returns up to ``n_best`` (<= k) hypotheses per prompt, best first. A request whose beams do not
+    fit ``memory_budget`` (see :mod:`jaxdecode.decoding.budget`) is refused before anything is
+    allocated.
     """
     n = check_int("the number of new tokens n", n, 0)
     k = check_int("the beam width k", k, 1)
@@ -405,6 +408,10 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
         return BeamResult([[Hypothesis(empty, 0.0, 0.0, False)] for _ in range(B)], 0)
 
     Pmax, Pb = batch.Pmax, batch.Pb
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    budget_lib.require(f"beam search of {B} prompts x {k} beams", Bb * k,
+                       budget_lib.row_bytes(model, Pmax, n, round_up(min(T, Pmax + n), SPAN_BUCKET), heads),
+                       memory_budget, unit="beams", fewer="fewer prompts or a narrower beam")
     prompt, recent, length = batch.prompt, batch.recent, batch.length
     stop_arr, stop_lens = encode_stops(ends)
     S = stop_arr.shape[1] if stop_arr is not None else 1
@@ -491,7 +498,8 @@ class BeamText:
 
 def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: int = 1,
                   length_penalty: float | Sequence[float] = 0.0, stop: str | Sequence[str] | None = None,
-                  rule=None, chunk: int = DEFAULT_CHUNK, constraint=None) -> list[list[BeamText]]:
+                  rule=None, chunk: int = DEFAULT_CHUNK, constraint=None,
+                  memory_budget: int | str | None = None) -> list[list[BeamText]]:
     """Beam search of width ``k`` for ``n`` characters after each prompt with a loaded model.
 
     Returns one list per prompt (also for a single string) of up to ``n_best`` continuations,
@@ -503,7 +511,7 @@ def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: i
     ends = encode_stop_strings(lm, stop) or None
     constraint = C.per_sample(constraint, len(prompts), 1)
     res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
-                      end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint)
+                      end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint, memory_budget=memory_budget)
     def text(p, h):
         tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop)
         return BeamText(prompt=p, text=text, tokens=tokens, score=h.score, logprob=h.logprob, finished=h.finished)

@@ -15,6 +15,11 @@ of the host's physical memory on the CPU.
 
 Rows keep their ids (and so their random streams) whichever group they land in, so splitting
 never changes a text.
+
+The loops whose rows are not independent draws of one request (beam search: a prompt's ``k``
+beams; contrastive search: ``k`` candidates a row; speculative decoding; SMC: a prompt's
+particles) check the whole request against the budget before allocating anything
+(:func:`require`), and refuse in one line that says how many rows fit.
 """
 
 from __future__ import annotations
@@ -78,9 +83,35 @@ def row_bytes(model, prompt_len: int, n: int, capacity: int, heads: int = 1) -> 
     return int(SAFETY * per_row)
 
 
-def rows_per_batch(per_row: int, budget: int | None = None, max_rows: int | None = None) -> int:
-    """How many rows of ``per_row`` bytes one batch may hold (at least 1). ``budget``: bytes, or a
-    size such as ``"2G"`` (default :func:`default_budget`)."""
+class MemoryBudgetError(ValueError):
+    """A request that does not fit the memory budget (one line: what it needs, and what fits)."""
+
+
+def size_text(nbytes: int) -> str:
+    """``3221225472`` -> ``"3.0 GiB"``."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def require(what: str, rows: int, per_row: int, budget: int | str | None = None, *, unit: str = "rows",
+            fewer: str = "fewer") -> None:
+    """Raise :class:`MemoryBudgetError` unless ``rows`` rows of ``per_row`` bytes fit the budget.
+
+    ``what`` names the request (``"beam search of 64 prompts x 5 beams"``), ``unit`` its rows and
+    ``fewer`` what to ask for instead."""
+    budget = resolve(budget)
+    fit = budget // max(int(per_row), 1)
+    if rows > fit:
+        raise MemoryBudgetError(
+            f"{what} needs about {size_text(rows * per_row)} ({rows} {unit} of {size_text(per_row)}), over the "
+            f"memory budget of {size_text(budget)}: {fit} {unit} fit; ask for {fewer}, or raise the budget "
+            f"(memory_budget=, --memory-budget or ${ENV})")
+
+
+def resolve(budget: int | str | None) -> int:
+    """The budget in bytes: ``budget`` (bytes, or a size such as ``"2G"``), else :func:`default_budget`."""
     if budget is None:
         budget = default_budget()
     elif isinstance(budget, str):
@@ -89,7 +120,13 @@ def rows_per_batch(per_row: int, budget: int | None = None, max_rows: int | None
         raise ValueError(f"the memory budget must be a number of bytes or a size such as '2G', got {budget!r}")
     if not budget > 0 or budget == float("inf"):
         raise ValueError(f"the memory budget must be a positive, finite number of bytes, got {budget!r}")
-    budget = int(budget)
+    return int(budget)
+
+
+def rows_per_batch(per_row: int, budget: int | None = None, max_rows: int | None = None) -> int:
+    """How many rows of ``per_row`` bytes one batch may hold (at least 1). ``budget``: bytes, or a
+    size such as ``"2G"`` (default :func:`default_budget`)."""
+    budget = resolve(budget)
     if max_rows is None:
         cap = MAX_ROWS
     elif isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:

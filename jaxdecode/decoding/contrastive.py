@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.decoding import budget as budget_lib
 from jaxdecode.decoding.common import (
     SPAN_BUCKET,
     Generation,
@@ -216,13 +217,16 @@ def check_settings(k, alpha, V: int, B: int) -> tuple[int, np.ndarray]:
 def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, k: int = 4,
                        alpha: float | Sequence[float] = 0.6, stops: Sequence[np.ndarray] = (),
                        chunk: int = DEFAULT_CHUNK,
-                       on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> TokenResult:
+                       on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                       memory_budget: int | str | None = None) -> TokenResult:
     """Contrastive search for ``n`` tokens after each prompt (token arrays of any lengths >= 1).
 
     ``k`` candidates per step (static: one program per value), ``alpha`` the weight of the
     degeneration penalty (traced; one number or one per prompt). Returns a
     :class:`~jaxdecode.decoding.sampling.TokenResult` whose ``sample_logprobs`` are 0 (the choice is
-    deterministic) and whose ``model_logprobs`` are the unmodified model's.
+    deterministic) and whose ``model_logprobs`` are the unmodified model's. The cache holds ``k``
+    copies of every row; a request whose copies do not fit ``memory_budget`` (see
+    :mod:`jaxdecode.decoding.budget`) is refused before anything is allocated.
     """
     batch = make_batch(prompts, n, model.V, model.T)
     B, Bb, T = batch.B, batch.Bb, model.T
@@ -239,6 +243,10 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
     cached = Pmax <= T
     n_cache = min(n, T - Pmax) if cached else 0
     capacity = round_up(min(T, Pmax + n) + chunk, SPAN_BUCKET) if cached else 0
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    budget_lib.require(f"contrastive search of {B} rows x {k} candidates", Bb * k,
+                       budget_lib.row_bytes(model, Pmax, n, max(capacity, 1), heads), memory_budget,
+                       unit="row copies", fewer="fewer rows or candidates")
     params = model.prepare(params, Bb * k)
     prompt = batch.prompt[:, :min(batch.Pb, T)] if cached else batch.prompt[:, :0]
     st, cache = _start(params, jnp.asarray(prompt), jnp.asarray(batch.recent), jnp.asarray(batch.length),
@@ -272,13 +280,14 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
 
 def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int = 4,
                          alpha: float | Sequence[float] = 0.6, *, stop: str | Sequence[str] | None = None,
-                         on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
+                         on_text: Callable[[int, str], None] | None = None,
+                         memory_budget: int | str | None = None) -> list[Generation]:
     """Contrastive search with a loaded model ``lm``: one :class:`Generation` per prompt
     (``sample_logprobs`` are 0: the choice is deterministic). ``alpha`` may give one value per
     prompt; they share one compiled program."""
     prompts, rows = encode_prompts(lm, prompts, 1)
     res = contrastive_tokens(lm.decoder, lm.params, rows, n, k, alpha, stops=encode_stop_strings(lm, stop),
-                             on_chunk=text_streamer(lm, on_text))
+                             on_chunk=text_streamer(lm, on_text), memory_budget=memory_budget)
     out = []
     for r, prompt in enumerate(prompts):
         toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)

@@ -99,6 +99,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import constraints as C
+from jaxdecode.decoding import budget as budget_lib
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, next_logits_for, round_up
 
 RESAMPLE_STREAM = 0x5E5A  # folded into the key for a resampling draw (apart from the step draws)
@@ -376,7 +377,8 @@ class SMCResult:
 
 
 def smc_generate(lm, prompt, n: int, constraint: C.Constraint, particles: int, *, seed: int = 0,
-                 ess_threshold: float = 0.5, resampling: str = "systematic") -> SMCResult:
+                 ess_threshold: float = 0.5, resampling: str = "systematic",
+                 memory_budget: int | str | None = None) -> SMCResult:
     """Sequential Monte Carlo for the model conditioned on ``constraint`` (see the module
     docstring): ``particles`` rows of one batch after ``prompt`` (a string or token ids), up to
     ``n`` tokens, the masked model as the proposal, weights ``Z_t``, resampling (``"systematic"``
@@ -385,7 +387,9 @@ def smc_generate(lm, prompt, n: int, constraint: C.Constraint, particles: int, *
 
     The prompt and the ``n`` tokens must fit in the model window ``T`` (the particles run through
     the cache). Programs: one per (bucketed particles, cache capacity, prompt bucket); the
-    particles are padded to a power of two with finished, weightless rows.
+    particles are padded to a power of two with finished, weightless rows. The particles share one
+    batch (resampling couples them): a request whose particles do not fit ``memory_budget`` (see
+    :mod:`jaxdecode.decoding.budget`) is refused before anything is allocated.
     """
     _check(constraint, n)
     n = int(n)
@@ -403,6 +407,10 @@ def smc_generate(lm, prompt, n: int, constraint: C.Constraint, particles: int, *
                          f"T={model.T}")
     N = int(particles)
     Nb = batch_bucket(N)
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    budget_lib.require(f"SMC with {N} particles", Nb,
+                       budget_lib.row_bytes(model, P, n, min(model.T, round_up(P + n, SPAN_BUCKET)), heads),
+                       memory_budget, unit="particles", fewer="fewer particles")
     auto, starts, _ = C.for_rows([constraint] * N + [None] * (Nb - N), Nb, Nb, model.V, n)
     capacity = min(model.T, round_up(P + n, SPAN_BUCKET))
     params = model.prepare(lm.params, Nb)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import constraints as C
+from jaxdecode.decoding import budget as budget_lib
 from jaxdecode.decoding.common import (
     SPAN_BUCKET,
     Generation,
@@ -311,7 +312,7 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
                        draft: Draft, gamma: int = 4, rule=None, greedy: bool = False,
                        row_ids: Sequence[int] | None = None, stops: Sequence[np.ndarray] = (),
                        on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                       constraint=None) -> SpeculativeResult:
+                       constraint=None, memory_budget: int | str | None = None) -> SpeculativeResult:
     """Generate ``n`` tokens after each prompt (token arrays, or one ``[B, P]`` array) by
     speculative sampling from the target ``model`` (a :class:`jaxdecode.models.DecodingModel`,
     e.g. ``lm.decoder``) with ``params``, proposed by ``draft``.
@@ -324,6 +325,8 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     returns to the host every ``STREAM_ITERATIONS`` passes; the tokens do not change.
     ``constraint``: as for :func:`jaxdecode.decoding.sampling.sample_tokens`; the output then has the
     distribution of constrained plain sampling (stops included), whatever the draft proposes.
+    A request whose rows do not fit ``memory_budget`` (see :mod:`jaxdecode.decoding.budget`) is
+    refused before anything is allocated.
     """
     gamma = check_int("gamma", gamma, 1)
     batch = make_batch(prompts, n, model.V, model.T, row_ids)
@@ -342,6 +345,10 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
                                  np.zeros(B, bool))
 
     Bb = _batch_bucket(B)
+    heads = getattr(getattr(model, "cfg", None), "heads", 1)
+    budget_lib.require(f"speculative decoding of {B} rows", Bb,
+                       budget_lib.row_bytes(model, Pmax, n + gamma + 1, min(T, Pmax + n + gamma + 1), heads),
+                       memory_budget, fewer="fewer rows or samples")
     prompt = np.zeros((Bb, batch.Pb), np.int32)
     prompt[:B] = batch.prompt[:B]
     length = np.ones((Bb,), np.int32)
@@ -451,7 +458,7 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
                          greedy: bool = False,
                          num_samples: int = 1, stop: str | Sequence[str] | None = None,
                          on_text: Callable[[int, str], None] | None = None,
-                         constraint=None) -> list[SpeculativeGeneration]:
+                         constraint=None, memory_budget: int | str | None = None) -> list[SpeculativeGeneration]:
     """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
 
     Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
@@ -466,7 +473,8 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
     res = speculative_tokens(lm.decoder, lm.params, rows, n, keys, row_ids=row_ids, draft=draft, gamma=gamma,
                              rule=rule, greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
-                             constraint=C.per_sample(constraint, len(prompts), num_samples))
+                             constraint=C.per_sample(constraint, len(prompts), num_samples),
+                             memory_budget=memory_budget)
     out = []
     for r in range(len(rows)):
         toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
