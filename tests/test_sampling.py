@@ -375,7 +375,6 @@ def shipped(backend):
         pytest.skip(str(e))
 
 
-@pytest.mark.slow
 @functools.lru_cache(maxsize=1)
 def _book_greedy_300(shipped_path: str):
     """The book's loop (a full forward per character) on the shipped model: 300 greedy tokens."""
@@ -393,6 +392,7 @@ def _book_greedy_300(shipped_path: str):
     return ids
 
 
+@pytest.mark.slow
 def test_shipped_greedy_300_equals_book_loop(shipped):
     """300 greedy characters with the cache == the book's loop (a full forward per character)."""
     params, model = shipped.params, shipped.decoder
