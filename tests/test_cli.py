@@ -1,8 +1,57 @@
+import functools
+import itertools
 import json
 
+import numpy as np
 import pytest
 
 from jaxdecode.cli.main import main
+
+
+# ----------------------------------------------------------------------------- plain references
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_forward(cfg):
+    import jax
+
+    from jaxdecode.models.charlm import transformer as M
+
+    return jax.jit(lambda params, tokens: M.forward(params, cfg, tokens))
+
+
+def _book_logprobs(tiny_model, seqs):
+    """log p(seq[t] | seq[:t]) for every t >= 1 of each row of ``seqs`` [N, L] (L <= T), float64:
+    one plain forward of the tiny model (no cache, no decoder, no checkpoint) per batch of rows."""
+    cfg, params, _ = tiny_model
+    seqs = np.asarray(seqs, np.int32)
+    assert seqs.shape[1] <= cfg.T
+    z = np.asarray(_jit_forward(cfg)(params, seqs), np.float64)[:, :-1]  # [N, L-1, V]
+    z = z - z.max(-1, keepdims=True)
+    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(lp, seqs[:, 1:, None], axis=-1)[..., 0]  # [N, L-1]
+
+
+def _book_continuation_logprob(tiny_model, prompt: str, text: str) -> float:
+    vocab = tiny_model[2]
+    ids = np.concatenate([vocab.encode(prompt), vocab.encode(text)])[None]
+    return float(_book_logprobs(tiny_model, ids)[0, len(prompt) - 1:].sum())
+
+
+def _book_greedy(tiny_model, prompt: str, n: int) -> str:
+    """Greedy decoding written plainly: a full forward per step, argmax of the last position."""
+    cfg, params, vocab = tiny_model
+    ids = [int(t) for t in vocab.encode(prompt)]
+    for _ in range(n):
+        z = np.asarray(_jit_forward(cfg)(params, np.asarray([ids[-cfg.T:]], np.int32)))[0, -1]
+        ids.append(int(np.argmax(z)))
+    return vocab.decode(np.asarray(ids[len(prompt):], np.int32))
+
+
+def _load_tiny(tiny_ckpt):
+    from jaxdecode.models import checkpoint
+
+    return checkpoint.load(tiny_ckpt)
 
 
 def test_generate_json(tiny_ckpt, capsys):
@@ -18,6 +67,44 @@ def test_generate_json(tiny_ckpt, capsys):
     assert main(["generate", r"ab\nc", "-n", "20", "--num-samples", "3", "--top-p", "0.9",
                  "--temperature", "0.8", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == doc
+
+
+def test_generate_json_is_the_library_with_the_flags_rule(tiny_ckpt, tiny_model, capsys):
+    """The command line's samples are jaxdecode.generate's with the same seed and the rule its
+    flags name, temperature before top-p (make_rule's order): another temperature or top-p, or
+    the two in the other order, gives other samples, and a tiny --top-p makes every sample
+    greedy's."""
+    import jaxdecode
+    from jaxdecode import rules
+
+    prompt, n, seed = "ab\nc", 12, 3  # within the window T = 16 (test_generate_json goes past it)
+    argv = ["generate", r"ab\nc", "-n", str(n), "--num-samples", "3", "--seed", str(seed), "--ckpt", tiny_ckpt,
+            "--json", "--quiet"]
+    assert main(argv + ["--temperature", "0.8", "--top-p", "0.9"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    texts = [o["text"] for o in doc["outputs"]]
+    lm = _load_tiny(tiny_ckpt)
+
+    def library(rule):
+        return jaxdecode.generate(lm, prompt, n, seed=seed, rule=rule, num_samples=3)
+
+    want = library(rules.chain(rules.temperature(0.8), rules.top_p(0.9)))
+    assert texts == [g.text for g in want]
+    assert [o["tokens"] for o in doc["outputs"]] == [g.tokens.tolist() for g in want]
+    for o, g in zip(doc["outputs"], want):
+        assert o["mean_logprob"] == pytest.approx(g.mean_logprob, abs=1e-6)
+    # each flag matters: with temperature 1 or top-p 1 (each rule a no-op; the settings are traced,
+    # so one compiled program), or the two rules in the other order, the samples differ
+    for other in (rules.chain(rules.temperature(1.0), rules.top_p(0.9)),
+                  rules.chain(rules.temperature(0.8), rules.top_p(1.0)),
+                  rules.chain(rules.top_p(0.9), rules.temperature(0.8))):
+        assert [g.text for g in library(other)] != texts, other
+    # a tiny nucleus keeps only the most probable character: every sample is greedy's text
+    assert main(argv + ["--temperature", "0.8", "--top-p", "0.001"]) == 0
+    tiny_p = [o["text"] for o in json.loads(capsys.readouterr().out)["outputs"]]
+    greedy = _book_greedy(tiny_model, prompt, n)
+    assert tiny_p == [greedy] * 3
+    assert texts != tiny_p  # top-p 0.9 samples: not all greedy's
 
 
 def test_generate_text_and_stream(tiny_ckpt, capsys):
@@ -58,23 +145,62 @@ def test_missing_checkpoint(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_generate_beam_json(tiny_ckpt, capsys):
-    assert main(["generate", "abc", "-n", "10", "--beam", "4", "--n-best", "3", "--length-penalty", "0.6",
+def test_generate_beam_json(tiny_ckpt, tiny_model, capsys):
+    import jaxdecode
+
+    alpha, n = 0.6, 10
+    assert main(["generate", "abc", "-n", str(n), "--beam", "4", "--n-best", "3", "--length-penalty", str(alpha),
                  "--ckpt", tiny_ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     scores = [o["score"] for o in doc["outputs"]]
     assert len(scores) == 3 and scores == sorted(scores, reverse=True)
-    assert all(len(o["text"]) == 10 for o in doc["outputs"])
+    assert all(len(o["text"]) == n for o in doc["outputs"])
+    assert doc["settings"]["length_penalty"] == alpha
+    # the model's log-probability of each text (a plain forward), and its GNMT score: no stop
+    # string, so every hypothesis has n characters and score = logprob / ((5 + n) / 6) ** alpha
+    # (Wu et al. 2016; jaxdecode.decoding.beam.gnmt_length_penalty)
+    penalty = ((5.0 + n) / 6.0) ** alpha
+    assert penalty > 1.7  # far from 1: a score that ignored --length-penalty would fail below
+    for o in doc["outputs"]:
+        assert o["logprob"] == pytest.approx(_book_continuation_logprob(tiny_model, "abc", o["text"]), abs=1e-4)
+        assert o["score"] == pytest.approx(o["logprob"] / penalty, rel=1e-5, abs=1e-5)
+        assert not o["finished"]
+    # the library with the same settings
+    want = jaxdecode.beam_generate(_load_tiny(tiny_ckpt), "abc", n, 4, n_best=3, length_penalty=alpha)[0]
+    assert [o["text"] for o in doc["outputs"]] == [h.text for h in want]
+    assert scores == pytest.approx([h.score for h in want], abs=1e-6)
+    assert [o["logprob"] for o in doc["outputs"]] == pytest.approx([h.logprob for h in want], abs=1e-6)
 
 
-def test_mode_command(tiny_ckpt, capsys):
-    assert main(["mode", "abc", "-n", "3", "--ckpt", tiny_ckpt, "--json"]) == 0
+# The mode of 3 characters after "ghi", found by enumerating all 12**3 continuations: "fff",
+# 0.63 nats above the runner-up; greedy decoding gives " ff", 0.63 nats below it (searched over
+# a few prompts with the tiny model of tests/conftest.py; "ghi" is one where greedy misses the mode).
+MODE_PROMPT, MODE_N, MODE_TEXT, GREEDY_TEXT = "ghi", 3, "fff", " ff"
+
+
+def test_mode_command(tiny_ckpt, tiny_model, capsys):
+    """`mode` returns the argmax over every continuation of n characters, scored by a plain
+    forward of the model (brute force), with its log-probability; greedy does not find it here."""
+    cfg, _, vocab = tiny_model
+    ids = vocab.encode(MODE_PROMPT)
+    conts = np.array(list(itertools.product(range(cfg.V), repeat=MODE_N)), np.int32)  # [V**n, n]
+    seqs = np.concatenate([np.broadcast_to(ids, (len(conts), len(ids))), conts], axis=1)
+    total = _book_logprobs(tiny_model, seqs)[:, len(ids) - 1:].sum(axis=1)
+    order = np.argsort(-total)
+    best, best_lp = vocab.decode(conts[order[0]]), float(total[order[0]])
+    assert best == MODE_TEXT and total[order[0]] - total[order[1]] > 0.5  # a clear, unique mode
+
+    assert main(["mode", MODE_PROMPT, "-n", str(MODE_N), "--ckpt", tiny_ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["text"]) == 3 and doc["logprob"] <= 0
-    # the mode is at least as probable as the greedy continuation
-    assert main(["generate", "abc", "-n", "3", "--beam", "1", "--ckpt", tiny_ckpt, "--json"]) == 0
+    assert doc["prompt"] == MODE_PROMPT and doc["text"] == best
+    assert doc["tokens"] == conts[order[0]].tolist()
+    assert doc["logprob"] == pytest.approx(best_lp, abs=1e-4)
+    assert doc["finish_reason"] == "length" and doc["nodes_expanded"] >= MODE_N
+    # greedy differs from the mode here, and is less probable
+    assert main(["generate", MODE_PROMPT, "-n", str(MODE_N), "--beam", "1", "--ckpt", tiny_ckpt, "--json"]) == 0
     greedy = json.loads(capsys.readouterr().out)["outputs"][0]
-    assert doc["logprob"] >= greedy["logprob"] - 1e-5
+    assert greedy["text"] == GREEDY_TEXT == _book_greedy(tiny_model, MODE_PROMPT, MODE_N) != doc["text"]
+    assert doc["logprob"] > greedy["logprob"] + 0.5
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,15 +215,34 @@ def test_beam_bad_input(tiny_ckpt, capsys, argv, message):
     assert err.startswith("jaxdecode: error:") and message in err
 
 
-def test_generate_speculative_lookup_json(tiny_ckpt, capsys):
+def test_generate_speculative_lookup_json(tiny_ckpt, tiny_model, capsys):
     argv = ["generate", "abcab", "-n", "6", "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
     assert main(argv + ["--greedy", "--speculative", "lookup", "--gamma", "2"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert main(argv + ["--greedy"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]  # greedy speculative == greedy
+    # ... and both are greedy decoding written plainly (a full forward per step)
+    assert plain["outputs"][0]["text"] == _book_greedy(tiny_model, "abcab", 6)
+    assert len(spec["outputs"][0]["tokens"]) == 6 and spec["outputs"][0]["finish_reason"] == "length"
+    # the counts agree with each other (jaxdecode.speculative.loop.SpeculativeStats): gamma
+    # proposals per target pass; each pass examines the proposals up to and including the first
+    # rejection and emits the accepted ones plus one token, until n are made (overshooting by at
+    # most gamma); one row, so the total is the row's
+    gamma, n = 2, 6
     st = spec["stats"]
-    assert st["passes"] >= 1 and 0 <= st["accepted"] <= st["proposed"]
+    assert st == spec["outputs"][0]["stats"] and st["gamma"] == gamma == spec["settings"]["gamma"]
+    assert st["proposed"] == gamma * st["passes"]
+    assert 0 <= st["accepted"] <= st["examined"] <= st["proposed"]
+    assert st["examined"] - st["accepted"] <= st["passes"]  # at most one rejection a pass
+    assert st["generated"] == st["accepted"] + st["passes"]
+    assert n <= st["generated"] <= n + gamma
+    assert -(-n // (gamma + 1)) <= st["passes"] <= n
+    assert st["acceptance_rate"] == pytest.approx(st["accepted"] / st["examined"])
+    assert st["chars_per_pass"] == pytest.approx(st["generated"] / st["passes"])
+    a = st["accepted"] / st["examined"]
+    assert st["predicted_chars_per_pass"] == pytest.approx(
+        gamma + 1 if a == 1 else (1 - a ** (gamma + 1)) / (1 - a))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -429,14 +574,15 @@ def test_study_beam_curse_defaults_are_the_published_run(capsys):
     assert f"beam-curse: held-out prompts (default {defaults['n_prompts']})" in help_text
     assert f"beam-curse: characters searched (default {defaults['n']})" in help_text
     assert f"node budget (default {defaults['node_budget']:,})" in help_text
-    # the README quotes exactly these numbers
+    # the README and docs/results.md quote exactly these numbers
     per_k = [published["per_k"][str(k)] for k in published["ks"]]
     rates = [f"{100 * p['mode_rate']:.0f}% (k = {k})" for k, p in zip(published["ks"], per_k)]
     gaps = [f"{p['mean_gap']:.2f}" for p in per_k]
     sentence = (f"exact mode of {published['n']} characters on {published['prompts_total']} held-out prompts: "
                 f"beam search returns the mode for {', '.join(rates[:-1])} and {rates[-1]} of prompts, with mean "
                 f"log-probability gaps of {', '.join(gaps[:-1])} and {gaps[-1]} nats")
-    assert sentence in " ".join((root / "README.md").read_text().split())
+    for page in ("README.md", "docs/results.md"):
+        assert sentence in " ".join((root / page).read_text().split()), page
 
 
 def test_study_speculative_from_the_command_line(tiny_ckpt, tiny_corpus, tmp_path, capsys, monkeypatch):

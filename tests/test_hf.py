@@ -98,7 +98,7 @@ def test_greedy_ids_and_end_token_equal_transformers(models, name):
 @pytest.mark.parametrize("name", ARCHS)
 def test_continuation_logprobs_equal_transformers(models, name):
     lm, ex = models(name), expected(name)
-    s = jaxdecode.decoding.score(lm, [ex["continuation"]], prompts=[ex["prompts"][0]])[0]
+    s = jaxdecode.score(lm, [ex["continuation"]], prompts=[ex["prompts"][0]])[0]
     np.testing.assert_allclose(s.logprobs, ex["continuation_logprobs"], atol=1e-4, rtol=0)
 
 

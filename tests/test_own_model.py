@@ -3,7 +3,7 @@
 A Markov chain (a FunctionModel around a transition matrix) is checked against what numpy
 computes from the matrix by hand; the multi-character TinyTransformer (jaxdecode/models/toy.py),
 whose cache is laid out unlike the reference model's, is run through every loop both cached and
-as a FunctionModel of its forward, which must agree; the README example runs as written.
+as a FunctionModel of its forward, which must agree; the documented example (docs/own-model.md) runs as written.
 """
 
 import itertools
@@ -367,7 +367,7 @@ def test_generate_with_multichar_vocab():
 def test_score_texts_with_multichar_vocab(mc):
     lm = mc[0]
     texts, prompts = ["a cat", "the", "s and", "in."], MC_PROMPTS  # four rows, as in the loops test
-    scores = jaxdecode.decoding.score(lm, texts, prompts=prompts)
+    scores = jaxdecode.score(lm, texts, prompts=prompts)
     seqs = [np.concatenate([lm.vocab.encode(p), lm.vocab.encode(t)]) for p, t in zip(prompts, texts)]
     for t, s, lp in zip(texts, scores, token_logprobs(lm.decoder, lm.params, seqs, [1] * 4)):
         n = len(lm.vocab.encode(t))
@@ -375,16 +375,14 @@ def test_score_texts_with_multichar_vocab(mc):
         np.testing.assert_allclose(s.logprobs, lp[-n:], atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- the README example
+# ----------------------------------------------------------------------------- the documented example
 
 
-def test_readme_own_model_example():
-    text = (ROOT / "README.md").read_text()
-    section = re.search(r"^## Decoding your own model\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "README.md lacks the section 'Decoding your own model'"
-    code = re.search(r"```python\n(.*?)```", section.group(1), re.S)
-    assert code, "the section has no python code block"
-    exec(compile(code.group(1), "README.md", "exec"), {"__name__": "readme_example"})
+def test_documented_own_model_example():
+    text = (ROOT / "docs" / "own-model.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code, "docs/own-model.md has no python code block"
+    exec(compile(code.group(1), "docs/own-model.md", "exec"), {"__name__": "documented_example"})
 
 
 # ----------------------------------------------------------------------------- speculative decoding

@@ -62,7 +62,7 @@ def shipped():
 
 def test_score_matches_the_book_on_the_shipped_model(shipped):
     assert len(HUMAN) == 40
-    s = jaxdecode.decoding.score(shipped, [HUMAN], prompts=[PROMPT])[0]
+    s = jaxdecode.score(shipped, [HUMAN], prompts=[PROMPT])[0]
     ids = np.concatenate([shipped.vocab.encode(PROMPT), shipped.vocab.encode(HUMAN)])
     want = book_logprobs(shipped.params, shipped.cfg, ids, len(PROMPT), width=len(ids))
     assert isinstance(s, Score) and s.prompt == PROMPT and s.text == HUMAN and s.in_language is None
@@ -114,7 +114,7 @@ def test_score_texts_with_and_without_a_prompt_past_T(short_window):
     text = "bad cab.\nhid a fig each bead\ni"  # 30 characters: past T = 8 with any prompt
     prompts = ["abc ", None]
     for prompt in prompts:
-        s = jaxdecode.decoding.score(lm, [text], prompts=None if prompt is None else [prompt])[0]
+        s = jaxdecode.score(lm, [text], prompts=None if prompt is None else [prompt])[0]
         context = "\n" if prompt is None else prompt  # the default context is a line break
         ids = np.concatenate([lm.vocab.encode(context), lm.vocab.encode(text)])
         want = book_logprobs(params, cfg, ids.tolist(), len(context))
@@ -123,9 +123,9 @@ def test_score_texts_with_and_without_a_prompt_past_T(short_window):
         np.testing.assert_allclose(s.probabilities, np.exp(want), rtol=1e-5)
         assert s.mean_logprob == pytest.approx(want.mean(), abs=1e-5)
     # an empty prompt is the default context too; several texts of different lengths in one call
-    many = jaxdecode.decoding.score(lm, [text, "a", text[:12]], prompts=["", "hi", "e"])
+    many = jaxdecode.score(lm, [text, "a", text[:12]], prompts=["", "hi", "e"])
     assert many[0].prompt == "\n"
-    np.testing.assert_allclose(many[0].logprobs, jaxdecode.decoding.score(lm, [text])[0].logprobs, atol=1e-6)
+    np.testing.assert_allclose(many[0].logprobs, jaxdecode.score(lm, [text])[0].logprobs, atol=1e-6)
     for s in many[1:]:
         ids = np.concatenate([lm.vocab.encode(s.prompt), lm.vocab.encode(s.text)])
         np.testing.assert_allclose(s.logprobs, book_logprobs(params, cfg, ids.tolist(), len(s.prompt)),
@@ -135,9 +135,9 @@ def test_score_texts_with_and_without_a_prompt_past_T(short_window):
 def test_score_errors(short_window):
     cfg, params, lm = short_window
     with pytest.raises(ValueError, match="empty"):
-        jaxdecode.decoding.score(lm, [""])
+        jaxdecode.score(lm, [""])
     with pytest.raises(ValueError, match="2 prompts for 1 texts"):
-        jaxdecode.decoding.score(lm, ["ab"], prompts=["a", "b"])
+        jaxdecode.score(lm, ["ab"], prompts=["a", "b"])
     with pytest.raises(ValueError, match=r"scoring starts at index 3; it must lie in \[1, 3\)"):
         token_logprobs(lm.decoder, params, [np.array([1, 2, 3])], [3])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 12\)"):

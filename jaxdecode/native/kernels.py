@@ -103,7 +103,7 @@ def build(verbose: bool = False) -> Path:
     h = hashlib.sha256()
     for f in sources:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    extra = os.environ.get("JAXDECODE_CXXFLAGS", "").split()  # e.g. -fsanitize=address (docs/native.md)
+    extra = os.environ.get("JAXDECODE_CXXFLAGS", "").split()  # e.g. -fsanitize=address (docs/testing.md)
     h.update(jaxlib.__version__.encode() + _cpu_name().encode() + platform.machine().encode())
     h.update("\0".join(extra).encode())
     out = _build_dir() / f"native-{h.hexdigest()[:16]}.so"

@@ -31,7 +31,7 @@ on the user key, its row id and its own history, never on its batch.
 The KV cache gives the book's exact logits only within the model window ``T``; requests whose
 prompt plus ``n`` plus ``gamma + 1`` do not fit are refused.
 
-The package, by job: :mod:`.accept` (the acceptance test and its noise), :mod:`.loop` (the
+The package, by job: :mod:`.acceptance` (the acceptance test and its noise), :mod:`.loop` (the
 jitted loop, its statistics and results), :mod:`.drafts` (the :class:`Draft` interface and the
 registry of drafts: :mod:`.drafts.ngram`, :mod:`.drafts.distilled`, :mod:`.drafts.model`,
 :mod:`.drafts.lookup`).
