@@ -39,11 +39,15 @@ def _book_continuation_logprob(tiny_model, prompt: str, text: str) -> float:
 
 
 def _book_greedy(tiny_model, prompt: str, n: int) -> str:
-    """Greedy decoding written plainly: a full forward per step, argmax of the last position."""
+    """Greedy decoding written plainly: per step a full forward over the last T tokens (right-
+    padded to T, which the causal mask keeps out of sight), argmax at the last real position."""
     cfg, params, vocab = tiny_model
     ids = [int(t) for t in vocab.encode(prompt)]
     for _ in range(n):
-        z = np.asarray(_jit_forward(cfg)(params, np.asarray([ids[-cfg.T:]], np.int32)))[0, -1]
+        window = ids[-cfg.T:]
+        x = np.zeros((1, cfg.T), np.int32)
+        x[0, :len(window)] = window
+        z = np.asarray(_jit_forward(cfg)(params, x))[0, len(window) - 1]
         ids.append(int(np.argmax(z)))
     return vocab.decode(np.asarray(ids[len(prompt):], np.int32))
 
@@ -216,24 +220,27 @@ def test_beam_bad_input(tiny_ckpt, capsys, argv, message):
 
 
 def test_generate_speculative_lookup_json(tiny_ckpt, tiny_model, capsys):
-    argv = ["generate", "abcab", "-n", "6", "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
-    assert main(argv + ["--greedy", "--speculative", "lookup", "--gamma", "2"]) == 0
+    # "ccc c", 8 characters, gamma 2: the lookup draft is sometimes right and sometimes wrong here
+    # (rejections, and an overshoot past n), so the counts below are not trivially consistent
+    prompt, n, gamma = "ccc c", 8, 2
+    argv = ["generate", prompt, "-n", str(n), "--seed", "2", "--ckpt", tiny_ckpt, "--json"]
+    assert main(argv + ["--greedy", "--speculative", "lookup", "--gamma", str(gamma)]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert main(argv + ["--greedy"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["outputs"][0]["text"] == plain["outputs"][0]["text"]  # greedy speculative == greedy
     # ... and both are greedy decoding written plainly (a full forward per step)
-    assert plain["outputs"][0]["text"] == _book_greedy(tiny_model, "abcab", 6)
-    assert len(spec["outputs"][0]["tokens"]) == 6 and spec["outputs"][0]["finish_reason"] == "length"
+    assert plain["outputs"][0]["text"] == _book_greedy(tiny_model, prompt, n)
+    assert spec["outputs"][0]["tokens"] == plain["outputs"][0]["tokens"]
+    assert len(spec["outputs"][0]["tokens"]) == n and spec["outputs"][0]["finish_reason"] == "length"
     # the counts agree with each other (jaxdecode.speculative.loop.SpeculativeStats): gamma
     # proposals per target pass; each pass examines the proposals up to and including the first
     # rejection and emits the accepted ones plus one token, until n are made (overshooting by at
     # most gamma); one row, so the total is the row's
-    gamma, n = 2, 6
     st = spec["stats"]
     assert st == spec["outputs"][0]["stats"] and st["gamma"] == gamma == spec["settings"]["gamma"]
     assert st["proposed"] == gamma * st["passes"]
-    assert 0 <= st["accepted"] <= st["examined"] <= st["proposed"]
+    assert 0 < st["accepted"] < st["examined"] <= st["proposed"]  # this case: some accepted, some not
     assert st["examined"] - st["accepted"] <= st["passes"]  # at most one rejection a pass
     assert st["generated"] == st["accepted"] + st["passes"]
     assert n <= st["generated"] <= n + gamma
@@ -241,8 +248,7 @@ def test_generate_speculative_lookup_json(tiny_ckpt, tiny_model, capsys):
     assert st["acceptance_rate"] == pytest.approx(st["accepted"] / st["examined"])
     assert st["chars_per_pass"] == pytest.approx(st["generated"] / st["passes"])
     a = st["accepted"] / st["examined"]
-    assert st["predicted_chars_per_pass"] == pytest.approx(
-        gamma + 1 if a == 1 else (1 - a ** (gamma + 1)) / (1 - a))
+    assert st["predicted_chars_per_pass"] == pytest.approx((1 - a ** (gamma + 1)) / (1 - a))
 
 
 @pytest.mark.parametrize("argv, message", [
