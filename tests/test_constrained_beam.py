@@ -239,12 +239,62 @@ def test_bad_constraints(tiny_lm):
 # ----------------------------------------------------------------------------- multi-character tokens
 
 
-def test_multichar_model():
+@functools.lru_cache(maxsize=None)
+def _multichar():
     from jaxdecode.models.toy import multichar_lm
 
-    lm = multichar_lm(T=64)
+    return multichar_lm(T=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_forward(model):
+    return jax.jit(lambda p, x: model.forward(p, x)[0])
+
+
+def _plain_next_logits(model, params, width: int = 16, rows: int = 64):
+    """``next_logits`` from the toy model's full causal forward (``TinyTransformer.forward``: no
+    cache, no window path): rows [N, t] right-padded to [rows, width] (one compiled shape; the
+    causal mask keeps the padding out of sight), read at t - 1."""
+    fwd = _plain_forward(model)
+
+    def next_logits(tokens):
+        tokens = np.asarray(tokens, np.int32)
+        N, t = tokens.shape
+        assert t <= width <= model.T
+        out = []
+        for start in range(0, N, rows):
+            x = np.zeros((rows, width), np.int32)
+            part = tokens[start:start + rows]
+            x[:len(part), :t] = part
+            out.append(np.asarray(fwd(params, jnp.asarray(x)))[:len(part), t - 1])
+        return np.concatenate(out)
+
+    return next_logits
+
+
+def _output_score(next_logits, prompt, tokens, n, c):
+    """The exact score of one output (as ``language_scores`` defines it): the model's
+    log-probability of its tokens, plus the log of its stop probability where it has fewer than n."""
+    prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
+    rows = [prompt + tokens[:i] for i in range(len(tokens) + 1)]
+    z = [_log_softmax64(next_logits(np.array([r], np.int32)))[0] for r in rows]
+    lp = sum(z[i][t] for i, t in enumerate(tokens))
+    if len(tokens) < n:
+        s = 0
+        for t in tokens:
+            s = int(c.table[s, t])
+        left = n - len(tokens)
+        ok = [v for v in range(c.V) if c.table[s, v] >= 0 and c.dist[c.table[s, v]] <= left - 1]
+        assert c.final[s]
+        lp += np.log(1.0 if not ok else np.exp(np.delete(z[-1], ok)).sum())
+    return lp
+
+
+def test_multichar_model():
+    lm = _multichar()
     pattern = "(the|and|a) [a-z]+ (the|and|a)"
     c = C.compile_regex(pattern, lm.vocab)
+    nl = _plain_next_logits(lm.decoder, lm.params, width=32)
     prompts = ["once upon", "and the"]
     out = BS.beam_generate(lm, prompts, 12, 5, n_best=5, constraint=c)
     for p, hyps in zip(prompts, out):
@@ -252,9 +302,63 @@ def test_multichar_model():
         for h in hyps:
             assert re.fullmatch(pattern, h.text), h.text
         assert any(len(lm.vocab.tokens[t]) > 1 for h in hyps for t in h.tokens)
-        tokens, logprob, _ = BS.mode_search(lm.decoder, lm.params, lm.vocab.encode(p), 12, constraint=c,
+        ids = lm.vocab.encode(p)
+        tokens, logprob, _ = BS.mode_search(lm.decoder, lm.params, ids, 12, constraint=c,
                                             lower_bound=hyps[0].logprob)
         assert re.fullmatch(pattern, lm.vocab.decode(tokens)) and logprob >= hyps[0].logprob - 1e-4
+        # the log-probability reported is the output's, recomputed by a plain forward (too many
+        # outputs here to enumerate: the small cases below compare with the brute-force argmax)
+        assert logprob == pytest.approx(_output_score(nl, ids, tokens, 12, c), abs=1e-4)
+        assert hyps[0].logprob == pytest.approx(_output_score(nl, ids, hyps[0].tokens, 12, c), abs=1e-4)
+
+
+MULTICHAR_N = 5
+MULTICHAR_CASES = [  # (pattern, prompt): small languages of multi-character tokens within 5 tokens
+    # the mode "and an" is three tokens (and, " ", an), stops at none, 0.20 nats above the runner-up
+    ("(the|and|a) (the|an|in)", "once upon"),
+    # the mode "the" is two tokens (th, e) and stops early, 0.86 nats above "the" as one token
+    ("(th|an)[a-e]( a)?", "in"),
+]
+
+
+@pytest.fixture(scope="module")
+def multichar_brute():
+    """Per case: the constraint, the prompt's tokens, every output's exact score (the model's
+    plain forward), and the hypotheses of one beam search over both cases (a pattern per row)."""
+    lm = _multichar()
+    nl = _plain_next_logits(lm.decoder, lm.params)
+    cases = []
+    for pattern, prompt in MULTICHAR_CASES:
+        c = C.compile_regex(pattern, lm.vocab)
+        ids = lm.vocab.encode(prompt)
+        scores, widest = language_scores(nl, ids, MULTICHAR_N, c)
+        assert widest <= K_ALL and len(scores) > 20
+        cases.append((pattern, c, ids, scores))
+    beams = BS.beam_search(lm.decoder, lm.params, [ids for _, _, ids, _ in cases], MULTICHAR_N, K_ALL, n_best=3,
+                           constraint=[c for _, c, _, _ in cases]).hypotheses
+    return lm, [case + (hyps,) for case, hyps in zip(cases, beams)]
+
+
+@pytest.mark.parametrize("case", range(len(MULTICHAR_CASES)))
+def test_multichar_mode_search_is_the_brute_force_argmax(multichar_brute, case):
+    """On the multi-character model: every output of a small language (each tokenization of
+    each string a separate output) scored by the model's plain forward; mode search returns the
+    argmax and its score, with the default lower bound and with the beam's best as the bound; a
+    beam wide enough to keep every prefix returns the best outputs in order."""
+    lm, cases = multichar_brute
+    pattern, c, ids, scores, beam = cases[case]
+    ranked = _ranked(scores)
+    (best, best_lp), runner_up = ranked[0], ranked[1][1]
+    assert best_lp - runner_up > 0.1  # a unique mode, by more than rounding
+    assert any(len(lm.vocab.tokens[t]) > 1 for t in best)
+    assert all(re.fullmatch(pattern, lm.vocab.decode(np.array(t, np.int32))) for t in scores)
+    assert len(beam) == 3
+    for h, (toks, score) in zip(beam, ranked):
+        assert tuple(h.tokens.tolist()) == toks and h.score == pytest.approx(score, abs=1e-4)
+    for kw in ({}, {"lower_bound": beam[0].logprob}):
+        tokens, logprob, _ = BS.mode_search(lm.decoder, lm.params, ids, MULTICHAR_N, constraint=c, **kw)
+        assert tuple(tokens.tolist()) == best, kw
+        assert logprob == pytest.approx(best_lp, abs=1e-4), kw
 
 
 # ----------------------------------------------------------------------------- the shipped model
