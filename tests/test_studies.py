@@ -89,7 +89,7 @@ def test_registry_errors(tmp_path, monkeypatch):
 
 
 def test_cli_reports_a_missing_study(monkeypatch, capsys):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     monkeypatch.setitem(studies.STUDIES, "ghost", studies.Study("ghost", "no_such_module", "missing"))
     assert main(["study", "ghost"]) == 2
@@ -142,7 +142,7 @@ def test_truncation_shows_the_chapters_pattern(shipped, tmp_path):
 
 
 def test_study_command_truncation(tmp_path, capsys):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     out = tmp_path / "trunc"
     assert main(["study", "truncation", "--out", str(out), "--seed", "3", "--quiet"]) == 0
@@ -165,7 +165,7 @@ def test_all_runs_each_study_into_its_folder_and_skips_missing_ones(shipped, tmp
 
 
 def test_study_parser_lists_every_study():
-    from jaxdecode.cli.main import build_parser
+    from jaxdecode.cli.app import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["study"]
     name = next(a for a in sub._actions if a.dest == "name")
@@ -176,12 +176,40 @@ def test_study_parser_lists_every_study():
 # ----------------------------------------------------------------------------- cost
 
 
-def test_cost_study_small(tiny, tmp_path):
+def test_cost_study_small(tiny, tmp_path, monkeypatch):
+    """Besides positive timings: every number of the JSON is derived from the times the study
+    measured (recorded here by a spy around its timer, which is the real one) as its definition
+    says, each timed call did the work its row names (the backend, prompt lengths, batch size
+    and number of new tokens, checked on what the loop returned), and cost.json is the result."""
     from jaxdecode.native import kernels
     from jaxdecode.eval.studies import cost
 
-    res = cost.run(tiny, tmp_path, n=4, batch_sizes=(1, 2), prompt_lengths=(4, 8), latency_batches=(1,),
-                   throughput_prompt=4, repeats=1, progress=False)
+    timed = []  # per timer call: (best time, [(backend, rows, prompt lengths, n, greedy, counts)])
+    work = []
+
+    def spy_timer(fn, repeats=3, budget_s=1.0):
+        work.clear()
+        t = real_best_time(fn, repeats=repeats, budget_s=budget_s)
+        timed.append((t, list(work)))
+        return t
+
+    def spy_sample_tokens(model, params, prompts, n, key, *args, **kw):
+        res = real_sample_tokens(model, params, prompts, n, key, *args, **kw)
+        work.append(("sample", model.backend, len(prompts), [len(p) for p in prompts], n, kw.get("greedy", False),
+                     np.asarray(res.counts).tolist()))
+        return res
+
+    def spy_prefill(params, tokens, lengths, *, model, capacity):
+        work.append(("prefill", model.backend, np.asarray(lengths).tolist()))
+        return real_prefill(params, tokens, lengths, model=model, capacity=capacity)
+
+    real_best_time, real_sample_tokens, real_prefill = cost.best_time, cost.sample_tokens, cost._prefill
+    monkeypatch.setattr(cost, "best_time", spy_timer)
+    monkeypatch.setattr(cost, "sample_tokens", spy_sample_tokens)
+    monkeypatch.setattr(cost, "_prefill", spy_prefill)
+    n, batch_sizes, lengths, lat_batches, P = 4, (1, 2), (4, 8), (1,), 4
+    res = cost.run(tiny, tmp_path, n=n, batch_sizes=batch_sizes, prompt_lengths=lengths, latency_batches=lat_batches,
+                   throughput_prompt=P, repeats=1, progress=False)
     assert res["deterministic"] is False and "timings" in res["note"]
     want = ["native", "portable"] if kernels.available() else ["portable"]
     assert list(res["backends"]) == want
@@ -192,10 +220,71 @@ def test_cost_study_small(tiny, tmp_path):
         assert all(r["prefill_ms_per_token"] > 0 for r in per["prefill_vs_decode"])
         assert per["latency"][0]["ttft_ms"] > 0
     assert res["machine"]["cpu_count"] >= 1 and res["machine"]["jax"]
+
+    # every timed call, in the study's order: per backend, prefill then generation per prompt
+    # length, sampling per batch size, then one token and n tokens per latency batch
+    def only(w, item):  # the calls made inside one timer call (compiling and timed) all did this
+        return len(w) >= 2 and all(x == item for x in w)
+
+    def same(x, y):  # the JSON keeps 6 significant digits: within half a unit of the 6th
+        return x == pytest.approx(y, rel=5.01e-6, abs=1e-12)
+
+    calls = iter(timed)
+    for name in want:
+        per = res["backends"][name]
+        for row, L in zip(per["prefill_vs_decode"], lengths):
+            (t_pre, w_pre), (t_gen, w_gen) = next(calls), next(calls)
+            # the compiling call and each timed one did the same work
+            assert only(w_pre, ("prefill", name, [L]))
+            assert only(w_gen, ("sample", name, 1, [L], n, True, [n]))
+            assert same(row["prefill_s"], t_pre) and same(row["generate_s"], t_gen)
+            assert same(row["prefill_ms_per_token"], 1e3 * t_pre / L)
+            assert same(row["decode_ms_per_token"], 1e3 * max(t_gen - t_pre, 0.0) / n)
+        for row, B in zip(per["throughput"], batch_sizes):
+            t, w = next(calls)
+            assert only(w, ("sample", name, B, [P] * B, n, False, [n] * B))  # B rows of n tokens each
+            assert same(row["seconds"], t) and same(row["chars_per_s"], B * n / t)
+        for row, B in zip(per["latency"], lat_batches):
+            (t1, w1), (tn, wn) = next(calls), next(calls)
+            assert only(w1, ("sample", name, B, [P] * B, 1, False, [1] * B))
+            assert only(wn, ("sample", name, B, [P] * B, n, False, [n] * B))
+            assert row["batch"] == B and row["prompt_length"] == P
+            assert same(row["ttft_ms"], 1e3 * t1) and same(row["total_ms"], 1e3 * tn)
+            assert same(row["tpot_ms"], 1e3 * max(tn - t1, 0.0) / (n - 1))
+    assert next(calls, None) is None  # nothing else was timed
+
+    assert res["settings"] == {"n": n, "batch_sizes": list(batch_sizes), "prompt_lengths": list(lengths),
+                               "latency_batches": list(lat_batches), "throughput_prompt": P, "repeats": 1,
+                               "budget_s": 1.0}
+    assert res["parameters"] == sum(np.size(a) for a in jax.tree_util.tree_leaves(tiny.params)) > 0
     _files_ok(tmp_path, "cost.json", "cost_throughput.png", "cost_tokens.png", "cost.md")
-    assert "not reproducible" in (tmp_path / "cost.md").read_text()
+    doc = json.loads((tmp_path / "cost.json").read_text())
+    assert doc == {k: v for k, v in res.items() if k != "files"}
+    md = (tmp_path / "cost.md").read_text()
+    assert "not reproducible" in md
+    first = res["backends"][want[0]]["throughput"][1]
+    assert f"| 2 | {first['chars_per_s']:,.0f} |" in md  # the table shows the JSON's numbers
     with pytest.raises(ValueError, match="window"):
         cost.run(tiny, tmp_path, n=8, prompt_lengths=(16,), progress=False)
+
+
+def test_cost_best_time_takes_the_best_timed_call_within_the_budget(monkeypatch):
+    """best_time: one untimed (compiling) call, then timed calls until ``repeats`` or until
+    they have used ``budget_s``; the least time counts. The clock here is fake."""
+    from jaxdecode.eval.studies import cost
+
+    clock = [0.0]
+    durations = iter([100.0, 0.5, 0.2, 0.4, 0.1, 0.05])  # the first call compiles: never counted
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+
+    def fn():
+        clock[0] += next(durations)
+
+    assert cost.best_time(fn, repeats=10, budget_s=1.0) == pytest.approx(0.2)  # 0.5 + 0.2 + 0.4 >= 1: stop
+    assert next(durations) == 0.1  # the calls after the budget ran out were not made
+    durations = iter([9.0, 0.3, 0.2, 0.6])
+    assert cost.best_time(fn, repeats=2, budget_s=100.0) == pytest.approx(0.2)  # two timed calls
+    assert next(durations) == 0.6
 
 
 # ----------------------------------------------------------------------------- the other studies
@@ -281,13 +370,74 @@ def test_decoders_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
     assert len({want["human"], want["greedy"], want["sampling"]}) == 3
 
 
+def _window_next_logprobs(lm, rows):
+    """log p(. | row) for rows [N, t] of equal length t >= T: one plain forward over each row's
+    last T tokens (the model's window), read at the last position; float64 [N, V]."""
+    rows = np.asarray(rows, np.int32)[:, -lm.cfg.T:]
+    assert rows.shape[1] == lm.cfg.T
+    z = np.asarray(_forward(lm.params, lm.cfg, jnp.asarray(rows)), np.float64)[:, -1]
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _brute_force_continuations(lm, prompt: str, n: int):
+    """Every continuation of n characters after ``prompt`` (at least T characters long) with its
+    log-probability, level by level: ({text: log-probability}, the greedy text)."""
+    ids = [int(t) for t in lm.vocab.encode(prompt)]
+    V = lm.cfg.V
+    prefixes, lps = np.zeros((1, 0), np.int32), np.zeros(1)
+    for _ in range(n):
+        ctx = np.concatenate([np.broadcast_to(np.asarray(ids, np.int32), (len(prefixes), len(ids))), prefixes], 1)
+        lp = _window_next_logprobs(lm, ctx)  # [N, V]
+        lps = (lps[:, None] + lp).reshape(-1)
+        prefixes = np.concatenate([np.repeat(prefixes, V, axis=0), np.tile(np.arange(V, dtype=np.int32), len(prefixes))[:, None]], 1)
+    greedy = list(ids)
+    for _ in range(n):
+        greedy.append(int(np.argmax(_window_next_logprobs(lm, [greedy])[0])))
+    scores = {lm.vocab.decode(p): float(v) for p, v in zip(prefixes, lps)}
+    assert len(scores) == V ** n
+    return scores, lm.vocab.decode(np.asarray(greedy[len(ids):], np.int32))
+
+
 def test_beam_curse_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
     from jaxdecode.eval.studies import beam_curse
 
+    n, ks = 3, (1, 2)
     res = _twice(lambda out, **kw: beam_curse.run(tiny, out, **kw), tmp_path, "beam_curse",
-                 data_path=tiny_corpus, n_prompts=2, n=3, ks=(1, 2), progress=False)
+                 data_path=tiny_corpus, n_prompts=2, n=n, ks=ks, progress=False)
     assert len(res["search_seconds"]) == 2
     assert "search_seconds" not in json.dumps(json.loads((tmp_path / "a" / "beam_curse.json").read_text()))
+    # against an independent computation: every continuation of n characters scored by a plain
+    # forward over the model's window (the prompts are longer than T = 16)
+    text = tiny_corpus.read_text()
+    held = text[int(0.9 * len(text)):]
+    assert res["prompts_total"] == res["prompts_solved"] == 2 and res["ks"] == list(ks) and res["n"] == n
+    gaps = {k: [] for k in ks}
+    for row in res["prompts"]:
+        prompt = row["prompt"]
+        # a line start of the held-out part, cut after a space or line break at or past 32 characters
+        assert ("\n" + prompt) in held and 32 <= len(prompt) <= 64 and prompt[-1] in " \n"
+        scores, greedy = _brute_force_continuations(tiny, prompt, n)
+        ranked = sorted(scores.items(), key=lambda kv: -kv[1])
+        assert ranked[0][1] - ranked[1][1] > 1e-3  # a unique mode
+        assert row["mode"] == ranked[0][0]
+        assert row["mode_logprob"] == pytest.approx(ranked[0][1], abs=1e-4)
+        for k in ks:
+            beam = row["beams"][str(k)]
+            assert beam["logprob"] == pytest.approx(scores[beam["text"]], abs=1e-4), (prompt, k)
+            assert beam["is_mode"] == (beam["text"] == row["mode"])
+            assert beam["gap"] == pytest.approx(ranked[0][1] - scores[beam["text"]], abs=1e-4)
+            gaps[k].append(beam["gap"])
+        assert row["beams"]["1"]["text"] == greedy  # beam width 1 is greedy decoding
+    for k in ks:
+        per = res["per_k"][str(k)]
+        found = sum(row["beams"][str(k)]["is_mode"] for row in res["prompts"])
+        assert per["found_mode"] == found and per["solved"] == 2
+        assert per["mode_rate"] == pytest.approx(found / 2)
+        assert per["mean_gap"] == pytest.approx(np.mean(gaps[k]), abs=1e-5)
+        assert per["max_gap"] == pytest.approx(max(gaps[k]), abs=1e-5)
+        assert per["mean_logprob"] == pytest.approx(np.mean([r["beams"][str(k)]["logprob"] for r in res["prompts"]]),
+                                                    abs=1e-5)
 
 
 def test_speculative_study_files_and_determinism(tiny, tiny_corpus, tmp_path):
