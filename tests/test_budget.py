@@ -142,7 +142,7 @@ def test_score_split_equals_one_batch(lm):
 
 
 def test_cli_batches_and_bar(tiny_ckpt, capsys, monkeypatch):
-    from jaxdecode.cli import main as cli
+    from jaxdecode.cli import app as cli
 
     argv = ["generate", "abc", "-n", "12", "--num-samples", "5", "--seed", "3", "--ckpt", tiny_ckpt, "--json"]
     assert cli.main(argv) == 0

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.models import checkpoint as C
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 from jaxdecode.models.charlm.transformer import ModelConfig, forward
 from jaxdecode.io.vocab import UnknownCharacterError, Vocab
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 
 
 # ----------------------------------------------------------------------------- plain references
@@ -333,7 +333,7 @@ NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--memory-budget", "--max-row
 
 
 def _generate_parser():
-    from jaxdecode.cli.main import build_parser
+    from jaxdecode.cli.app import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sub.choices["generate"]
@@ -370,7 +370,7 @@ def test_rule_flags_convert_and_reach_make_rule():
     assert type(settings["no_repeat_ngram"]) is int and type(settings["top_k"]) is int
     assert [type(r) for r in rules.make_rule(**settings).rules] == [
         rules.NoRepeatNGram, rules.Temperature, rules.TopK]
-    from jaxdecode.cli.main import UsageError
+    from jaxdecode.cli.app import UsageError
 
     with pytest.raises(UsageError, match="argument --top-k: invalid int value: '2.5'"):
         parser.parse_args(["abc", "--top-k", "2.5"])
@@ -781,7 +781,7 @@ def test_stop_strings_and_finish_reason(tiny_ckpt, capsys):
 
 
 def test_escapes():
-    from jaxdecode.cli.main import _unescape
+    from jaxdecode.cli.app import _unescape
 
     assert _unescape(r"a\tb\\n\nc\q\\") == "a\tb\\n\nc\\q\\"
     assert _unescape("x\\") == "x\\"  # a trailing backslash stays

@@ -376,7 +376,7 @@ def test_ten_patterns_every_sample_matches(shipped_native):
 def test_cli_constrained_generate(tiny_ckpt, capsys, flags, pattern):
     import json
 
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     samples = 1 if "--greedy" in flags else 5
     assert main(["generate", "ab", "-n", "8", "--ckpt", tiny_ckpt, "--json", "--num-samples", str(samples),
@@ -388,7 +388,7 @@ def test_cli_constrained_generate(tiny_ckpt, capsys, flags, pattern):
 
 
 def test_cli_json_schema_and_bad_constraints(tiny_ckpt, capsys, tmp_path):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
@@ -410,7 +410,7 @@ def test_cli_json_schema_and_bad_constraints(tiny_ckpt, capsys, tmp_path):
 def test_cli_smc(tiny_ckpt, capsys):
     import json
 
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     assert main(["generate", "ab", "-n", "3", "--ckpt", tiny_ckpt, "--json", "--choice", "ab", "--choice", "abc",
                  "--choice", "ba", "--smc", "300", "--num-samples", "4"]) == 0

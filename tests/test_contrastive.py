@@ -202,7 +202,7 @@ def test_cli_contrastive(tiny_ckpt, tiny_model, capsys):
     import json
 
     from jaxdecode.models import checkpoint
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     assert main(["generate", "abc", "-n", "15", "--contrastive", "4,0.6", "--ckpt", tiny_ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -222,7 +222,7 @@ def test_cli_contrastive(tiny_ckpt, tiny_model, capsys):
     (["--contrastive", "4,0.5", "--beam", "3"], "does not combine with --beam"),
 ])
 def test_cli_contrastive_bad_input(tiny_ckpt, capsys, argv, message):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     try:
         code = main(["generate", "abc", "-n", "5", "--ckpt", tiny_ckpt, *argv])

@@ -281,7 +281,7 @@ def test_poisson_arrivals():
 
 
 def test_serve_bench_simulate_json(tiny_ckpt, corpus_path, tmp_path, capsys):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     fig = tmp_path / "serve.png"
     argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "5", "--rate", "2",

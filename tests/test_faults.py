@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.models import checkpoint as C
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 from jaxdecode.speculative.drafts import distilled
 from jaxdecode.speculative.drafts.ngram import NGramDraft
 from jaxdecode.io import reports as common

@@ -422,7 +422,7 @@ def test_unsupported_rope_and_sliding_window(tmp_path):
 
 
 def test_command_line_on_a_hugging_face_folder(capsys):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     ex = expected("gpt2")
     folder = str(FIXTURES / "gpt2")

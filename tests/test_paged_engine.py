@@ -163,7 +163,7 @@ def test_paged_scheduling_in_the_simulator(lm_portable):
 
 
 def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path, capsys):
-    from jaxdecode.cli.main import main
+    from jaxdecode.cli.app import main
 
     argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "4", "--rate", "2",
             "--slots", "3", "--n", "5", "--shared-prefix", "8", "--simulate", "--sweep", "2",

@@ -10,7 +10,7 @@ from flax import serialization
 from jaxdecode.models import checkpoint
 from jaxdecode.io import data as data_lib
 from jaxdecode.models.charlm import train as train_lib
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 from jaxdecode.models.charlm.transformer import ModelConfig, init_params
 from jaxdecode.models.charlm.train import TrainConfig, held_out_loss, train
 

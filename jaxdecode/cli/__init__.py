@@ -1,6 +1,6 @@
-"""The ``jaxdecode`` command line: ``main`` (parsing and dispatch), ``common`` (the helpers every
+"""The ``jaxdecode`` command line: ``app`` (parsing and dispatch, :func:`main`), ``common`` (the helpers every
 command shares), and one module per group of commands. Nothing else imports it."""
 
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxdecode.cli.main import main
+from jaxdecode.cli.app import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """The variants of ``jaxdecode generate``: beam search, speculative sampling, contrastive search
-and sequential Monte Carlo (plain sampling and greedy stay in :mod:`jaxdecode.cli.main`)."""
+and sequential Monte Carlo (plain sampling and greedy stay in :mod:`jaxdecode.cli.app`)."""
 
 from __future__ import annotations
 

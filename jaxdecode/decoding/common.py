@@ -339,3 +339,31 @@ def next_logits_for(model, params, batch_size: int = 256) -> NextLogits:
         return np.concatenate(out, axis=0)
 
     return next_logits
+
+
+# ----------------------------------------------------------------------------- randomness and choice
+
+
+def row_keys(key, row_ids):
+    """``[B]`` keys ``fold_in(key[r], row_id[r])`` (``key``: one for every row, or one per row)."""
+    key = jnp.broadcast_to(key, (row_ids.shape[0],) + key.shape[-1:])
+    return jax.vmap(jax.random.fold_in)(key, row_ids)
+
+
+def step_keys(key, row_ids, steps):
+    """``[B]`` keys ``fold_in(fold_in(key[r], row_id[r]), step[r])``: the key of row ``r`` at a
+    step (``steps``: one step for every row, or one per row). Every loop and the engine draw
+    their tokens with these keys, so a row's sample depends only on its key, id and step."""
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), row_ids.shape)
+    return jax.vmap(jax.random.fold_in)(row_keys(key, row_ids), steps)
+
+
+def pick_tokens(processed, keys, greedy):
+    """One token per row from processed logits ``[B, V]``: the argmax where ``greedy``, else a
+    draw with the row's key. ``greedy``: a Python bool (one program per value) or ``[B]`` bools."""
+    if greedy is True:
+        return jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
+    if greedy is False:
+        return drawn
+    return jnp.where(greedy, jnp.argmax(processed, axis=-1).astype(jnp.int32), drawn)

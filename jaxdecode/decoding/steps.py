@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import constraints as C
-from jaxdecode.decoding.common import push_recent, stop_hit
+from jaxdecode.decoding.common import pick_tokens, push_recent, step_keys, stop_hit
 from jaxdecode.models.base import DecodingModel
 
 DEFAULT_CHUNK = 32
@@ -58,14 +58,13 @@ def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool, con=None
         masked = C.mask(logits, ok)
     processed = masked if rule is None else rule.apply(masked, rule_state)
     if greedy:
-        token = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        token = pick_tokens(processed, None, True)
         if con is not None:  # stop when that is the most probable choice
             best = jnp.max(jnp.where(ok, jax.nn.softmax(logits, axis=-1), 0.0), axis=-1)
             stop = p_stop > best
     else:
-        key = jnp.broadcast_to(key, (row_ids.shape[0],) + key.shape[-1:])  # one key, or one per row
-        keys = jax.vmap(lambda k, r: jax.random.fold_in(jax.random.fold_in(k, r), step))(key, row_ids)
-        token = jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
+        keys = step_keys(key, row_ids, step)  # key: one, or one per row
+        token = pick_tokens(processed, keys, False)
         if con is not None:
             u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, C.STOP_STREAM)))(keys)
             stop = u < p_stop

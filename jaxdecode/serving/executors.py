@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.models.base import copy_blocks
-from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, pick_tokens, round_up, step_keys
 from jaxdecode.rules import Chain, processed_logprobs
 from jaxdecode.serving.requests import neutral_rule
 
@@ -20,13 +20,10 @@ from jaxdecode.serving.requests import neutral_rule
 
 
 def _select(logits, rule, rule_state, keys, row_ids, steps, greedy):
-    """One token per row, each at its own step: the sampling loop's choice (see
-    ``jaxdecode.decoding.sampling._choose``) with a step and a greedy flag per row."""
+    """One token per row, each at its own step: the sampling loop's choice (the same keys and
+    :func:`~jaxdecode.decoding.common.pick_tokens`) with a step and a greedy flag per row."""
     processed = logits if rule is None else rule.apply(logits, rule_state)
-    best = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    row_keys = jax.vmap(lambda k, r, s: jax.random.fold_in(jax.random.fold_in(k, r), s))(keys, row_ids, steps)
-    drawn = jax.vmap(jax.random.categorical)(row_keys, processed).astype(jnp.int32)
-    token = jnp.where(greedy, best, drawn)
+    token = pick_tokens(processed, step_keys(keys, row_ids, steps), greedy)
     take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
     model_lp = take(jax.nn.log_softmax(logits, axis=-1))
     sample_lp = take(processed_logprobs(processed))

@@ -14,16 +14,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxdecode.decoding.common import row_keys  # noqa: F401 (re-exported)
+
 
 def _take(x, idx):
     """``x[b, j, idx[b, j]]`` for ``x`` ``[B, S, V]`` and ``idx`` ``[B, S]``."""
     return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
-
-
-def row_keys(key: jax.Array, row_ids: jax.Array) -> jax.Array:
-    """``[B]`` keys ``fold_in(key[r], row_id[r])`` (``key``: one for every row, or one per row)."""
-    key = jnp.broadcast_to(key, (row_ids.shape[0],) + key.shape[-1:])
-    return jax.vmap(jax.random.fold_in)(key, row_ids)
 
 
 class Noise(NamedTuple):
