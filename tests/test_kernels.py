@@ -15,6 +15,14 @@ from jaxdecode.models.charlm import transformer as M
 
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    """The kernels' FFI targets are registered when the native layer is first selected
+    (``kernels.select`` / ``available``), not by the kernel functions themselves: without this,
+    a test run alone (``-k``) calls an unregistered target ("No FFI handler registered")."""
+    kernels.available()
+
+
 def test_native_layer_is_available():
     native, why = kernels.select("native")
     assert native and kernels.available(), why
@@ -258,15 +266,35 @@ def test_decode_layer_writes_in_place(B, S, schedule):
                                                          schedule=schedule, write=write),
                   static_argnames="write")
     args = (x, *weights, k, v, lim, k2, v2, n2)
+    names = ["x", *(f"weights[{i}]" for i in range(12)), "k", "v", "lim", "k2", "v2", "n2"]
+    before = [np.array(a, copy=True) for a in args]  # host copies, taken before any call
+
+    def unchanged(write):
+        """Every input is bit for bit what it was: the operands the call does not alias (x, the
+        weights, the limits and the other pair of caches) are only read; and nothing is donated,
+        so XLA hands the kernel a copy of the aliased pair (k, v for "cache"; k2, v2 for
+        "buffer") and the caller's arrays keep their contents too."""
+        for name, a, b in zip(names, args, before):
+            got = np.asarray(a)
+            assert got.dtype == b.dtype and got.shape == b.shape, (write, name)
+            assert got.tobytes() == b.tobytes(), f"write={write!r} changed the input {name}"
+
     gy, gk, gv = run(*args, write="cache")
+    jax.block_until_ready((gy, gk, gv))
+    unchanged("cache")
     np.testing.assert_allclose(gy, y, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(gk, placed(k, kn, lim[:, 0]), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(gv, placed(v, vn, lim[:, 0]), rtol=2e-5, atol=2e-5)
     gy, gk, gv = run(*args, write="buffer")
+    jax.block_until_ready((gy, gk, gv))
+    unchanged("buffer")
     np.testing.assert_allclose(gy, y, rtol=2e-5, atol=2e-5)
     assert gk.shape == k2.shape
     np.testing.assert_allclose(np.asarray(gk).reshape(B, H, L, D), placed(k2, kn, n2[:, 0]), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(gv).reshape(B, H, L, D), placed(v2, vn, n2[:, 0]), rtol=2e-5, atol=2e-5)
+    # write=None (the keys and values returned, nothing aliased) reads its inputs only, too
+    jax.block_until_ready(run(*args, write=None))
+    unchanged(None)
 
 
 def test_decode_layer_ignores_positions_past_the_limits():
