@@ -8,6 +8,7 @@ stopped and resumed from its checkpoint follows the same curve as one that never
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -57,16 +58,22 @@ class TrainConfig:
 
 
 def make_optimizer(tc: TrainConfig):
+    """AdamW with gradient clipping and a warmup-cosine schedule: ``(optimizer, schedule)``."""
+    return _optimizer(tc.lr, tc.warmup, tc.steps, tc.min_lr_ratio, tc.clip, tc.weight_decay)
+
+
+@functools.lru_cache(maxsize=8)  # one optimizer per setting, so that the jitted update is reused
+def _optimizer(lr, warmup, steps, min_lr_ratio, clip, weight_decay):
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=tc.lr, warmup_steps=max(tc.warmup, 1),
-        decay_steps=tc.steps, end_value=tc.lr * tc.min_lr_ratio)
+        init_value=0.0, peak_value=lr, warmup_steps=max(warmup, 1), decay_steps=steps,
+        end_value=lr * min_lr_ratio)
 
     def decay_mask(params):  # no weight decay on biases, LayerNorm and embeddings
         return jax.tree_util.tree_map_with_path(
             lambda path, _: path[-1].key == "kernel", params)
 
-    return optax.chain(optax.clip_by_global_norm(tc.clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=tc.weight_decay,
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=weight_decay,
                                    mask=decay_mask)), schedule
 
 
@@ -75,13 +82,26 @@ def loss_fn(params, cfg: ModelConfig, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _window_loss(params, w, *, cfg):
+    return optax.softmax_cross_entropy_with_integer_labels(forward(params, cfg, w[:, :-1]), w[:, 1:]).sum()
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "optimizer"))
+def _update(params, opt_state, step, data_key, train_dev, *, cfg, batch, optimizer):
+    """One optimizer step on a batch of windows drawn with ``fold_in(data_key, step)`` (the
+    training tokens are an argument, not a constant of the program)."""
+    x, y = data_lib.sample_windows(jax.random.fold_in(data_key, step), train_dev, batch, cfg.T)
+    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, x, y)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
 def held_out_loss(params, cfg: ModelConfig, windows: np.ndarray, chunk: int = 16) -> float:
     """Mean nats per character over fixed windows ``[n, W + 1]`` (all W positions of each)."""
-    f = jax.jit(lambda p, w: optax.softmax_cross_entropy_with_integer_labels(
-        forward(p, cfg, w[:, :-1]), w[:, 1:]).sum())
     total = 0.0
     for i in range(0, len(windows), chunk):
-        total += float(f(params, jnp.asarray(windows[i:i + chunk])))
+        total += float(_window_loss(params, jnp.asarray(windows[i:i + chunk]), cfg=cfg))
     return total / (windows.shape[0] * (windows.shape[1] - 1))
 
 
@@ -157,12 +177,8 @@ def train(out_dir, tc: TrainConfig, data_path=None, resume: bool = False, progre
 
     train_dev = jnp.asarray(train_tokens)
 
-    @jax.jit
-    def update(params, opt_state, step):
-        x, y = data_lib.sample_windows(jax.random.fold_in(data_key, step), train_dev, tc.batch, tc.T)
-        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    update = functools.partial(_update, data_key=data_key, train_dev=train_dev, cfg=cfg, batch=tc.batch,
+                               optimizer=optimizer)
 
     def save(step):
         meta = {
