@@ -298,6 +298,83 @@ def test_multichar_model_sampling_and_speculative():
     spec = SP.speculative_generate(lm, "once upon", 12, draft=draft, gamma=3, constraint=c, num_samples=200, seed=1)
     assert all(re.fullmatch(pattern, o.text) for o in spec)
 
+    # greedy is exact: constrained speculative greedy, with the target as its own draft and with
+    # a draft of other weights (whose proposals are rejected), is constrained greedy decoding,
+    # which is the plain loop (a full forward per step, the stop rule of masked_reference). A
+    # second pattern, a pattern per row: with "(the|and|a) [a-z]+" greedy stops by choice
+    # (the stop mass beats every allowed token) after "and the", "the cat sat" and "a"
+    nl = _multichar_next_logits(lm)
+    other = multichar_lm(seed=1, T=64)
+    c2 = C.compile_regex("(the|and|a) [a-z]+", lm.vocab)
+    rows = [(c, "once upon"), (c, "in"), (c, "the cat sat"), (c2, "and the"), (c2, "the cat sat"), (c2, "a")]
+    prompts, cons = [p for _, p in rows], [k for k, _ in rows]
+    book = [_plain_constrained_greedy(nl, lm.vocab.encode(p), 12, k) for k, p in rows]
+    assert sum(chose_to_stop for _, chose_to_stop in book) == 3
+    book = [toks for toks, _ in book]
+    plain = generate(lm, prompts, 12, constraint=cons, greedy=True)
+    assert [g.tokens.tolist() for g in plain] == book
+    assert any(len(lm.vocab.tokens[t]) > 1 for toks in book for t in toks)
+    rejected = 0
+    for d in (draft, SP.ModelDraft(other.params, other.decoder)):
+        g = SP.speculative_generate(lm, prompts, 12, draft=d, gamma=3, constraint=cons, greedy=True)
+        assert [o.tokens.tolist() for o in g] == book
+        assert [o.text for o in g] == [o.text for o in plain]
+        assert [o.finish_reason for o in g] == [o.finish_reason for o in plain]
+        rejected += sum(o.stats.examined - o.stats.accepted for o in g)
+    assert rejected > 0  # the other draft was wrong at times: the check saw rejections
+
+    # sampling: the exact distribution over a small language of multi-character tokens (24
+    # outputs: each tokenization of "the", "and", "a", "the a", ... is its own output), with the
+    # stop rule, by a plain recursion; sampled with the draft of other weights. 256 draws, 12
+    # tokens and gamma 3: the shapes of the run above, so nothing new compiles
+    pattern, draws = "(the|and|a)( a)?", 256
+    c = C.compile_regex(pattern, lm.vocab)
+    ids = list(lm.vocab.encode("once upon"))
+    want = masked_reference(nl, ids, 12, c)
+    wrong = masked_reference(nl, ids, 12, c, stop_rule=False)
+    assert abs(sum(want.values()) - 1) < 1e-9 and len(want) > 15
+    spec = SP.speculative_generate(lm, "once upon", 12, draft=SP.ModelDraft(other.params, other.decoder), gamma=3,
+                                   constraint=c, num_samples=draws, seed=5)
+    got = collections.Counter(tuple(o.tokens.tolist()) for o in spec)
+    assert all(c.accepts(k) and re.fullmatch(pattern, lm.vocab.decode(np.array(k, np.int32))) for k in got)
+    assert exact.chisquare_pvalue(got, want) > 1e-3
+    assert _power(want, wrong, draws) > 0.99  # the test tells the stop rule from renormalizing
+    assert sum(o.stats.examined - o.stats.accepted for o in spec) > 0
+
+
+def _multichar_next_logits(lm, width: int = 32):
+    """``next_logits`` from the toy model's full causal forward (``TinyTransformer.forward``: no
+    cache), rows right-padded to ``width`` (the causal mask keeps the padding out of sight)."""
+    fwd = jax.jit(lambda p, x: lm.decoder.forward(p, x)[0])
+
+    def next_logits(tokens):
+        tokens = np.asarray(tokens, np.int32)
+        N, t = tokens.shape
+        x = np.zeros((N, width), np.int32)
+        x[:, :t] = tokens
+        return np.asarray(fwd(lm.params, x))[:, t - 1]
+
+    return next_logits
+
+
+def _plain_constrained_greedy(next_logits, prompt, n, c):
+    """Constrained greedy as a plain loop: in state s with ``left`` tokens left, stop when the
+    stop mass (in a final state, the model's mass on the tokens not allowed) beats the best
+    allowed token, else take that token. Returns the tokens and whether it stopped by choice
+    (some token was allowed)."""
+    prefix, s = [], 0
+    while len(prefix) < n:
+        left = n - len(prefix)
+        p = _softmax(next_logits(np.array([list(prompt) + prefix], np.int32))[0])
+        ok = [v for v in range(c.V) if c.table[s, v] >= 0 and c.dist[c.table[s, v]] <= left - 1]
+        stop = (1.0 if not ok else 1 - p[ok].sum()) if c.final[s] else 0.0
+        if not ok or stop > max(p[v] for v in ok):
+            return prefix, bool(ok)
+        v = max(ok, key=lambda v: p[v])
+        prefix.append(v)
+        s = int(c.table[s, v])
+    return prefix, False
+
 
 # ----------------------------------------------------------------------------- the shipped model
 
