@@ -97,6 +97,26 @@ def test_engine_matches_generate_any_order_and_slots(lm_portable):
     assert report.results[-1].first_token > 0.25 and engine.idle
 
 
+@pytest.mark.parametrize("backend", ["portable", "native"])
+def test_multi_step_decoding_keeps_every_text(tiny_model, backend):
+    """Up to 8 decode steps per device call: the same texts and log-probabilities as generate, with
+    rows that stop inside a call; several calls really ran more than one step."""
+    cfg, params, vocab = tiny_model
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)
+    reqs = _requests()
+    refs = _reference(lm, reqs)
+    engine = Engine(lm, 3, prefill_chunk=4, decode_steps=8, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
+    calls, single = [], []
+    many, one = engine.executor.decode_many, engine.executor.decode
+    engine.executor.decode_many = lambda *a: calls.append(a[-1]) or many(*a)
+    engine.executor.decode = lambda *a: single.append(1) or one(*a)
+    report = engine.run(reqs)
+    _assert_same(report, refs)
+    assert calls and max(calls) == 8 and single and engine.idle
+    # the steps of a multi-step call are recorded one by one
+    assert len([s for s in report.steps if s.active]) == sum(calls) + len(single)
+
+
 def test_neutral_settings_leave_logits_exactly_unchanged():
     V = 12
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, V)) * 3.0

@@ -55,6 +55,8 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="slot counts of the simulated sweep (default 1,2,4,...,2*S and S)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens a row reads per engine step (default 128)")
+    s.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                   help="dense cache: up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--paged", action="store_true",
                    help="the paged KV cache: a pool of blocks, prompts sharing cached prefix blocks")
     s.add_argument("--num-blocks", type=int, default=None, metavar="B",
@@ -244,11 +246,14 @@ def cmd_serve_bench(args):
     chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     if chunk < 1:
         raise UsageError(f"--prefill-chunk must be an integer >= 1, got {chunk}")
+    if args.decode_steps < 1:
+        raise UsageError(f"--decode-steps must be an integer >= 1, got {args.decode_steps}")
     if not args.paged and args.num_blocks is not None:
         raise UsageError("--num-blocks needs --paged")
     if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
         raise UsageError("--block-size and --num-blocks must be integers >= 1")
     cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size) if args.paged else {}
+    cache["decode_steps"] = args.decode_steps
     sweep_slots = _slot_sweep(args.sweep, args.slots)
     step_model = DEFAULT_STEP_MODEL if args.step_model is None else StepTimeModel.load(args.step_model)
     if args.out:
@@ -297,7 +302,8 @@ def cmd_serve_bench(args):
             "settings": {"requests": args.requests, "rate": args.rate, "slots": args.slots,
                          "shared_prefix": args.shared_prefix, "n": args.n, "seed": args.seed,
                          "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
-                         "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size},
+                         "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
+                         "decode_steps": args.decode_steps},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
             "runs": runs,

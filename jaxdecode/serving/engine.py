@@ -66,11 +66,9 @@ simulator's executor replays known outputs without one. The scheduling code is t
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -78,6 +76,7 @@ import numpy as np
 
 from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
+from jaxdecode.serving.records import RealClock, Report, RequestResult, StepRecord, percentiles  # noqa: F401
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
 
@@ -89,124 +88,6 @@ POLICIES = ("continuous", "static")
 CACHES = ("dense", "paged")
 LAYOUT_LOOKAHEAD = 64  # rows in line an empty engine looks at to choose its rule layout
 DEFAULT_PREFILL_CHUNK = 128
-
-
-# ----------------------------------------------------------------------------- clock and records
-
-
-class RealClock:
-    """Wall-clock time since :meth:`start`; waiting for an arrival sleeps."""
-
-    virtual = False
-
-    def __init__(self):
-        self._t0 = time.perf_counter()
-
-    def start(self):
-        self._t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def step_done(self, rows: int, prefill_tokens: int) -> float:
-        return self.now()
-
-    def wait_until(self, t: float):
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One engine step: when it started and ended (clock seconds), the rows its decode pass
-    computed (every slot, or 0 without a decode pass), the rows that chose a token, and the prompt
-    tokens it prefilled."""
-
-    start: float
-    end: float
-    rows: int
-    active: int
-    prefill_tokens: int
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-
-@dataclasses.dataclass
-class RequestResult:
-    """A finished request: its samples (as :func:`jaxdecode.generate` returns them) and timings
-    (clock seconds). ``first_token`` is None for ``n = 0``."""
-
-    index: int
-    request: Request
-    outputs: list
-    arrival: float
-    first_token: float | None
-    finish: float
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(g.tokens) for g in self.outputs)
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival to the first token of any of its samples."""
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def latency(self) -> float:
-        """End to end: arrival to its last sample's last token."""
-        return self.finish - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first, along its longest sample."""
-        longest = max((len(g.tokens) for g in self.outputs), default=0)
-        if self.first_token is None or longest < 2:
-            return None
-        return (self.finish - self.first_token) / (longest - 1)
-
-
-def percentiles(values, qs=(50, 99)) -> dict:
-    vals = [v for v in values if v is not None]
-    return {f"p{q}": (float(np.percentile(vals, q)) if vals else None) for q in qs}
-
-
-@dataclasses.dataclass
-class Report:
-    """What :meth:`Engine.run` returns: the requests in submission order and the steps."""
-
-    policy: str
-    slots: int
-    results: list
-    steps: list
-    cache: dict | None = None  # a paged engine's cache figures (Engine.cache_stats), else None
-
-    def summary(self) -> dict:
-        """Throughput (generated tokens per second from the first arrival to the last finish),
-        p50/p99 of latency, time to first token and time per output token, mean slot use."""
-        res = self.results
-        tokens = sum(r.tokens for r in res)
-        t0 = min((r.arrival for r in res), default=0.0)
-        t1 = max((r.finish for r in res), default=0.0)
-        span = t1 - t0
-        busy = [s for s in self.steps if s.rows]
-        return {
-            "policy": self.policy,
-            "slots": self.slots,
-            "requests": len(res),
-            "tokens": tokens,
-            "seconds": span,
-            "throughput": tokens / span if span > 0 else None,
-            "latency": percentiles(r.latency for r in res),
-            "ttft": percentiles(r.ttft for r in res),
-            "tpot": percentiles(r.tpot for r in res),
-            "steps": len(self.steps),
-            "mean_active": float(np.mean([s.active for s in busy])) if busy else 0.0,
-            "mean_step_seconds": float(np.mean([s.seconds for s in self.steps])) if self.steps else None,
-        } | ({} if self.cache is None else {"cache": dict(self.cache)})
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -223,7 +104,9 @@ class Engine:
     ``cache``: ``"dense"`` (default) or ``"paged"`` (see the module docstring), with
     ``num_blocks`` (default: ``slots`` rows of the window, the dense cache's memory),
     ``block_size``, ``prefix_caching`` and ``attention`` (the paged attention implementation;
-    default native on the native backend, else portable).
+    default native on the native backend, else portable). ``decode_steps``: on the dense cache, up
+    to this many decode steps run in one device call (one host round trip) while no row waits for a
+    slot or reads its prompt (see :meth:`_steps_now`); the texts do not change.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -231,8 +114,10 @@ class Engine:
 
     def __init__(self, lm, slots: int, *, policy: str = "continuous", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True, attention: str | None = None):
+                 block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
+                 decode_steps: int = 1):
         self.S = check_int("slots", slots, 1)
+        self.decode_steps = check_int("decode_steps", decode_steps, 1)
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if cache not in CACHES:
@@ -520,38 +405,63 @@ class Engine:
         prefill_tokens = self._prefill_paged() if self.paged else self._prefill()
         decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
         active = int(decoding.sum())
+        k = self._steps_now(decoding, prefill_tokens)
         if active:
             steps = np.array([len(r.tokens) if d else 0 for r, d in zip(self._slots, decoding)], np.int32)
             lengths = np.array([0 if r is None else r.length for r in self._slots], np.int32)
-            tokens, mlp, slp = self.executor.decode(decoding, steps, lengths)
+            if k > 1:
+                tokens, mlp, slp = self.executor.decode_many(decoding, steps, lengths, k)
+            else:
+                tokens, mlp, slp = (a[None] for a in self.executor.decode(decoding, steps, lengths))
         stepped, done = [], []
         for s in np.flatnonzero(decoding):
             row = self._slots[s]
-            row.tokens.append(int(tokens[s]))
-            row.mlp.append(float(mlp[s]))
-            row.slp.append(float(slp[s]))
             stepped.append(row)
-            hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
-                      for stop in row.stops)
-            if hit or len(row.tokens) == row.n:
-                row.finish, row.slot = ("stop" if hit else "length"), -1
-                self._slots[s] = None
-                done.append(row)
+            for j in range(k):  # a row that ends inside a multi-step call drops the tokens after it
+                row.tokens.append(int(tokens[j, s]))
+                row.mlp.append(float(mlp[j, s]))
+                row.slp.append(float(slp[j, s]))
+                hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
+                          for stop in row.stops)
+                if hit or len(row.tokens) == row.n:
+                    row.finish, row.slot = ("stop" if hit else "length"), -1
+                    self._slots[s] = None
+                    done.append(row)
+                    break
         if self.paged:
             for row in done:
                 self.allocator.free(row.seq)
             going = [r for r in stepped if r.finish is None]
             if going:  # the chosen tokens are written once the rows that go on have their blocks
                 self._append_paged(going)
-        end = self.clock.step_done(self.S if active else 0, prefill_tokens)
+        begin = start
+        for j in range(k):  # a multi-step call is recorded as its k steps
+            end = self.clock.step_done(self.S if active else 0, prefill_tokens if j == 0 else 0)
+            record = StepRecord(begin, end, self.S if active else 0, active, prefill_tokens if j == 0 else 0)
+            self.step_records.append(record)
+            begin = end
         for row in stepped:
             if row.t_first is None:
                 row.t_first = end
         for row in done:
             row.t_done = end
-        record = StepRecord(start, end, self.S if active else 0, active, prefill_tokens)
-        self.step_records.append(record)
         return record
+
+    def _steps_now(self, decoding, prefill_tokens: int) -> int:
+        """Decode steps in this engine step: up to ``decode_steps`` in one device call while no row
+        waits for a slot or reads its prompt and every decoding row has that many tokens left (so
+        no row runs past its ``n``; one that meets a stop string inside the call drops the tokens
+        after it), else one."""
+        if self.decode_steps == 1 or prefill_tokens or self._waiting or not decoding.any():
+            return 1
+        if not getattr(self.executor, "multi_step", False):
+            return 1
+        rows = [r for r, d in zip(self._slots, decoding) if d]
+        if any(r.prefilled < len(r.prompt) for r in self._slots if r is not None):
+            return 1
+        left = min(r.n - len(r.tokens) for r in rows)
+        k = min(self.decode_steps, left)
+        return 1 << (k.bit_length() - 1)  # a power of two: few compiled programs
 
     def run(self, requests: Sequence[Request] = ()) -> Report:
         """Serve ``requests`` (each arriving ``request.arrival`` seconds after the start; all are

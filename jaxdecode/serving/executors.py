@@ -55,6 +55,24 @@ def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greed
     return token, mlp, slp, out[:, 0], cache, rule_state
 
 
+@functools.partial(jax.jit, static_argnames=("model", "span", "k"), donate_argnames=("cache", "rule_state"))
+def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
+                 model, span, k):
+    """``k`` decode steps in one call (:func:`_decode`'s step in a loop): every ``decoding`` slot
+    chooses and appends ``k`` tokens. Returns the tokens and log-probabilities ``[k, S]``."""
+    def one(carry, _):
+        cache, logits, rule_state, steps, lengths = carry
+        token, mlp, slp, logits, cache, rule_state = _decode.__wrapped__(
+            params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
+            model=model, span=span)
+        grown = decoding.astype(jnp.int32)
+        return (cache, logits, rule_state, steps + grown, lengths + grown), (token, mlp, slp)
+
+    (cache, logits, rule_state, _, _), (token, mlp, slp) = jax.lax.scan(
+        one, (cache, logits, rule_state, steps, lengths), None, length=k)
+    return token, mlp, slp, logits, cache, rule_state
+
+
 def _scatter_rows(big, small, src, dst):
     """Rows ``small[src[i]]`` written into ``big[dst[i]]`` for pytrees of batch-first leaves; a
     ``dst`` past the end is dropped (padding). A leaf of ``small`` whose rows are smaller (a
@@ -203,6 +221,19 @@ class ModelExecutor:
             self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens,
                                                      src, dst, model=self.model, span=self.capacity)
 
+    multi_step = True  # decode_many runs several steps per call
+
+    def decode_many(self, decoding, steps, lengths, k: int):
+        """``k`` decode steps in one call (as :meth:`decode` ``k`` times with the decoding rows'
+        steps and lengths advancing by one each time). Returns numpy ``(tokens, model_logprobs,
+        sample_logprobs)`` ``[k, S]``."""
+        span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
+        token, mlp, slp, self.logits, self.cache, self.rule_state = _decode_many(
+            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
+            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
+            model=self.model, span=span, k=k)
+        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+
     def decode(self, decoding, steps, lengths):
         """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
         steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
@@ -253,6 +284,8 @@ class PagedExecutor(ModelExecutor):
     :class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host; with each slot's logits,
     rule settings and rule state as :class:`ModelExecutor`. ``attention``: the paged attention
     implementation, which the model's paged form checks."""
+
+    multi_step = False  # the host gives rows their blocks between steps
 
     def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
         try:  # the model's own paged form: the pool is part of the model interface

@@ -1,0 +1,131 @@
+"""Serving at saturation: every request arrives at once; the engine against the static loop.
+
+The shipped model, ``--requests`` held-out prompts (``--prompt-len`` characters each) arriving
+together, lengths ``n`` drawn from ``--lengths`` (``uniform``: 32 to 128 characters; ``geometric``:
+mean 48, a long tail cut at 224), each with its own seed, top-k 40 and temperature 0.9. Served by
+``Engine.run`` with ``--slots`` slots: static batching, and continuous batching with 1 and with
+``--decode-steps`` decode steps per device call; and by the plain batched loop
+(``jaxdecode.generate`` over ``--slots`` prompts at a time, each batch run to its longest ``n``;
+only each request's own ``n`` characters are counted). Every program is compiled by a first, untimed pass of the same run; then ``--repeats`` timed passes,
+interleaved, and the median is reported. Prints and writes JSON with characters per second and
+the ratios, the p50/p99 latency and TTFT of the engine runs.
+
+    python scripts/bench_saturation.py --out docs/bench_saturation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+import jaxdecode  # noqa: E402
+from jaxdecode import rules  # noqa: E402
+from jaxdecode.cli.serve import heldout_text  # noqa: E402
+from jaxdecode.serving.engine import Engine  # noqa: E402
+from jaxdecode.serving.requests import Request  # noqa: E402
+
+
+def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    T = lm.decoder.T
+    out = []
+    for i in range(count):
+        start = int(rng.integers(0, len(held) - prompt_len))
+        if lengths == "uniform":
+            n = int(rng.integers(32, 129))
+        else:
+            n = int(min(T - prompt_len, 8 + rng.geometric(1 / 40)))
+        out.append(Request(held[start:start + prompt_len], n, seed=seed * 1000 + i,
+                           rule=rules.chain(rules.temperature(0.9), rules.top_k(40))))
+    return out
+
+
+def run_engine(lm, reqs, slots, policy, decode_steps):
+    t0 = time.perf_counter()
+    rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps).run(reqs)
+    secs = time.perf_counter() - t0
+    chars = sum(len(g.text) for r in rep.results for g in r.outputs)
+    s = rep.summary()
+    return {"seconds": secs, "chars": chars, "latency": s["latency"], "ttft": s["ttft"],
+            "texts": [[g.text for g in r.outputs] for r in rep.results]}
+
+
+def run_loop(lm, reqs, slots):
+    """The plain batched loop: generate over ``slots`` requests at a time (each row its own n
+    through a per-batch n of the longest and the row's text cut to its n: generate takes one n)."""
+    t0 = time.perf_counter()
+    texts = []
+    for b in range(0, len(reqs), slots):
+        part = reqs[b:b + slots]
+        n = max(r.n for r in part)
+        gens = jaxdecode.generate(lm, [r.prompt for r in part], n, seed=[r.seed for r in part],
+                                  rule=rules.chain(rules.temperature(0.9), rules.top_k(40)))
+        texts += [[g.text[:r.n]] for g, r in zip(gens, part)]
+    secs = time.perf_counter() - t0
+    # the work the engine does: each request's own n characters
+    return {"seconds": secs, "chars": sum(r.n for r in reqs), "texts": texts}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--lengths", choices=("uniform", "geometric"), default="uniform")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    lm = jaxdecode.load()
+    held = heldout_text(lm, None)
+    reqs = workload(lm, held, args.requests, args.prompt_len, args.lengths, args.seed)
+    arms = {
+        "loop": lambda: run_loop(lm, reqs, args.slots),
+        "static": lambda: run_engine(lm, reqs, args.slots, "static", 1),
+        "continuous": lambda: run_engine(lm, reqs, args.slots, "continuous", 1),
+        f"continuous-k{args.decode_steps}": lambda: run_engine(lm, reqs, args.slots, "continuous",
+                                                               args.decode_steps),
+    }
+    for name, arm in arms.items():  # compile every program
+        arm()
+        print(f"warm: {name}", file=sys.stderr, flush=True)
+    runs = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, arm in arms.items():
+            runs[name].append(arm())
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "backend": lm.decoder.backend, "settings": vars(args), "arms": {}}
+    for name, rs in runs.items():
+        secs = statistics.median(r["seconds"] for r in rs)
+        row = {"seconds": round(secs, 3), "chars_per_s": round(rs[0]["chars"] / secs, 1)}
+        if "latency" in rs[0]:
+            row |= {"latency": rs[0]["latency"], "ttft": rs[0]["ttft"]}
+        result["arms"][name] = row
+    base = result["arms"]["static"]["chars_per_s"]
+    loop = result["arms"]["loop"]["chars_per_s"]
+    for name, row in result["arms"].items():
+        row["vs_static"] = round(row["chars_per_s"] / base, 3)
+        row["vs_loop"] = round(row["chars_per_s"] / loop, 3)
+    engine_texts = [runs[name][0]["texts"] for name in arms if name != "loop"]
+    result["engine_texts_identical"] = all(t == engine_texts[0] for t in engine_texts)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
