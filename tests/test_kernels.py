@@ -15,12 +15,13 @@ from jaxdecode.models.charlm import transformer as M
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _registered():
+@pytest.fixture
+def registered():
     """The kernels' FFI targets are registered when the native layer is first selected
-    (``kernels.select`` / ``available``), not by the kernel functions themselves: without this,
-    a test run alone (``-k``) calls an unregistered target ("No FFI handler registered")."""
-    kernels.available()
+    (``kernels.select`` / ``available``), not by the kernel functions themselves: a test that
+    calls a kernel directly and runs alone (``-k``) needs this ("No FFI handler registered"
+    otherwise). Not autouse: test_other_backends_never_build must see an unbuilt layer."""
+    assert kernels.available()
 
 
 def test_native_layer_is_available():
@@ -246,7 +247,7 @@ def test_decode_layer_schedules_match_reference(B, S, H, D, C, L, schedule):
 
 
 @pytest.mark.parametrize("B,S,schedule", [(2, 3, "phases"), (70, 1, "pipeline"), (20, 2, "pipeline")])
-def test_decode_layer_writes_in_place(B, S, schedule):
+def test_decode_layer_writes_in_place(B, S, schedule, registered):
     """write="cache" / "buffer": the call returns the cache (buffer) with the new keys and values
     at each row's first limit (count), and the same output as when it returns them."""
     H, D, C, L = 2, 32, 12, 6
