@@ -100,7 +100,14 @@ import numpy as np
 
 from jaxdecode import constraints as C
 from jaxdecode.decoding import budget as budget_lib
-from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, next_logits_for, round_up
+from jaxdecode.decoding.common import (
+    PROMPT_BUCKET,
+    SPAN_BUCKET,
+    batch_bucket,
+    encode_prompts,
+    next_logits_for,
+    round_up,
+)
 
 RESAMPLE_STREAM = 0x5E5A  # folded into the key for a resampling draw (apart from the step draws)
 
@@ -112,10 +119,9 @@ __all__ = ["Enumeration", "SMCResult", "enumerate_outputs", "exact_conditional",
 
 
 def _encode(lm, prompt) -> np.ndarray:
+    """A text prompt through :func:`~jaxdecode.decoding.common.encode_prompts`, or token ids."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one character")
-        return np.asarray(lm.vocab.encode(prompt), np.int32).reshape(-1)
+        return np.asarray(encode_prompts(lm, prompt, 1)[1][0], np.int32).reshape(-1)
     toks = np.asarray(prompt, np.int32).reshape(-1)
     if toks.size == 0:
         raise ValueError("the prompt is empty: give at least one token")

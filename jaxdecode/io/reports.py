@@ -15,11 +15,12 @@ import json
 import math
 import os
 import sys
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from jaxdecode.io.files import atomic_write as _atomic_write
 
 SIGNIFICANT = 6  # significant digits of every float in a study's JSON
 
@@ -59,25 +60,6 @@ def clean(obj, digits: int = SIGNIFICANT):
 
 
 # ----------------------------------------------------------------------------- atomic files
-
-
-def _atomic_write(path, write) -> Path:
-    """Call ``write(file)`` on a new temporary file next to ``path``, then move it onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    # os.open with 0o666 lets the umask decide the permissions, as for any new file
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_json(path, obj) -> dict:

@@ -17,9 +17,7 @@ import io
 import json
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -32,6 +30,7 @@ import numpy as np
 
 from jaxdecode.models.charlm.transformer import ModelConfig
 from jaxdecode.models.lm import LanguageModel
+from jaxdecode.io import files
 from jaxdecode.io.vocab import Vocab
 
 CONFIG_FILE = "config.json"
@@ -272,85 +271,9 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
 
 
-class _AtomicFolder:
-    """Write into a temporary sibling folder; move it into place only if everything succeeded.
-
-    Whatever interrupts the writing (an error, ``KeyboardInterrupt``), the previous folder stays
-    as it was and the temporary one is removed. The files are flushed to disk before the folder is
-    moved into place, so a crash cannot publish a folder of empty files either."""
-
-    def __init__(self, target: Path, overwrite: bool):
-        self.target = Path(target)
-        self.overwrite = overwrite
-
-    def __enter__(self) -> Path:
-        if self.target.exists() and not self.target.is_dir():
-            raise CheckpointError(f"{self.target} is a file, not a folder: refusing to replace it")
-        if self.target.exists() and not self.overwrite:
-            raise CheckpointError(f"{self.target} already exists (use overwrite=True / --force)")
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
-        return self.tmp
-
-    def _publish_permissions(self):
-        # mkdtemp makes a private folder; give the result the permissions of a normal folder
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)
-        for f in self.tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
-
-    def _sync(self):
-        for f in self.tmp.iterdir():
-            if f.is_file():
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:  # any exception, KeyboardInterrupt included
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        old = None
-        try:
-            self._publish_permissions()
-            self._sync()
-            if self.target.exists():
-                # the old folder steps aside under a fresh name, the new one takes its place
-                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.old.", dir=self.target.parent))
-                os.replace(self.target, old)
-            os.replace(self.tmp, self.target)
-        except BaseException:
-            if old is not None and old.exists() and not self.target.exists():
-                os.replace(old, self.target)  # put the previous folder back
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        _fsync_dir(self.target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return False
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename inside ``folder`` durable (best effort: not every system allows it)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_folder(target, overwrite: bool = True) -> _AtomicFolder:
-    return _AtomicFolder(Path(target), overwrite)
+def atomic_folder(target, overwrite: bool = True):
+    """:func:`jaxdecode.io.files.atomic_folder`, with the checkpoint's error."""
+    return files.atomic_folder(target, overwrite, error=CheckpointError)
 
 
 def save(path, params, cfg: ModelConfig, vocab: Vocab, meta: dict | None = None,

@@ -47,6 +47,7 @@ _TARGET = "jaxdecode_decode_attention"
 _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
+PAGED_TARGET = "jaxdecode_paged_attention"  # called by the CharLM's paged form (models/charlm/paged.py)
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
 PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
 # decode_layer: one native call per layer beats XLA's operations at every batch measured (1 to
@@ -144,6 +145,7 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
         return None
     except Exception as e:  # no compiler, failed build, unloadable library
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -208,7 +210,16 @@ def attention(q, k, v, lim, k2, v2, n2, scale: float):
     return _ffi(_TARGET, q.shape, scale=np.float32(scale))(q, k, v, lim, k2, v2, n2)
 
 
+def _registered() -> None:
+    """Build and register the library before a call names its targets (a call made without
+    :func:`select` first, e.g. directly from a test); a KernelError when it cannot be built."""
+    failure = _library()
+    if failure is not None:
+        raise KernelError(f"the native CPU layer is unavailable: {failure}")
+
+
 def _ffi(target: str, shape, **attrs):
+    _registered()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")
     return lambda *args: call(*args, **attrs)
 
@@ -281,6 +292,7 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     shape = {0: (B, H, S, D), 1: k.shape, 2: k2.shape}[mode]
     kv = jax.ShapeDtypeStruct(shape, jnp.float32)
     aliases = {1: {13: 1, 14: 2}, 2: {16: 1, 17: 2}}.get(mode, {})  # operand index -> output
+    _registered()
     call = jax.ffi.ffi_call(_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), kv, kv),
                             vmap_method="sequential", input_output_aliases=aliases)
     y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps),

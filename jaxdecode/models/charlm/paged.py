@@ -28,7 +28,6 @@ cache memory.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
@@ -60,7 +59,7 @@ def unpack(p):
 
 
 IMPLS = ("portable", "pallas", "native")
-_TARGET = "jaxdecode_paged_attention"
+_TARGET = kernels.PAGED_TARGET
 
 
 # ----------------------------------------------------------------------------- attention
@@ -150,14 +149,10 @@ def _pallas(q, k_pool, v_pool, tables, lim, scale, interpret):
 
 @functools.cache
 def _native_library() -> str | None:
-    """Register the native paged attention once per process; None, or why it is unavailable."""
+    """None when the native paged attention is registered (:mod:`jaxdecode.native.kernels`
+    registers every target of the library), else why it is unavailable."""
     if not kernels.available():
         return "the native CPU layer is unavailable (no CPU backend or no C++ compiler)"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(kernels.build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
-    except Exception as e:  # noqa: BLE001 - reported to the caller as one line
-        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
 
 
