@@ -360,7 +360,7 @@ def test_every_rule_has_a_flag_and_every_flag_a_rule(capsys):
 
 
 def test_rule_flags_convert_and_reach_make_rule():
-    from jaxdecode.cli import main as cli
+    from jaxdecode.cli import app as cli
     from jaxdecode import rules
 
     parser = _generate_parser()
