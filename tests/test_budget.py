@@ -225,3 +225,26 @@ def test_cli_smc_over_the_budget_is_one_line(tiny_ckpt, capsys):
                "--smc", "5000", "--memory-budget", "1M"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "5000 particles" in err and "fit" in err, err
+
+
+def test_default_budget_from_the_device_or_the_host(monkeypatch):
+    """Unset: half the accelerator's free memory when it reports a limit, else a quarter of the
+    host's physical memory; never below 64 MiB."""
+    monkeypatch.delenv(budget.ENV, raising=False)
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(budget.jax, "devices", lambda: [Device({"bytes_limit": 10 << 30, "bytes_in_use": 2 << 30})])
+    assert budget.default_budget() == 4 << 30
+    monkeypatch.setattr(budget.jax, "devices", lambda: [Device({"bytes_limit": 100 << 20, "bytes_in_use": 90 << 20})])
+    assert budget.default_budget() == 64 << 20  # the floor
+    monkeypatch.setattr(budget.jax, "devices", lambda: [Device(None)])  # the CPU reports nothing
+    import os
+
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert budget.default_budget() == max(64 << 20, phys // 4)

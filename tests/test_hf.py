@@ -533,3 +533,35 @@ def test_a_sentencepiece_style_continuation_keeps_its_leading_space(tmp_path):
     fixture = HFTokenizer(FIXTURES / "llama" / "tokenizer.json")
     text = "日本語 and 🙂 café"
     assert fixture.decode(fixture.encode_piece(text)) == text
+
+
+def test_json_schema_output_through_every_loop(models):
+    """Sampling, greedy, beam search and speculative decoding (the one-layer draft) under a JSON
+    schema on the Llama's byte-level vocabulary: every output parses with Python's json module and
+    satisfies the schema, checked by hand (a name from the enum, an integer age, nothing else)."""
+    from jaxdecode import constraints as C
+    from jaxdecode import speculative
+
+    lm = models("llama")
+    schema = {"type": "object", "properties": {"name": {"enum": ["Romeo", "Juliet", "Nurse"]},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    c = C.compile_json_schema(schema, lm.vocab)
+    prompt = "The answer:"
+
+    def valid(text):
+        doc = json.loads(text)
+        return (set(doc) == {"name", "age"} and doc["name"] in schema["properties"]["name"]["enum"]
+                and isinstance(doc["age"], int) and not isinstance(doc["age"], bool))
+
+    n = 40
+    texts = [g.text for g in jaxdecode.generate(lm, prompt, n, constraint=c, num_samples=6, seed=1)]
+    sampled = list(texts)
+    texts += [jaxdecode.generate(lm, prompt, n, constraint=c, greedy=True)[0].text]
+    texts += [h.text for h in jaxdecode.beam_generate(lm, prompt, n, 3, n_best=3, constraint=c)[0]]
+    draft = speculative.ModelDraft.from_lm(models("llama-draft"))
+    texts += [g.text for g in speculative.speculative_generate(lm, prompt, n, draft=draft, gamma=3, constraint=c,
+                                                               num_samples=3, seed=2)]
+    bad = [t for t in texts if not valid(t)]
+    assert not bad, bad
+    assert len(set(sampled)) > 1  # the samples differ
