@@ -12,9 +12,42 @@ os.environ.setdefault("JAXDECODE_KERNELS", "1")
 os.environ["JAXDECODE_OFFLINE"] = "1"
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# No persistent compilation cache: XLA's serialization of a compiled CPU program (what JAX does
-# to write a cache entry) crashed a test worker with a segmentation fault (jax 0.10.2), and the
-# workers' unlocked reads could meet a half-written entry; every worker compiles for itself.
+# Every compiled CPU program keeps its machine code in a few memory mappings of its own, and JAX
+# keeps every program it compiles. A test worker compiles tens of thousands of programs; at the
+# kernel's limit on mappings (vm.max_map_count, 65,530 by default) mmap fails inside XLA's
+# compiler, which then crashes the worker with a segmentation fault (scripts/repro_map_count.py,
+# docs/testing.md). So after any test that leaves the worker past half the limit, JAX's caches are
+# dropped (the mappings go with the programs; the next tests compile what they need again).
+MAP_LIMIT_FILE = "/proc/sys/vm/max_map_count"
+
+
+def _mappings() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _map_limit() -> int | None:
+    try:
+        with open(MAP_LIMIT_FILE) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+MAP_LIMIT = _map_limit()
+
+
+@pytest.fixture(autouse=True)
+def _bounded_mappings():
+    yield
+    if MAP_LIMIT is not None and (_mappings() or 0) > MAP_LIMIT // 2:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
 
 # Hypothesis draws the same examples on every run (a seed derived from each test), so a failure
 # reproduces and a pass means the same thing on every machine; HYPOTHESIS_PROFILE=explore draws
