@@ -105,8 +105,8 @@ class Engine:
     ``num_blocks`` (default: ``slots`` rows of the window, the dense cache's memory),
     ``block_size``, ``prefix_caching`` and ``attention`` (the paged attention implementation;
     default native on the native backend, else portable). ``decode_steps``: on the dense cache, up
-    to this many decode steps run in one device call (one host round trip) while no row waits for a
-    slot or reads its prompt (see :meth:`_steps_now`); the texts do not change.
+    to this many decode steps run in one device call (one host round trip) while no row reads its
+    prompt or waits for a free slot (see :meth:`_steps_now`); the texts do not change.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -449,10 +449,13 @@ class Engine:
 
     def _steps_now(self, decoding, prefill_tokens: int) -> int:
         """Decode steps in this engine step: up to ``decode_steps`` in one device call while no row
-        waits for a slot or reads its prompt and every decoding row has that many tokens left (so
-        no row runs past its ``n``; one that meets a stop string inside the call drops the tokens
+        reads its prompt, no row waits for a free slot, and every decoding row has that many
+        tokens left (so no row runs past its ``n``, and no slot can free up for a waiting row
+        before the call ends; a row that meets a stop string inside the call drops the tokens
         after it), else one."""
-        if self.decode_steps == 1 or prefill_tokens or self._waiting or not decoding.any():
+        if self.decode_steps == 1 or prefill_tokens or not decoding.any():
+            return 1
+        if self._waiting and any(r is None for r in self._slots):
             return 1
         if not getattr(self.executor, "multi_step", False):
             return 1
