@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, round_up
 from jaxdecode.decoding.sampling import sample_tokens
+from jaxdecode.decoding.steps import _prefill  # the sampling loop's own jitted prefill, timed here
 from jaxdecode.io.reports import (
     fmt,
     md_table,
@@ -53,10 +54,6 @@ N = 64
 NOTE = ("wall-clock timings on this machine (best of a few runs after a compiling run): "
         "a second run gives different numbers, unlike the other studies")
 
-
-@functools.partial(jax.jit, static_argnames=("model", "capacity"))
-def _prefill(params, tokens, lengths, *, model, capacity):
-    return model.prefill(params, tokens, lengths, capacity)
 
 
 def best_time(fn, repeats: int = 3, budget_s: float = 1.0) -> float:
