@@ -277,6 +277,23 @@ def test_smc_approaches_the_exact_conditional(lm):
     assert smc.total_variation(P, walk.masked()) > 10 * bound
 
 
+def test_smc_on_the_native_backend(tiny_model, lm):
+    """SMC through the native CPU layer against the exact conditional enumerated on the portable
+    path: within the same 4-sigma bound as above (each seed fails it with probability below 1e-4)."""
+    from jaxdecode.models.checkpoint import LanguageModel
+
+    cfg, params, vocab = tiny_model
+    native = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend="native")
+    assert native.decoder.backend == "native"
+    c, walk = _choices(lm)  # the portable model's enumeration: the reference
+    P = walk.conditional()
+    bound = 2 * sum(_is_sigmas(walk, 4000).values())
+    for s in SEEDS[:2]:
+        res = smc.smc_generate(native, PROMPT, 3, c, 4000, seed=s)
+        assert set(res.texts) <= set(CHOICES)
+        assert smc.total_variation(P, res.distribution) < bound
+
+
 @pytest.mark.parametrize("resampling", ["systematic", "multinomial"])
 def test_smc_with_resampling_at_every_step(lm, resampling):
     """ess_threshold=1 resamples whenever the weights are unequal: after the second step here (the
