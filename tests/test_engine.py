@@ -336,3 +336,23 @@ def test_serve_bench_simulate_json(tiny_ckpt, corpus_path, tmp_path, capsys):
 
     assert main(argv[:-2] + ["--shared-prefix", "20", "--out", str(fig)]) == 2
     assert "exceed the model window T = 16" in capsys.readouterr().err
+
+
+def test_serve_bench_measured_compiles_nothing_in_the_timed_runs(tiny_ckpt, corpus_path, capsys):
+    """On the wall clock, with every request at once and several decode steps a call: the timed
+    runs compile no program (the warm-up did), and every text is generate's."""
+    from jaxdecode.cli.app import main
+
+    argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "6", "--rate", "1e6",
+            "--slots", "2", "--n", "8", "--decode-steps", "4", "--json", "--out", "", "--seed", "2", "--sweep", "2"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["decode_steps"] == 4 and doc["identical_outputs"] is True
+    assert [(r["kind"], r["compiles"]) for r in doc["runs"]] == [("measured", 0), ("measured", 0)]
+    lm = jaxdecode.load(tiny_ckpt)
+    for r in doc["requests"]:
+        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                     rules.top_p(r["rule"]["TopP"]))
+        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
+                                  stop=r["stop"])[0]
+        assert r["text"] == want.text and r["finish_reason"] == want.finish_reason
