@@ -459,10 +459,8 @@ class Engine:
             return 1
         if not getattr(self.executor, "multi_step", False):
             return 1
-        rows = [r for r, d in zip(self._slots, decoding) if d]
-        if any(r.prefilled < len(r.prompt) for r in self._slots if r is not None):
-            return 1
-        left = min(r.n - len(r.tokens) for r in rows)
+        # (a row still reading its prompt ran a piece this step: prefill_tokens > 0 above)
+        left = min(r.n - len(r.tokens) for r, d in zip(self._slots, decoding) if d)
         k = min(self.decode_steps, left)
         return 1 << (k.bit_length() - 1)  # a power of two: few compiled programs
 

@@ -40,8 +40,7 @@ def _rows_where(mask, new, old):
     return jax.tree_util.tree_map(pick, new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "rule_state"))
-def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
+def _decode_step(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
             model, span):
     """Choose a token in every slot and append it. ``lengths``: each slot's cache length (0 for a
     free slot); only ``decoding`` slots advance (a slot still reading its prompt keeps its cache
@@ -55,6 +54,9 @@ def _decode(params, cache, logits, rule, rule_state, keys, row_ids, steps, greed
     return token, mlp, slp, out[:, 0], cache, rule_state
 
 
+_decode = jax.jit(_decode_step, static_argnames=("model", "span"), donate_argnames=("cache", "rule_state"))
+
+
 @functools.partial(jax.jit, static_argnames=("model", "span", "k"), donate_argnames=("cache", "rule_state"))
 def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
                  model, span, k):
@@ -62,7 +64,7 @@ def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, 
     chooses and appends ``k`` tokens. Returns the tokens and log-probabilities ``[k, S]``."""
     def one(carry, _):
         cache, logits, rule_state, steps, lengths = carry
-        token, mlp, slp, logits, cache, rule_state = _decode.__wrapped__(
+        token, mlp, slp, logits, cache, rule_state = _decode_step(
             params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
             model=model, span=span)
         grown = decoding.astype(jnp.int32)
