@@ -119,6 +119,49 @@ def test_fork_copy_on_write_and_reorder():
     a.check()
 
 
+def test_reserve_gives_blocks_before_the_tokens_are_known():
+    """A device call that writes several decode steps gets its blocks first (reserve), the tokens
+    come after (append takes no block for them), and a shared, partly filled block is copied at the
+    reservation, never again."""
+    a = BlockAllocator(10, 4)
+    d = Device(a)
+    a.allocate("p", [1, 2, 3, 4, 5, 6])
+    d.write("p", 0)
+    a.mark_computed("p")
+    a.fork("p", "q")
+    last = a.table("q")[-1]
+    copies = a.reserve("q", 5)  # positions 6..10: the shared block 1 copied, one new block
+    assert len(copies) == 1 and copies[0][0] == last and len(a.table("q")) == 3
+    assert a.length("q") == 6 and a.num_free == 10 - 2 - 2
+    a.check()
+    d.copy(copies)
+    table = a.table("q")
+    assert a.reserve("q", 3) == [] and a.table("q") == table  # already covered
+    assert a.append("q", [7, 8]) == [] and a.table("q") == table
+    d.write("q", 6)
+    assert a.append("q", [9, 10, 11]) == [] and a.table("q") == table  # the rest of the reservation
+    d.write("q", 8)
+    a.check()
+    a.append("q", 12)  # past the reservation: one more block, as append always did
+    d.write("q", 11)
+    assert len(a.table("q")) == 3 and a.tokens("q") == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    for s in "pq":
+        d.verify(s)
+    a.reserve("p", 6)  # two blocks reserved, then given back by a truncate
+    a.check()
+    a.truncate("p", 6)
+    assert len(a.table("p")) == 2
+    a.check()
+    with pytest.raises(OutOfBlocks):
+        a.reserve("p", 4 * 8)  # more than the free blocks: nothing changes
+    assert len(a.table("p")) == 2
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        a.reserve("p", 4 * 10)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        a.reserve("p", -1)
+    a.check()
+
+
 def test_prefix_sharing():
     a = BlockAllocator(16, 4)
     d = Device(a)

@@ -75,6 +75,32 @@ def test_paged_engine_matches_generate_with_prefix_hits_and_a_small_pool(lm_port
     assert engine.idle and engine.occupied == 0
 
 
+@pytest.mark.parametrize("backend", ["portable", "native"])
+def test_paged_multi_step_decoding_keeps_every_text(tiny_model, backend):
+    """Up to 8 decode steps per device call on the paged cache, with prefix hits, samples that copy
+    a shared block on write (at the reservation before a call), a pool too small for the whole load
+    and rows that stop inside a call: the texts and log-probabilities are generate's, several calls
+    ran more than one step, and every block comes back."""
+    cfg, params, vocab = tiny_model
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)
+    reqs = _requests() + with_arrivals(_shared_prefix_requests(), [20.0, 26.0, 27.0, 28.0, 28.0])
+    refs = _reference(lm, reqs)
+    engine = _paged(lm, 3, 9, prefill_chunk=4, decode_steps=8)
+    calls = []
+    many = engine.executor.decode_many
+    engine.executor.decode_many = lambda *a: calls.append(a[3]) or many(*a)
+    report = engine.run(reqs)
+    _assert_same(report, refs)
+    assert calls and max(calls) >= 4 and len(calls) >= 3
+    assert report.cache["block_waits"] > 0 and report.cache["prefix_hit_tokens"] >= 3 * 8
+    assert len([s for s in report.steps if s.active]) > len(calls)
+    _assert_pool_empty(engine)
+    # the same load one step per call takes more engine steps and device calls, same outputs
+    one = _paged(lm, 3, 9, prefill_chunk=4)
+    _assert_same(one.run(reqs), refs)
+    _assert_pool_empty(one)
+
+
 def test_samples_share_the_prompt_blocks_and_copy_the_last_on_write(lm_portable):
     """Three samples of a 9-token prompt (blocks of 4: two full, one partly filled) generating 3
     tokens each (at most 11 positions: still three blocks a row): the prompt's 3 blocks are shared

@@ -56,7 +56,7 @@ def add_serve_bench(sub, seed_type) -> None:
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens a row reads per engine step (default 128)")
     s.add_argument("--decode-steps", type=int, default=1, metavar="K",
-                   help="dense cache: up to K decode steps per device call while no request waits (default 1)")
+                   help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--paged", action="store_true",
                    help="the paged KV cache: a pool of blocks, prompts sharing cached prefix blocks")
     s.add_argument("--num-blocks", type=int, default=None, metavar="B",

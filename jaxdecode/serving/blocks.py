@@ -69,13 +69,17 @@ def _as_tokens(tokens) -> tuple[int, ...]:
 
 
 class _Seq:
-    __slots__ = ("blocks", "tokens", "computed", "keys")
+    __slots__ = ("blocks", "tokens", "computed", "keys", "ahead")
 
-    def __init__(self, blocks, tokens, computed, keys):
+    def __init__(self, blocks, tokens, computed, keys, ahead=0):
         self.blocks: list[int] = blocks  # the block table
         self.tokens: list[int] = tokens  # every token so far (the prefix keys are made from them)
         self.computed: int = computed  # tokens whose keys and values are known to be written
         self.keys: list[int] = keys  # prefix key ids of the leading full blocks registered so far
+        self.ahead: int = ahead  # positions past the tokens that have blocks already (reserve)
+
+    def copy(self):
+        return _Seq(list(self.blocks), list(self.tokens), self.computed, list(self.keys), self.ahead)
 
 
 class BlockAllocator:
@@ -194,33 +198,58 @@ class BlockAllocator:
         positions: a partly filled last block that other sequences share is copied into a block of
         this sequence's own (copy on write). Raises :class:`OutOfBlocks` (changing nothing) when
         too few blocks are free, ``ValueError`` when the sequence would outgrow the whole pool.
+        Positions given blocks by :meth:`reserve` take no block (nor copy) again.
         """
         s = self._get(seq)
         tokens = _as_tokens(np.atleast_1d(np.asarray(tokens)))
         if not tokens:
             return []
+        copies = self._grow(seq, s, len(tokens))
+        s.tokens.extend(tokens)
+        s.ahead = max(0, s.ahead - len(tokens))
+        return copies
+
+    def reserve(self, seq, positions: int) -> list[tuple[int, int]]:
+        """Blocks for the next ``positions`` positions of ``seq`` before its tokens are known (a
+        device call that writes several decode steps): as :meth:`append` does for that many tokens
+        (the same copies, the same errors), but the tokens are recorded later by :meth:`append`,
+        which then takes no block for them. A reservation shrinks with the tokens appended, and
+        :meth:`truncate` drops it."""
+        s = self._get(seq)
+        positions = int(positions)
+        if positions < 0:
+            raise ValueError(f"reserve: positions must be >= 0, got {positions}")
+        if positions <= s.ahead:
+            return []
+        copies = self._grow(seq, s, positions)
+        s.ahead = positions
+        return copies
+
+    def _grow(self, seq, s: _Seq, count: int) -> list[tuple[int, int]]:
+        """Blocks for positions ``len(s.tokens) ..`` ``+ count`` (the copy on write of a shared block
+        holding the first of them): all or nothing."""
         n, bs = len(s.tokens), self.block_size
-        total = self.blocks_for(n + len(tokens))
+        total = self.blocks_for(n + count)
         if total > self.num_blocks:
             raise ValueError(f"sequence {seq!r} would need {total} blocks of {bs}, more than the whole pool "
                              f"of {self.num_blocks}")
-        partial = n % bs != 0
-        cow = partial and self._ref[s.blocks[-1]] > 1
-        needed = total - len(s.blocks) + cow
+        partial = n % bs != 0  # position n lies in a block the sequence holds already
+        first = n // bs
+        cow = partial and self._ref[s.blocks[first]] > 1
+        needed = max(0, total - len(s.blocks)) + cow
         if needed > len(self._free):
             raise OutOfBlocks(needed, len(self._free), f"sequence {seq!r}")
         copies = []
         if cow:
-            src = s.blocks[-1]
+            src = s.blocks[first]
             dst = self._pop_free()
             self._release(src)
-            s.blocks[-1] = dst
+            s.blocks[first] = dst
             copies.append((src, dst))
-        elif partial:
-            self._uncache(s.blocks[-1])  # written again (after a truncate): its old key is stale
+        elif partial and s.ahead == 0:
+            self._uncache(s.blocks[first])  # written again (after a truncate): its old key is stale
         while len(s.blocks) < total:
             s.blocks.append(self._pop_free())
-        s.tokens.extend(tokens)
         return copies
 
     def mark_computed(self, seq, n_tokens: int | None = None):
@@ -258,7 +287,7 @@ class BlockAllocator:
         p = self._get(parent)
         for b in p.blocks:
             self._ref[b] += 1
-        self._seqs[child] = _Seq(list(p.blocks), list(p.tokens), p.computed, list(p.keys))
+        self._seqs[child] = p.copy()
 
     def reorder(self, seqs: Sequence, parents: Sequence[int]):
         """Beam reordering: sequence ``seqs[i]`` becomes a copy of ``seqs[parents[i]]`` (all as
@@ -271,8 +300,7 @@ class BlockAllocator:
         for p in parents:
             if not 0 <= p < len(seqs):
                 raise ValueError(f"reorder: parent index {p} is outside 0..{len(seqs) - 1}")
-        new = [_Seq(list(old[p].blocks), list(old[p].tokens), old[p].computed, list(old[p].keys))
-               for p in parents]
+        new = [old[p].copy() for p in parents]
         for s in new:
             for b in s.blocks:
                 self._ref[b] += 1
@@ -295,6 +323,7 @@ class BlockAllocator:
         del s.tokens[length:]
         del s.keys[length // self.block_size:]
         s.computed = min(s.computed, length)
+        s.ahead = 0
         if length % self.block_size and self._ref[s.blocks[-1]] == 1:
             self._uncache(s.blocks[-1])  # its tail will be written again: no longer a cached prefix
 
@@ -312,7 +341,7 @@ class BlockAllocator:
         count = [0] * self.num_blocks
         for name, s in self._seqs.items():
             assert len(set(s.blocks)) == len(s.blocks), f"sequence {name!r} lists a block twice"
-            assert len(s.blocks) == self.blocks_for(len(s.tokens)), \
+            assert len(s.blocks) == self.blocks_for(len(s.tokens) + s.ahead), \
                 f"sequence {name!r}: table and length disagree"
             for b in s.blocks:
                 count[b] += 1

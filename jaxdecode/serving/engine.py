@@ -104,7 +104,7 @@ class Engine:
     ``cache``: ``"dense"`` (default) or ``"paged"`` (see the module docstring), with
     ``num_blocks`` (default: ``slots`` rows of the window, the dense cache's memory),
     ``block_size``, ``prefix_caching`` and ``attention`` (the paged attention implementation;
-    default native on the native backend, else portable). ``decode_steps``: on the dense cache, up
+    default native on the native backend, else portable). ``decode_steps``: on either cache, up
     to this many decode steps run in one device call (one host round trip) while no row reads its
     prompt or waits for a free slot (see :meth:`_steps_now`); the texts do not change.
 
@@ -345,6 +345,22 @@ class Engine:
         for row in rows:
             a.mark_computed(row.seq)
 
+    def _decode_many_paged(self, decoding, steps, lengths, k: int):
+        """``k`` decode steps in one call on the paged cache: each decoding row first gets blocks
+        for the positions the call writes (its ``k`` tokens, but never its last one: within what
+        :meth:`_reserved` keeps for it)."""
+        a = self.allocator
+        tables = np.zeros((self.S, self._width), np.int32)
+        n = np.zeros((self.S,), np.int32)
+        copies = []
+        for s in np.flatnonzero(decoding):
+            row = self._slots[s]
+            copies += a.reserve(row.seq, min(k, row.n - 1 - len(row.tokens)))
+            table = a.table(row.seq)
+            tables[s, :len(table)], n[s] = table, row.n
+        self._note_peak()
+        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n)
+
     @property
     def _width(self) -> int:
         return -(-self.T // self.allocator.block_size)
@@ -409,7 +425,9 @@ class Engine:
         if active:
             steps = np.array([len(r.tokens) if d else 0 for r, d in zip(self._slots, decoding)], np.int32)
             lengths = np.array([0 if r is None else r.length for r in self._slots], np.int32)
-            if k > 1:
+            if k > 1 and self.paged:
+                tokens, mlp, slp = self._decode_many_paged(decoding, steps, lengths, k)
+            elif k > 1:
                 tokens, mlp, slp = self.executor.decode_many(decoding, steps, lengths, k)
             else:
                 tokens, mlp, slp = (a[None] for a in self.executor.decode(decoding, steps, lengths))
@@ -432,7 +450,11 @@ class Engine:
             for row in done:
                 self.allocator.free(row.seq)
             going = [r for r in stepped if r.finish is None]
-            if going:  # the chosen tokens are written once the rows that go on have their blocks
+            if k > 1:  # written in the call, in the blocks reserved for them
+                for row in going:
+                    self.allocator.append(row.seq, row.tokens[-k:])
+                    self.allocator.mark_computed(row.seq)
+            elif going:  # the chosen tokens are written once the rows that go on have their blocks
                 self._append_paged(going)
         begin = start
         for j in range(k):  # a multi-step call is recorded as its k steps

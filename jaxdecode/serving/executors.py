@@ -253,8 +253,7 @@ def _init_state(rule, prompt, lengths, *, V):
     return rule.init(prompt, lengths, V, 0)
 
 
-@functools.partial(jax.jit, donate_argnames=("rule_state",))
-def _paged_select(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding):
+def _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding):
     """The paged engine's choice of a token in every slot (its rule state advanced in the
     ``decoding`` slots only); the tokens are appended by a separate pass, once the host has given
     them blocks."""
@@ -264,14 +263,43 @@ def _paged_select(logits, rule, rule_state, keys, row_ids, steps, greedy, decodi
     return token, mlp, slp, rule_state
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("pool", "logits"))
-def _paged_forward(params, pool, logits, tables, lengths, tokens, counts, src, dst, *, model):
+def _paged_forward_step(params, pool, logits, tables, lengths, tokens, counts, src, dst, *, model):
     """``counts[g]`` new positions of row ``g`` (``tokens`` ``[G, C]``, after ``lengths[g]`` cached
     ones) through its block table; the logits after row ``src[i]``'s last new position are written
     into slot ``dst[i]`` (a ``dst`` past the end is dropped)."""
     out, _, pool = model.pool_forward(params, pool, tables, lengths, tokens, counts)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     return pool, _scatter_rows(logits, last, src, dst)
+
+
+_paged_select = jax.jit(_paged_select_step, donate_argnames=("rule_state",))
+_paged_forward = jax.jit(_paged_forward_step, static_argnames=("model",), donate_argnames=("pool", "logits"))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "k"), donate_argnames=("pool", "logits", "rule_state"))
+def _paged_decode_many(params, pool, logits, rule, rule_state, keys, row_ids, steps, greedy, decoding, positions,
+                       tables, n, *, model, k):
+    """``k`` paged decode steps in one call: every ``decoding`` slot chooses a token
+    (:func:`_paged_select_step`) and, unless it was the row's last (``n`` tokens), writes it at its
+    next position through its block table (:func:`_paged_forward_step`, whose blocks the host
+    reserved) for the next step's logits, as the engine's one-step path does. Returns the tokens
+    and log-probabilities ``[k, S]``."""
+    S = logits.shape[0]
+    slots = jnp.arange(S, dtype=jnp.int32)
+
+    def one(carry, _):
+        pool, logits, rule_state, steps, positions = carry
+        token, mlp, slp, rule_state = _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy,
+                                                         decoding)
+        write = decoding & (steps + 1 < n)
+        pool, logits = _paged_forward_step(params, pool, logits, tables, positions, token[:, None],
+                                           write.astype(jnp.int32), slots, jnp.where(write, slots, S), model=model)
+        grown = decoding.astype(jnp.int32)
+        return (pool, logits, rule_state, steps + grown, positions + grown), (token, mlp, slp)
+
+    (pool, logits, rule_state, _, _), (token, mlp, slp) = jax.lax.scan(
+        one, (pool, logits, rule_state, steps, positions), None, length=k)
+    return token, mlp, slp, pool, logits, rule_state
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -287,7 +315,7 @@ class PagedExecutor(ModelExecutor):
     rule settings and rule state as :class:`ModelExecutor`. ``attention``: the paged attention
     implementation, which the model's paged form checks."""
 
-    multi_step = False  # the host gives rows their blocks between steps
+    multi_step = True  # decode_many runs several steps per call, in blocks the host reserved first
 
     def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
         try:  # the model's own paged form: the pool is part of the model interface
@@ -330,15 +358,30 @@ class PagedExecutor(ModelExecutor):
             steps.astype(np.int32), self.greedy.copy(), decoding)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
 
-    def append(self, go_on, tokens, positions, tables, copies):
-        """Append ``tokens[s]`` at ``positions[s]`` for the slots ``go_on`` ``[S]`` (bool) through
-        ``tables`` ``[S, width]``, after the block copies ``copies`` (``(src, dst)``, copy on
-        write); each such slot gets its next-token logits."""
+    def _copy(self, copies):
         if copies:
             C = round_up(len(copies), self._copies_bucket)
             src, dst = np.zeros((C,), np.int32), np.full((C,), self.pool.num_blocks, np.int32)
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
             self.pool = _copy_pool_blocks(self.pool, src, dst)
+
+    def decode_many(self, decoding, steps, lengths, k: int, tables, copies, n):
+        """``k`` decode steps in one call (:func:`_paged_decode_many`): ``tables`` ``[S, width]``
+        list each slot's blocks with the next ``k`` positions reserved (after the block copies
+        ``copies``), ``n`` ``[S]`` each slot's token limit. Returns numpy ``(tokens,
+        model_logprobs, sample_logprobs)`` ``[k, S]``."""
+        self._copy(copies)
+        token, mlp, slp, self.pool, self.logits, self.rule_state = _paged_decode_many(
+            self.params, self.pool, self.logits, self._rule(), self.rule_state, self.keys.copy(),
+            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), decoding, lengths.astype(np.int32),
+            tables.astype(np.int32), n.astype(np.int32), model=self.model, k=k)
+        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+
+    def append(self, go_on, tokens, positions, tables, copies):
+        """Append ``tokens[s]`` at ``positions[s]`` for the slots ``go_on`` ``[S]`` (bool) through
+        ``tables`` ``[S, width]``, after the block copies ``copies`` (``(src, dst)``, copy on
+        write); each such slot gets its next-token logits."""
+        self._copy(copies)
         counts = go_on.astype(np.int32)
         dst = np.where(go_on, np.arange(self.S), self.S).astype(np.int32)
         self.pool, self.logits = _paged_forward(
