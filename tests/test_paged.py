@@ -12,6 +12,7 @@ from jaxdecode.decoding.beam import beam_search
 from jaxdecode.models.charlm.decoder import CharLMDecoder
 from jaxdecode.decoding.sampling import sample_tokens
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
+from jaxdecode.models.base import Int8Blocks, dequantize, empty_blocks, quantize, write_blocks
 from jaxdecode.models.charlm.paged import (
     PagedCharLM,
     PagedKV,
@@ -373,6 +374,65 @@ def test_paged_attention_matches_dense(impl):
     out = paged_attention(jnp.asarray(q4), kp, vp, tables, jnp.asarray(L), impl=impl)
     ref = _dense_attention(q4, kd, vd, query_limits(jnp.asarray(L), S), scale)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def _np_quantized(x):
+    """The int8 round trip written out in numpy: per vector, scale = max|x| / 127, round to the
+    nearest step, read back as q * scale."""
+    scale = np.abs(x).max(axis=-1, keepdims=True) / 127.0
+    q = np.clip(np.round(x / np.where(scale > 0, scale, 1.0)), -127, 127)
+    return q * scale, q
+
+
+def test_quantize_round_trip():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 3, 16)).astype(np.float32) * rng.uniform(0.01, 10, size=(5, 3, 1)).astype(np.float32)
+    x[0, 0] = 0.0  # a zero vector stays zero
+    q, scale = quantize(jnp.asarray(x))
+    assert q.dtype == jnp.int8 and scale.shape == (5, 3) and scale.dtype == jnp.float32
+    back, q_ref = _np_quantized(x)
+    np.testing.assert_array_equal(np.asarray(q), q_ref)
+    np.testing.assert_allclose(np.asarray(dequantize(q, scale)), back, rtol=1e-6, atol=1e-7)
+    err = np.abs(np.asarray(dequantize(q, scale)) - x)
+    assert np.all(err <= np.asarray(scale)[..., None] / 2 * (1 + 1e-5))  # half a step at most
+    assert np.all(np.asarray(q)[0, 0] == 0) and np.abs(np.asarray(q)).max() == 127
+
+
+@pytest.mark.parametrize("impl", ["portable", "native"])
+def test_int8_pool_attention_matches_dequantized_dense(impl):
+    """Keys and values written into an int8 pool through block tables, then attended: the dense
+    attention over the numpy round trip of each vector (positions shuffled over the blocks)."""
+    rng = np.random.default_rng(4)
+    H, D, bs, Mb, N = 2, 16, 4, 5, 23
+    lengths, S = np.array([3, 9, 20, 1]), 2
+    B = len(lengths)
+    tables = rng.permutation(N)[:B * Mb].reshape(B, Mb).astype(np.int32)
+    k = rng.normal(size=(B, H, Mb * bs, D)).astype(np.float32) * 3
+    v = rng.normal(size=(B, H, Mb * bs, D)).astype(np.float32)
+    pool = empty_blocks((N, H, bs, D), 1, "int8")
+    positions = np.broadcast_to(np.arange(Mb * bs, dtype=np.int32), (B, Mb * bs))
+    kp = write_blocks(pool.k[0], jnp.asarray(k), jnp.asarray(tables), jnp.asarray(positions), jnp.ones((B, Mb * bs), bool))
+    vp = write_blocks(pool.v[0], jnp.asarray(v), jnp.asarray(tables), jnp.asarray(positions), jnp.ones((B, Mb * bs), bool))
+    assert isinstance(kp, Int8Blocks) and kp.q.dtype == jnp.int8
+    kd, vd = _np_quantized(k)[0].astype(np.float32), _np_quantized(v)[0].astype(np.float32)
+    q4 = rng.normal(size=(B, H, S, D)).astype(np.float32)
+    lim = np.array(query_limits(jnp.asarray(lengths + S - 1), S))
+    lim[3, 0] = 0  # a query that sees nothing: zeros
+    out = paged_attention(jnp.asarray(q4), kp, vp, jnp.asarray(tables), jnp.asarray(lim), impl=impl)
+    ref = _dense_attention(q4, kd, vd, jnp.asarray(lim), 1 / np.sqrt(D))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    assert np.all(np.asarray(out)[3, :, 0] == 0)
+    # the same keys in a float pool differ from the int8 result by the quantization only (small)
+    exact = _dense_attention(q4, k, v, jnp.asarray(lim), 1 / np.sqrt(D))
+    assert 0 < np.abs(np.asarray(out) - exact).max() < 0.05
+    # block copies move the scales with the values
+    moved = copy_blocks(PagedKV((kp,), (vp,)), tables[:, :1].reshape(-1), np.array([N - 1, N - 2, N - 3, N - 4]))
+    np.testing.assert_array_equal(np.asarray(moved.k[0].q[N - 1]), np.asarray(kp.q[tables[0, 0]]))
+    np.testing.assert_array_equal(np.asarray(moved.k[0].scale[N - 1]), np.asarray(kp.scale[tables[0, 0]]))
+    with pytest.raises(ValueError, match="Pallas kernel reads float pools only"):
+        paged_attention(jnp.asarray(q4), kp, vp, jnp.asarray(tables), jnp.asarray(lim), impl="pallas")
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        empty_blocks((N, H, bs, D), 1, "int4")
 
 
 def test_paged_attention_errors():

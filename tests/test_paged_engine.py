@@ -101,6 +101,47 @@ def test_paged_multi_step_decoding_keeps_every_text(tiny_model, backend):
     _assert_pool_empty(one)
 
 
+@pytest.mark.parametrize("backend", ["portable", "native"])
+def test_int8_pool_serves_close_to_the_float_pool(tiny_model, backend):
+    """The quantized pool (kv_dtype="int8"): its bytes per position are the int8 values plus a
+    float32 scale per head and position; its outputs do not depend on the schedule (one slot or
+    three, several decode steps a call); against the float32 pool the tokens agree until the first
+    greedy flip and the log-probabilities of the agreeing tokens stay within 0.05 nats."""
+    cfg, params, vocab = tiny_model
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)
+    reqs = _requests() + with_arrivals(_shared_prefix_requests(), [20.0, 26.0, 27.0, 28.0, 28.0])
+    runs = {}
+    for name, kw in (("float", {}), ("int8", {"kv_dtype": "int8"}),
+                     ("int8, one slot", {"kv_dtype": "int8", "decode_steps": 4})):
+        slots = 1 if "one slot" in name else 3
+        engine = _paged(lm, slots, 12, prefill_chunk=4, **kw)
+        runs[name] = engine.run(reqs)
+        _assert_pool_empty(engine)
+        hd = cfg.d // cfg.heads
+        per = 2 * cfg.L * cfg.heads * ((hd + 4) if "int8" in name else 4 * hd)
+        assert runs[name].cache["bytes_per_position"] == per, name
+        assert runs[name].cache["kv_dtype"] == ("int8" if "int8" in name else "float32")
+    outs = {name: [g for r in rep.results for g in r.outputs] for name, rep in runs.items()}
+    for a, b in zip(outs["int8"], outs["int8, one slot"]):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, rtol=0, atol=1e-5)
+    agree = differ = 0
+    for f, q in zip(outs["float"], outs["int8"]):
+        ft, qt = np.asarray(f.tokens), np.asarray(q.tokens)
+        m = min(len(ft), len(qt))
+        same = int(np.argmax(ft[:m] != qt[:m])) if np.any(ft[:m] != qt[:m]) else m
+        np.testing.assert_allclose(np.asarray(q.model_logprobs)[:same], np.asarray(f.model_logprobs)[:same],
+                                   rtol=0, atol=0.05)
+        agree += same
+        differ += int(np.any(np.asarray(q.model_logprobs)[:same] != np.asarray(f.model_logprobs)[:same]))
+    assert agree >= 0.5 * sum(len(g.tokens) for g in outs["float"])
+    assert differ > 0  # the pools really differ
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        _paged(lm, 3, 12, kv_dtype="int4")
+    with pytest.raises(ValueError, match="is a setting of the paged cache"):
+        Engine(lm, 3, kv_dtype="int8")
+
+
 def test_samples_share_the_prompt_blocks_and_copy_the_last_on_write(lm_portable):
     """Three samples of a 9-token prompt (blocks of 4: two full, one partly filled) generating 3
     tokens each (at most 11 positions: still three blocks a row): the prompt's 3 blocks are shared

@@ -62,6 +62,9 @@ def add_serve_bench(sub, seed_type) -> None:
     s.add_argument("--num-blocks", type=int, default=None, metavar="B",
                    help="--paged: blocks in the pool (default: slots x T / block size, the dense cache's memory)")
     s.add_argument("--block-size", type=int, default=16, metavar="P", help="--paged: positions per block (default 16)")
+    s.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
+                   help="--paged: how the pool stores keys and values (int8: one float32 scale per head and "
+                        "position; default float32)")
     s.add_argument("--seed", type=seed_type, default=0, help="seed of the arrivals, prompts and settings (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object, with every request and its text")
     s.add_argument("--out", default="results/serve-bench.png", metavar="FIG.png",
@@ -178,7 +181,7 @@ def cache_line(policy: str, c: dict, slots: int, T: int) -> str:
     """A paged run's cache memory against a contiguous cache, and its prefix hits, in one line."""
     kib = lambda b: "–" if b is None else f"{b / 1024:.1f} KiB"
     ratio = "" if not c["contiguous_bytes"] else f", {c['peak_bytes'] / c['contiguous_bytes']:.0%} of it"
-    return (f"paged KV cache, {policy}: peak {c['peak_blocks']} of {c['num_blocks']} blocks of {c['block_size']} "
+    return (f"paged KV cache ({c.get('kv_dtype', 'float32')}), {policy}: peak {c['peak_blocks']} of {c['num_blocks']} blocks of {c['block_size']} "
             f"positions = {kib(c['peak_bytes'])} against {kib(c['contiguous_bytes'])} contiguous ({slots} x T = "
             f"{T} positions){ratio}; prefix hits {c['prefix_hit_tokens']} prompt tokens; "
             f"{c['block_waits']} admissions waited for blocks")
@@ -250,9 +253,12 @@ def cmd_serve_bench(args):
         raise UsageError(f"--decode-steps must be an integer >= 1, got {args.decode_steps}")
     if not args.paged and args.num_blocks is not None:
         raise UsageError("--num-blocks needs --paged")
+    if not args.paged and args.kv_dtype != "float32":
+        raise UsageError("--kv-dtype int8 needs --paged (the dense cache holds float32)")
     if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
         raise UsageError("--block-size and --num-blocks must be integers >= 1")
-    cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size) if args.paged else {}
+    cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size,
+                 kv_dtype=args.kv_dtype) if args.paged else {}
     cache["decode_steps"] = args.decode_steps
     sweep_slots = _slot_sweep(args.sweep, args.slots)
     step_model = DEFAULT_STEP_MODEL if args.step_model is None else StepTimeModel.load(args.step_model)
@@ -303,6 +309,7 @@ def cmd_serve_bench(args):
                          "shared_prefix": args.shared_prefix, "n": args.n, "seed": args.seed,
                          "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
                          "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
+                         "kv_dtype": args.kv_dtype,
                          "decode_steps": args.decode_steps},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,

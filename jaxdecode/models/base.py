@@ -114,10 +114,55 @@ class DecodingModel:
         return run
 
 
+KV_DTYPES = ("float32", "int8")  # how a block pool stores keys and values (:func:`empty_blocks`)
+
+
+class Int8Blocks(NamedTuple):
+    """One layer's keys or values in a block pool, quantized: ``q`` int8 ``[num_blocks, kv_heads,
+    block_size, head_dim]`` and ``scale`` float32 ``[num_blocks, kv_heads, block_size]``, one per
+    head and position (symmetric: a vector ``x`` is stored as ``round(x / scale)`` with ``scale =
+    max|x| / 127``, and read back as ``q * scale``). :func:`write_blocks`, :func:`copy_blocks` and
+    :func:`gather_blocks` take it wherever they take a float layer."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+
+def quantize(x):
+    """``x`` ``[..., D]`` as int8 and a float32 scale ``[...]`` per vector (see :class:`Int8Blocks`)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize(q, scale, dtype=jnp.float32):
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def empty_blocks(shape, layers: int, dtype=jnp.float32) -> PagedKV:
+    """A pool of ``layers`` layers of blocks of ``shape`` ``[num_blocks, kv_heads, block_size,
+    head_dim]`` (zeros): float (``dtype`` a float dtype) or ``dtype="int8"``, :class:`Int8Blocks`
+    (a quarter of the float32 bytes plus a scale per head and position)."""
+    if isinstance(dtype, str) and dtype not in KV_DTYPES and dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"unknown KV cache dtype {dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+    if dtype == "int8":
+        layer = Int8Blocks(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    else:
+        layer = jnp.zeros(shape, dtype)
+    layers = tuple(layer for _ in range(layers))
+    return PagedKV(layers, layers)
+
+
 class PagedKV(NamedTuple):
     """A paged cache's block pool: ``k[l]``, ``v[l]`` ``[num_blocks, kv_heads, block_size, head_dim]``
-    per layer. Row ``b``'s position ``p`` lies in block ``tables[b, p // block_size]`` at offset
-    ``p % block_size``; the tables are the caller's (a serving engine keeps them on the host)."""
+    per layer (float arrays, or :class:`Int8Blocks`). Row ``b``'s position ``p`` lies in block
+    ``tables[b, p // block_size]`` at offset ``p % block_size``; the tables are the caller's (a
+    serving engine keeps them on the host)."""
 
     k: tuple
     v: tuple
@@ -130,14 +175,19 @@ class PagedKV(NamedTuple):
     def block_size(self) -> int:
         return self.k[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(self))
+
 
 class PagedPool:
     """What a serving engine needs of a model to keep its keys and values in a shared block pool
     (:meth:`DecodingModel.paged` returns one): ``T``, ``V``, ``block_size``,
-    ``blocks_for(positions)``, ``empty_pool(num_blocks) -> PagedKV`` and ``pool_forward(params,
-    pool, tables [B, max_blocks], lengths [B], tokens [B, S], counts [B]) -> (logits [B, S, V],
-    hidden [B, S, d], pool)``: row ``b`` has ``lengths[b]`` positions in its blocks and appends
-    the first ``counts[b]`` of its ``S`` tokens, each attending causally over its row."""
+    ``blocks_for(positions)``, ``empty_pool(num_blocks, dtype=float32) -> PagedKV`` (``dtype="int8"``:
+    a quantized pool, :class:`Int8Blocks`) and ``pool_forward(params, pool, tables [B, max_blocks],
+    lengths [B], tokens [B, S], counts [B]) -> (logits [B, S, V], hidden [B, S, d], pool)``: row
+    ``b`` has ``lengths[b]`` positions in its blocks and appends the first ``counts[b]`` of its ``S``
+    tokens, each attending causally over its row."""
 
     block_size: int
 
@@ -147,15 +197,20 @@ class PagedPool:
 
 def write_blocks(pool_layer, new, tables, positions, valid):
     """``new`` ``[B, H, S, D]`` into its rows' blocks at ``positions`` ``[B, S]`` where ``valid``
-    (positions whose table entry is missing or out of range are dropped)."""
+    (positions whose table entry is missing or out of range are dropped); quantized on the way
+    into an :class:`Int8Blocks` layer."""
     N, _, bs, _ = pool_layer.shape
     Mb = tables.shape[1]
     col = positions // bs
     entry = jnp.take_along_axis(tables, jnp.clip(col, 0, Mb - 1), axis=1)
     ok = valid & (col < Mb) & (entry >= 0) & (entry < N)
     block = jnp.where(ok, entry, N)  # out of range: dropped
-    return pool_layer.at[block, :, positions % bs].set(
-        jnp.transpose(new, (0, 2, 1, 3)).astype(pool_layer.dtype), mode="drop")
+    rows = jnp.transpose(new, (0, 2, 1, 3))  # [B, S, H, D]
+    if isinstance(pool_layer, Int8Blocks):
+        q, scale = quantize(rows)
+        return Int8Blocks(pool_layer.q.at[block, :, positions % bs].set(q, mode="drop"),
+                          pool_layer.scale.at[block, :, positions % bs].set(scale, mode="drop"))
+    return pool_layer.at[block, :, positions % bs].set(rows.astype(pool_layer.dtype), mode="drop")
 
 
 def copy_blocks(pool: PagedKV, src, dst) -> PagedKV:
@@ -166,12 +221,17 @@ def copy_blocks(pool: PagedKV, src, dst) -> PagedKV:
     if src.shape != dst.shape:
         raise ValueError(f"copy_blocks: {src.shape[0]} sources for {dst.shape[0]} destinations")
     move = lambda a: a.at[dst].set(a[src], mode="drop")
-    return PagedKV(tuple(map(move, pool.k)), tuple(map(move, pool.v)))
+    return jax.tree_util.tree_map(move, pool)
 
 
-def gather_blocks(pool_layer, tables):
-    """The blocks ``tables`` ``[B, cols]`` lists, as one dense ``[B, H, cols * block_size, D]``."""
-    g = pool_layer[jnp.clip(tables, 0, pool_layer.shape[0] - 1)]  # [B, cols, H, bs, D]
+def gather_blocks(pool_layer, tables, dtype=jnp.float32):
+    """The blocks ``tables`` ``[B, cols]`` lists, as one dense ``[B, H, cols * block_size, D]``
+    (an :class:`Int8Blocks` layer read back as ``dtype``)."""
+    idx = jnp.clip(tables, 0, pool_layer.shape[0] - 1)
+    if isinstance(pool_layer, Int8Blocks):
+        g = dequantize(pool_layer.q[idx], pool_layer.scale[idx], dtype)
+    else:
+        g = pool_layer[idx]  # [B, cols, H, bs, D]
     B, cols, H, bs, D = g.shape
     return jnp.transpose(g, (0, 2, 1, 3, 4)).reshape(B, H, cols * bs, D)
 

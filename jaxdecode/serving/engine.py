@@ -77,6 +77,7 @@ import numpy as np
 from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
 from jaxdecode.serving.records import RealClock, Report, RequestResult, StepRecord, percentiles  # noqa: F401
+from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
 
@@ -115,7 +116,7 @@ class Engine:
     def __init__(self, lm, slots: int, *, policy: str = "continuous", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
                  block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, kv_dtype: str = "float32"):
         self.S = check_int("slots", slots, 1)
         self.decode_steps = check_int("decode_steps", decode_steps, 1)
         if policy not in POLICIES:
@@ -135,10 +136,16 @@ class Engine:
             self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
             if attention is None:
                 attention = "native" if getattr(lm.decoder, "backend", "") == "native" else "portable"
+            if kv_dtype not in KV_DTYPES:
+                raise ValueError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
             if executor is None:
-                executor = PagedExecutor(lm, slots, num_blocks, block_size, attention)
+                executor = PagedExecutor(lm, slots, num_blocks, block_size, attention, kv_dtype)
         elif num_blocks is not None:
             raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
+        elif kv_dtype != "float32":
+            raise ValueError(f"kv_dtype={kv_dtype!r} is a setting of the paged cache (cache='paged'); the dense "
+                             f"cache holds float32")
+        self.kv_dtype = kv_dtype
         self.executor = ModelExecutor(lm, slots) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
@@ -372,12 +379,17 @@ class Engine:
         prefix blocks."""
         if not self.paged:
             return None
-        a, cfg = self.allocator, getattr(self.lm, "cfg", None)
-        per = None if cfg is None else 2 * cfg.L * cfg.d * np.dtype(np.float32).itemsize
+        a = self.allocator
+        pool = getattr(self.executor, "pool", None)  # (a stand-in executor may have none)
+        per = None if pool is None else pool.nbytes // (a.num_blocks * a.block_size)  # a position, all layers
         nbytes = lambda positions: None if per is None else int(positions * per)
-        return {"block_size": a.block_size, "num_blocks": a.num_blocks, "peak_blocks": self.peak_blocks,
+        # a contiguous float32 cache of the same heads: every slot holding the whole window
+        dense = None if pool is None else 2 * len(pool.k) * math.prod(pool.k[0].shape[1::2]) * 4
+        return {"block_size": a.block_size, "num_blocks": a.num_blocks, "kv_dtype": self.kv_dtype,
+                "bytes_per_position": per, "peak_blocks": self.peak_blocks,
                 "peak_bytes": nbytes(self.peak_blocks * a.block_size),
-                "pool_bytes": nbytes(a.num_blocks * a.block_size), "contiguous_bytes": nbytes(self.S * self.T),
+                "pool_bytes": nbytes(a.num_blocks * a.block_size),
+                "contiguous_bytes": None if dense is None else int(self.S * self.T * dense),
                 "prefix_hit_tokens": self.prefix_hit_tokens, "block_waits": self.block_waits}
 
     def _choose_layout(self):

@@ -317,7 +317,8 @@ class PagedExecutor(ModelExecutor):
 
     multi_step = True  # decode_many runs several steps per call, in blocks the host reserved first
 
-    def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable"):
+    def __init__(self, lm, slots: int, num_blocks: int, block_size: int, attention: str = "portable",
+                 kv_dtype: str = "float32"):
         try:  # the model's own paged form: the pool is part of the model interface
             self.model = lm.decoder.paged(int(block_size), attention)
         except NotImplementedError as e:
@@ -327,7 +328,7 @@ class PagedExecutor(ModelExecutor):
         self.width = self.model.blocks_for(self.T)  # table columns: a row never exceeds the window
         self.params = lm.params
         # one buffer per leaf (the empty pool shares its zeros; the passes donate the pool)
-        self.pool = jax.tree_util.tree_map(jnp.copy, self.model.empty_pool(num_blocks))
+        self.pool = jax.tree_util.tree_map(jnp.copy, self.model.empty_pool(num_blocks, kv_dtype))
         self._copies_bucket = batch_bucket(slots)
         self._init_slots(slots)
 

@@ -39,7 +39,8 @@ import numpy as np
 
 from jaxdecode.native import kernels
 from jaxdecode.models.charlm import transformer as M
-from jaxdecode.models.base import DecodingModel, PagedKV, PagedPool, copy_blocks, write_blocks  # noqa: F401 (copy_blocks re-exported)
+from jaxdecode.models.base import (  # noqa: F401 (copy_blocks re-exported)
+    DecodingModel, Int8Blocks, PagedKV, PagedPool, copy_blocks, empty_blocks, gather_blocks, write_blocks)
 
 __all__ = ["IMPLS", "CacheBytes", "PagedCache", "PagedCharLM", "PagedKV", "cache_bytes", "copy_blocks",
            "paged_attention", "query_limits", "write_cache"]
@@ -93,11 +94,14 @@ def paged_attention(q, k_pool, v_pool, tables, lengths, *, scale: float | None =
     single = q.ndim == 3
     q4 = q[:, :, None] if single else q
     B, H, S, D = q4.shape
-    if k_pool.ndim != 4 or k_pool.shape[1] != H or k_pool.shape[3] != D:
+    if len(k_pool.shape) != 4 or k_pool.shape[1] != H or k_pool.shape[3] != D:
         raise ValueError(f"paged_attention: the pool must be [num_blocks, {H}, block_size, {D}] for q of "
                          f"shape {q.shape}, got {k_pool.shape}")
-    if v_pool.shape != k_pool.shape:
+    if v_pool.shape != k_pool.shape or type(v_pool) is not type(k_pool):
         raise ValueError(f"paged_attention: v_pool {v_pool.shape} differs from k_pool {k_pool.shape}")
+    if isinstance(k_pool, Int8Blocks) and impl == "pallas":
+        raise ValueError("paged_attention: the Pallas kernel reads float pools only; an int8 pool runs on the "
+                         "portable or native implementation")
     if tables.ndim != 2 or tables.shape[0] != B or not jnp.issubdtype(tables.dtype, jnp.integer):
         raise ValueError(f"paged_attention: tables must be integer [{B}, max_blocks], got {tables.dtype} "
                          f"{tables.shape}")
@@ -119,15 +123,8 @@ def paged_attention(q, k_pool, v_pool, tables, lengths, *, scale: float | None =
     return out[:, :, 0] if single else out
 
 
-def _gather(pool, tables):
-    """``[B, H, max_blocks * block_size, D]``: each row's blocks in table order."""
-    B, Mb = tables.shape
-    _, H, bs, D = pool.shape
-    return jnp.transpose(pool[tables], (0, 2, 1, 3, 4)).reshape(B, H, Mb * bs, D)
-
-
 def _portable(q, k_pool, v_pool, tables, lim, scale):
-    k, v = _gather(k_pool, tables), _gather(v_pool, tables)
+    k, v = gather_blocks(k_pool, tables, q.dtype), gather_blocks(v_pool, tables, q.dtype)
     out = M.attend(q, [(k, v, M.visible_below(k.shape[2], lim))], scale)
     return jnp.where((lim > 0)[:, None, :, None], out, 0.0).astype(q.dtype)
 
@@ -160,6 +157,15 @@ def _native(q, k_pool, v_pool, tables, lim, scale):
     failure = _native_library()
     if failure is not None:
         raise kernels.KernelError(f"paged_attention(impl='native'): {failure}")
+    if isinstance(k_pool, Int8Blocks):
+        # the rows' blocks read back into float32, then the native attention over them (a query that
+        # sees nothing gets zeros, as on the other implementations)
+        k, v = gather_blocks(k_pool, tables), gather_blocks(v_pool, tables)
+        B, _, S, D = q.shape
+        n2 = jnp.zeros((B, S), jnp.int32)
+        none = jnp.zeros((B * q.shape[1], 0, D), jnp.float32)
+        out = kernels.attention(q, k, v, jnp.maximum(lim, 1), none, none, n2, scale)
+        return jnp.where((lim > 0)[:, None, :, None], out, 0.0)
     kernels._check_float32(q, k_pool, v_pool)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q, k_pool, v_pool, tables, lim, scale=np.float32(scale))
@@ -301,13 +307,12 @@ class PagedCharLM(DecodingModel, PagedPool):
 
     # --- the serving engine's operations: one shared pool, tables kept on the host
     def empty_pool(self, num_blocks: int, dtype=jnp.float32) -> PagedKV:
-        """A pool of ``num_blocks`` blocks for every layer (zeros)."""
+        """A pool of ``num_blocks`` blocks for every layer (zeros; ``dtype="int8"``: quantized,
+        :class:`~jaxdecode.models.base.Int8Blocks`)."""
         if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
             raise ValueError(f"empty_pool: num_blocks must be a positive integer, got {num_blocks!r}")
         c = self.cfg
-        shape = (int(num_blocks), c.heads, self.block_size, c.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.L))
-        return PagedKV(zeros, zeros)
+        return empty_blocks((int(num_blocks), c.heads, self.block_size, c.head_dim), c.L, dtype)
 
     def pool_prefill(self, params, pool: PagedKV, tables, tokens, lengths):
         """Whole prompts with nothing cached: ``tokens`` ``[B, P]`` right-padded (row ``b`` real up
@@ -433,6 +438,9 @@ def cache_bytes(cfg: M.ModelConfig, lengths, block_size: int, capacity: int | No
     capacity = cfg.T if capacity is None else int(capacity)
     if lengths.size and lengths.max() > capacity:
         raise ValueError(f"cache_bytes: a row of {lengths.max()} positions exceeds the capacity {capacity}")
-    per = 2 * cfg.L * cfg.d * jnp.dtype(dtype).itemsize
+    if dtype == "int8":  # int8 values and a float32 scale per head and position
+        per = 2 * cfg.L * cfg.heads * (cfg.head_dim + 4)
+    else:
+        per = 2 * cfg.L * cfg.d * jnp.dtype(dtype).itemsize
     used = int((-(-lengths // block_size)).sum()) if blocks is None else int(blocks)
     return CacheBytes(used * block_size * per, int(lengths.size) * capacity * per, used, per)

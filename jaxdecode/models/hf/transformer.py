@@ -36,6 +36,7 @@ from jaxdecode.models.base import (
     DecodingModel,
     PagedKV,
     PagedPool,
+    empty_blocks,
     gather_blocks,
     prefill_by_extend,
     window_by_forward,
@@ -285,9 +286,8 @@ class HFPaged(PagedPool):
         if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
             raise ValueError(f"empty_pool: num_blocks must be a positive integer, got {num_blocks!r}")
         cfg = self.decoder.cfg
-        shape = (int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype or self.decoder.dtype) for _ in range(cfg.L))
-        return PagedKV(zeros, zeros)
+        return empty_blocks((int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim), cfg.L,
+                            dtype or self.decoder.dtype)
 
     def pool_forward(self, params, pool: PagedKV, tables, lengths, tokens, counts=None, cols: int | None = None):
         d = self.decoder
@@ -306,7 +306,8 @@ class HFPaged(PagedPool):
             q, k, v = d._qkv(p, x, pos)
             kp = write_blocks(pool.k[i], k.transpose(0, 2, 1, 3), tables, pos, valid)
             vp = write_blocks(pool.v[i], v.transpose(0, 2, 1, 3), tables, pos, valid)
-            att = d._attend(q, gather_blocks(kp, tables[:, :cols]), gather_blocks(vp, tables[:, :cols]), pos, kpos)
+            att = d._attend(q, gather_blocks(kp, tables[:, :cols], d.dtype), gather_blocks(vp, tables[:, :cols], d.dtype),
+                            pos, kpos)
             x = d._finish(p, x, att)
             ks.append(kp)
             vs.append(vp)
