@@ -4,7 +4,8 @@ The shipped model, ``--requests`` held-out prompts (``--prompt-len`` characters 
 together, lengths ``n`` drawn from ``--lengths`` (``uniform``: 32 to 128 characters; ``geometric``:
 mean 48, a long tail cut at 224), each with its own seed, top-k 40 and temperature 0.9. Served by
 ``Engine.run`` with ``--slots`` slots: static batching, and continuous batching with 1 and with
-``--decode-steps`` decode steps per device call; and by the plain batched loop
+``--decode-steps`` decode steps per device call, on each cache of ``--caches``; and by the plain
+batched loop
 (``jaxdecode.generate`` over ``--slots`` prompts at a time, each batch run to its longest ``n``;
 only each request's own ``n`` characters are counted). Every program is compiled by a first, untimed pass of the same run; then ``--repeats`` timed passes,
 interleaved, and the median is reported. Prints and writes JSON with characters per second and
@@ -51,9 +52,11 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
     return out
 
 
-def run_engine(lm, reqs, slots, policy, decode_steps):
+def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense"):
+    """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool)."""
+    kw = {"cache": cache} if cache != "paged-int8" else {"cache": "paged", "kv_dtype": "int8"}
     t0 = time.perf_counter()
-    rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps).run(reqs)
+    rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps, **kw).run(reqs)
     secs = time.perf_counter() - t0
     chars = sum(len(g.text) for r in rep.results for g in r.outputs)
     s = rep.summary()
@@ -84,6 +87,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--lengths", choices=("uniform", "geometric"), default="uniform")
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, paged-int8 (default dense)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -92,13 +96,13 @@ def main() -> int:
     lm = jaxdecode.load()
     held = heldout_text(lm, None)
     reqs = workload(lm, held, args.requests, args.prompt_len, args.lengths, args.seed)
-    arms = {
-        "loop": lambda: run_loop(lm, reqs, args.slots),
-        "static": lambda: run_engine(lm, reqs, args.slots, "static", 1),
-        "continuous": lambda: run_engine(lm, reqs, args.slots, "continuous", 1),
-        f"continuous-k{args.decode_steps}": lambda: run_engine(lm, reqs, args.slots, "continuous",
-                                                               args.decode_steps),
-    }
+    arms = {"loop": lambda: run_loop(lm, reqs, args.slots)}
+    for cache in args.caches.split(","):
+        tag = "" if cache == "dense" else f"{cache} "
+        arms[f"{tag}static"] = lambda c=cache: run_engine(lm, reqs, args.slots, "static", 1, c)
+        arms[f"{tag}continuous"] = lambda c=cache: run_engine(lm, reqs, args.slots, "continuous", 1, c)
+        arms[f"{tag}continuous-k{args.decode_steps}"] = lambda c=cache: run_engine(
+            lm, reqs, args.slots, "continuous", args.decode_steps, c)
     for name, arm in arms.items():  # compile every program
         arm()
         print(f"warm: {name}", file=sys.stderr, flush=True)
@@ -114,10 +118,11 @@ def main() -> int:
         if "latency" in rs[0]:
             row |= {"latency": rs[0]["latency"], "ttft": rs[0]["ttft"]}
         result["arms"][name] = row
-    base = result["arms"]["static"]["chars_per_s"]
     loop = result["arms"]["loop"]["chars_per_s"]
     for name, row in result["arms"].items():
-        row["vs_static"] = round(row["chars_per_s"] / base, 3)
+        static = name.split(" ")[0] + " static" if " " in name else "static"
+        base = result["arms"].get(static, result["arms"].get("static", row))["chars_per_s"]
+        row["vs_static"] = round(row["chars_per_s"] / base, 3)  # against static batching on the same cache
         row["vs_loop"] = round(row["chars_per_s"] / loop, 3)
     engine_texts = [runs[name][0]["texts"] for name in arms if name != "loop"]
     result["engine_texts_identical"] = all(t == engine_texts[0] for t in engine_texts)
