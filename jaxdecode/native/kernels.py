@@ -48,6 +48,7 @@ _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
 PAGED_TARGET = "jaxdecode_paged_attention"  # called by the CharLM's paged form (models/charlm/paged.py)
+PAGED_INT8_TARGET = "jaxdecode_paged_attention_int8"  # the same over an int8 pool (models/base.py, Int8Blocks)
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
 PACKED_MAX_ROWS = 4  # with packed weights (packed_dense), up to here the kernel beats XLA
 # decode_layer: one native call per layer beats XLA's operations at every batch measured (1 to
@@ -146,6 +147,8 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_INT8_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttentionInt8),
+                                    platform="cpu")
         return None
     except Exception as e:  # no compiler, failed build, unloadable library
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -158,14 +158,11 @@ def _native(q, k_pool, v_pool, tables, lim, scale):
     if failure is not None:
         raise kernels.KernelError(f"paged_attention(impl='native'): {failure}")
     if isinstance(k_pool, Int8Blocks):
-        # the rows' blocks read back into float32, then the native attention over them (a query that
-        # sees nothing gets zeros, as on the other implementations)
-        k, v = gather_blocks(k_pool, tables), gather_blocks(v_pool, tables)
-        B, _, S, D = q.shape
-        n2 = jnp.zeros((B, S), jnp.int32)
-        none = jnp.zeros((B * q.shape[1], 0, D), jnp.float32)
-        out = kernels.attention(q, k, v, jnp.maximum(lim, 1), none, none, n2, scale)
-        return jnp.where((lim > 0)[:, None, :, None], out, 0.0)
+        # each (row, head) reads back only the blocks its queries see (csrc/paged.cc)
+        kernels._check_float32(q)
+        call = jax.ffi.ffi_call(kernels.PAGED_INT8_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                vmap_method="sequential")
+        return call(q, k_pool.q, k_pool.scale, v_pool.q, v_pool.scale, tables, lim, scale=np.float32(scale))
     kernels._check_float32(q, k_pool, v_pool)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q, k_pool, v_pool, tables, lim, scale=np.float32(scale))
