@@ -52,9 +52,10 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
     return out
 
 
-def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense"):
+def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None):
     """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool)."""
     kw = {"cache": cache} if cache != "paged-int8" else {"cache": "paged", "kv_dtype": "int8"}
+    kw["prefill_budget"] = prefill_budget
     t0 = time.perf_counter()
     rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps, **kw).run(reqs)
     secs = time.perf_counter() - t0
@@ -88,6 +89,8 @@ def main() -> int:
     ap.add_argument("--lengths", choices=("uniform", "geometric"), default="uniform")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, paged-int8 (default dense)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="also a continuous arm with this prefill budget (prompt tokens per engine step)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -103,6 +106,9 @@ def main() -> int:
         arms[f"{tag}continuous"] = lambda c=cache: run_engine(lm, reqs, args.slots, "continuous", 1, c)
         arms[f"{tag}continuous-k{args.decode_steps}"] = lambda c=cache: run_engine(
             lm, reqs, args.slots, "continuous", args.decode_steps, c)
+        if args.prefill_budget:
+            arms[f"{tag}continuous-k{args.decode_steps}-budget{args.prefill_budget}"] = lambda c=cache: run_engine(
+                lm, reqs, args.slots, "continuous", args.decode_steps, c, args.prefill_budget)
     for name, arm in arms.items():  # compile every program
         arm()
         print(f"warm: {name}", file=sys.stderr, flush=True)

@@ -117,6 +117,32 @@ def test_multi_step_decoding_keeps_every_text(tiny_model, backend):
     assert len([s for s in report.steps if s.active]) == sum(calls) + len(single)
 
 
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_prefill_budget_bounds_the_prompt_tokens_of_a_step(lm_portable, cache):
+    """With a prefill budget of 5 tokens (pieces of up to 4) every step reads at most 5 prompt
+    tokens; rows past it wait for a later step (some first token comes later), and every text is
+    still generate's. Without the budget the first step reads more than 5 prompt tokens."""
+    lm = lm_portable
+    reqs = _requests()
+    refs = _reference(lm, reqs)
+    kw = {"cache": "paged", "num_blocks": 12, "block_size": 4} if cache == "paged" else {}
+    free = Engine(lm, 4, prefill_chunk=4, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)), **kw)
+    rep_free = free.run(reqs)
+    _assert_same(rep_free, refs)
+    assert rep_free.steps[0].prefill_tokens > 5
+    engine = Engine(lm, 4, prefill_chunk=4, prefill_budget=5, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)),
+                    **kw)
+    report = engine.run(reqs)
+    _assert_same(report, refs)
+    assert all(s.prefill_tokens <= 5 for s in report.steps)
+    assert engine.idle
+    # a row past the budget waited: some request saw its first token later than without the budget
+    ttft = lambda rep: [r.first_token for r in rep.results]
+    assert any(a > b for a, b in zip(ttft(report), ttft(rep_free)))
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine(lm, 4, prefill_budget=0)
+
+
 def test_neutral_settings_leave_logits_exactly_unchanged():
     V = 12
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, V)) * 3.0

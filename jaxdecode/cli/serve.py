@@ -55,6 +55,8 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="slot counts of the simulated sweep (default 1,2,4,...,2*S and S)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens a row reads per engine step (default 128)")
+    s.add_argument("--prefill-budget", type=int, default=None, metavar="N",
+                   help="the most prompt tokens all rows read in one engine step (default: no limit)")
     s.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--paged", action="store_true",
@@ -260,6 +262,9 @@ def cmd_serve_bench(args):
     cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size,
                  kv_dtype=args.kv_dtype) if args.paged else {}
     cache["decode_steps"] = args.decode_steps
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        raise UsageError(f"--prefill-budget must be an integer >= 1, got {args.prefill_budget}")
+    cache["prefill_budget"] = args.prefill_budget
     sweep_slots = _slot_sweep(args.sweep, args.slots)
     step_model = DEFAULT_STEP_MODEL if args.step_model is None else StepTimeModel.load(args.step_model)
     if args.out:
@@ -309,7 +314,7 @@ def cmd_serve_bench(args):
                          "shared_prefix": args.shared_prefix, "n": args.n, "seed": args.seed,
                          "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
                          "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
-                         "kv_dtype": args.kv_dtype,
+                         "kv_dtype": args.kv_dtype, "prefill_budget": args.prefill_budget,
                          "decode_steps": args.decode_steps},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
