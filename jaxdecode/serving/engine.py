@@ -335,23 +335,21 @@ class Engine:
                 groups.setdefault(row.leader, []).append(row)
         if not groups:
             return 0
-        pieces, tokens = [], 0
-        order = sorted(groups, key=lambda g: _admitted(groups[g][0]))
-        for i, leader in enumerate(order):
+        pieces, run, tokens = [], [], 0
+        for leader in sorted(groups, key=lambda g: _admitted(groups[g][0])):
             rows = groups[leader]
             start = rows[0].prefilled
             size = min(self.chunk, len(rows[0].prompt) - start)
             if self._over_budget(tokens, size):
-                for later in order[i:]:
-                    del groups[later]  # the rest wait for the next step
-                break
+                break  # the rest wait for the next step
             pieces.append(([r.slot for r in rows], start, rows[0].prompt[start:start + size]))
+            run.append(leader)  # piece i is written through the table of run[i]
             tokens += size
             for r in rows:
                 r.prefilled = start + size
-        self.executor.prefill_pieces(pieces, self.allocator.tables(list(groups), width=self._width))
-        for rows in groups.values():
-            for r in rows:  # their full blocks are now written: shareable by later prompts
+        self.executor.prefill_pieces(pieces, self.allocator.tables(run, width=self._width))
+        for leader in run:
+            for r in groups[leader]:  # their full blocks are now written: shareable by later prompts
                 self.allocator.mark_computed(r.seq, r.prefilled)
         return tokens
 
