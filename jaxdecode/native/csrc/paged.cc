@@ -53,6 +53,21 @@ void PagedRowHead(const PagedProblem& p, int64_t bh, std::vector<float>& scores,
   }
 }
 
+// The shapes both handlers check (the pool's values have kd; k_count, v_count: its keys' and
+// values' element counts); the first problem, or success.
+template <typename Dims>
+ffi::Error CheckShapes(const Dims& qd, const Dims& kd, const Dims& td, int64_t k_count, int64_t v_count,
+                       int64_t lim_count) {
+  auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
+    return bad("paged_attention: q and the pool must have rank 4, the tables rank 2");
+  if (kd[1] != qd[1] || kd[3] != qd[3]) return bad("paged_attention: the pool does not match q");
+  if (v_count != k_count) return bad("paged_attention: values do not match keys");
+  if (td[0] != qd[0]) return bad("paged_attention: the tables need one row per query row");
+  if (lim_count != qd[0] * qd[2]) return bad("paged_attention: lim must be [B, S]");
+  return ffi::Error::Success();
+}
+
 // Every table entry a query reads must name a block of the pool.
 bool TablesInRange(const int32_t* tables, const int32_t* lim, int64_t B, int64_t S, int64_t M, int64_t BS,
                    int64_t N) {
@@ -111,14 +126,10 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
-    return bad("paged_attention: q and the pool must have rank 4, the tables rank 2");
-  if (kd[1] != qd[1] || kd[3] != qd[3]) return bad("paged_attention: the pool does not match q");
-  if (v.element_count() != k.element_count()) return bad("paged_attention: values do not match keys");
+  if (auto e = CheckShapes(qd, kd, td, k.element_count(), v.element_count(), lim.element_count()); e.failure())
+    return e;
   if (ks.element_count() * kd[3] != k.element_count() || vs.element_count() != ks.element_count())
     return bad("paged_attention: an int8 pool needs one scale per head and position");
-  if (td[0] != qd[0]) return bad("paged_attention: the tables need one row per query row");
-  if (lim.element_count() != qd[0] * qd[2]) return bad("paged_attention: lim must be [B, S]");
   const PagedInt8Problem p{q.typed_data(), k.typed_data(), v.typed_data(), ks.typed_data(), vs.typed_data(),
                            tables.typed_data(), lim.typed_data(), out->typed_data(), qd[0], qd[1], qd[2],
                            qd[3], kd[0], kd[2], td[1], scale};
@@ -139,13 +150,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> lim, ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
-    return bad("paged_attention: q and the pool must have rank 4, the tables rank 2");
-  if (kd[1] != qd[1] || kd[3] != qd[3]) return bad("paged_attention: the pool does not match q");
-  if (v.element_count() != k.element_count()) return bad("paged_attention: values do not match keys");
-  if (td[0] != qd[0]) return bad("paged_attention: the tables need one row per query row");
-  if (lim.element_count() != qd[0] * qd[2]) return bad("paged_attention: lim must be [B, S]");
-
+  if (auto e = CheckShapes(qd, kd, td, k.element_count(), v.element_count(), lim.element_count()); e.failure())
+    return e;
   const PagedProblem p{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(), lim.typed_data(),
                        out->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], td[1], scale};
   if (!TablesInRange(p.tables, p.lim, p.B, p.S, p.M, p.BS, p.N))
