@@ -143,6 +143,18 @@ def test_prefill_budget_bounds_the_prompt_tokens_of_a_step(lm_portable, cache):
         Engine(lm, 4, prefill_budget=0)
 
 
+def assert_bench_texts_are_generates(doc, ckpt):
+    """Every request of a serve-bench JSON report has the text and finish reason that
+    ``jaxdecode.generate`` gives it alone (its rule rebuilt from the report's settings)."""
+    lm = jaxdecode.load(ckpt)
+    for r in doc["requests"]:
+        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                     rules.top_p(r["rule"]["TopP"]))
+        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
+                                  stop=r["stop"])[0]
+        assert r["text"] == want.text and r["finish_reason"] == want.finish_reason
+
+
 def test_neutral_settings_leave_logits_exactly_unchanged():
     V = 12
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, V)) * 3.0
@@ -375,10 +387,4 @@ def test_serve_bench_measured_compiles_nothing_in_the_timed_runs(tiny_ckpt, corp
     doc = json.loads(capsys.readouterr().out)
     assert doc["settings"]["decode_steps"] == 4 and doc["identical_outputs"] is True
     assert [(r["kind"], r["compiles"]) for r in doc["runs"]] == [("measured", 0), ("measured", 0)]
-    lm = jaxdecode.load(tiny_ckpt)
-    for r in doc["requests"]:
-        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
-                                                     rules.top_p(r["rule"]["TopP"]))
-        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
-                                  stop=r["stop"])[0]
-        assert r["text"] == want.text and r["finish_reason"] == want.finish_reason
+    assert_bench_texts_are_generates(doc, tiny_ckpt)

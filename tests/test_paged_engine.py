@@ -10,13 +10,12 @@ import json
 import numpy as np
 import pytest
 
-import jaxdecode
 from jaxdecode import rules
 from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.simulator import StepTimeModel, VirtualClock, simulate, with_arrivals
 
-from test_engine import _assert_same, _reference, _requests
+from test_engine import _assert_same, _reference, _requests, assert_bench_texts_are_generates
 
 UNIT = StepTimeModel(1.0, 0.0, 0.0)
 BS = 4  # block size of the tests: the tiny model's window (16) is 4 blocks
@@ -245,13 +244,7 @@ def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path
         assert cache["peak_bytes"] == cache["peak_blocks"] * 4 * per
         assert 0 < cache["peak_blocks"] <= cache["num_blocks"] == 3 * 4
     assert doc["runs"][1]["cache"]["prefix_hit_tokens"] >= 8  # the shared prefix, found in the pool
-    lm = jaxdecode.load(tiny_ckpt)
-    for r in doc["requests"]:
-        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
-                                                     rules.top_p(r["rule"]["TopP"]))
-        want = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
-                                  stop=r["stop"])[0]
-        assert r["text"] == want.text
+    assert_bench_texts_are_generates(doc, tiny_ckpt)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "paged KV cache" in out and "contiguous" in out and "prefix hits" in out
