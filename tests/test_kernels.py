@@ -298,6 +298,73 @@ def test_decode_layer_writes_in_place(B, S, schedule, registered):
     unchanged(None)
 
 
+def paged_layer_problem(rng, B, S, H, D, BS, M):
+    """A pool and block tables as a paged engine keeps them: each row's full blocks drawn from a
+    few blocks that rows share, its blocks from ``lengths // BS`` on its own; ``counts`` new
+    positions written per row (0..S)."""
+    x, weights, *_ = layer_problem(rng, B, S, H, D, 1, 0)
+    shared = 4
+    N = shared + B * M
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    lengths = rng.integers(0, M * BS - S + 1, size=B)
+    tables = np.zeros((B, M), np.int32)
+    for b in range(B):
+        full = lengths[b] // BS
+        tables[b, :full] = rng.integers(0, shared, size=full)
+        tables[b, full:] = shared + b * M + np.arange(full, M)
+    counts = rng.integers(0, S + 1, size=B).astype(np.int32)
+    lim = np.broadcast_to(lengths[:, None], (B, S)).astype(np.int32)
+    return x, weights, f(N, H, BS, D), f(N, H, BS, D), jnp.asarray(tables), jnp.asarray(lim), jnp.asarray(counts)
+
+
+def reference_paged_layer(x, weights, k_pool, v_pool, tables, lim, counts):
+    """The dense reference layer over each row's blocks gathered through its table, then the new
+    keys and values written into the pool (``jaxdecode.models.base``: ``gather_blocks``,
+    ``write_blocks``)."""
+    from jaxdecode.models.base import gather_blocks, write_blocks
+
+    B, S, _ = x.shape
+    H, D = k_pool.shape[1], k_pool.shape[3]
+    k, v = gather_blocks(k_pool, tables), gather_blocks(v_pool, tables)
+    none = jnp.zeros((B * H, 0, D), jnp.float32)
+    y, kn, vn = reference_decode_layer(x, weights, k, v, lim, none, none, jnp.zeros((B, S), jnp.int32))
+    positions = lim[:, :1] + jnp.arange(S)[None, :]
+    valid = jnp.arange(S)[None, :] < counts[:, None]
+    return y, write_blocks(k_pool, kn, tables, positions, valid), write_blocks(v_pool, vn, tables, positions, valid)
+
+
+@pytest.mark.parametrize("B,S,H,D,BS,M,schedule", [
+    (5, 1, 4, 16, 4, 6, "phases"),      # decode steps: every head of a row together
+    (70, 1, 4, 32, 8, 4, "pipeline"),   # many rows: the pipeline over blocks of rows
+    (3, 3, 2, 24, 4, 6, "phases"),      # several new positions a row (a prefill chunk), some not written
+    (4, 2, 4, 12, 3, 5, "phases"),      # head size 12: the scalar path
+    (6, 1, 9, 16, 4, 4, "auto"),        # more heads than are attended together
+])
+def test_paged_layer_matches_reference(B, S, H, D, BS, M, schedule, registered):
+    """The fused layer through block tables (kernels.paged_layer) reads shared blocks in place,
+    writes each row's first ``counts`` new positions into its own blocks, and agrees with the
+    dense reference layer over the gathered blocks; blocks no row writes keep their contents."""
+    rng = np.random.default_rng(B * 100 + S * 10 + H)
+    x, weights, k_pool, v_pool, tables, lim, counts = paged_layer_problem(rng, B, S, H, D, BS, M)
+    run = jax.jit(lambda *a: kernels.paged_layer(a[0], a[1:13], *a[13:], eps=1e-5, schedule=schedule))
+    got = run(x, *weights, k_pool, v_pool, tables, lim, counts)
+    want = reference_paged_layer(x, weights, k_pool, v_pool, tables, lim, counts)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[1][:4], k_pool[:4])  # the shared blocks are only read
+    assert int(counts.sum()) > 0
+
+
+def test_paged_layer_refuses_a_table_entry_outside_the_pool(registered):
+    rng = np.random.default_rng(0)
+    x, weights, k_pool, v_pool, tables, lim, counts = paged_layer_problem(rng, 2, 1, 2, 16, 4, 3)
+    bad = tables.at[1, :].set(k_pool.shape[0])
+    with pytest.raises(Exception, match="paged_layer: a block table entry lies outside the pool"):
+        jax.block_until_ready(kernels.paged_layer(x, weights, k_pool, v_pool, bad, lim, jnp.ones((2,), jnp.int32),
+                                                  eps=1e-5))
+
+
 def test_decode_layer_ignores_positions_past_the_limits():
     rng = np.random.default_rng(4)
     B, S, H, D, C, L = 3, 2, 2, 32, 24, 6

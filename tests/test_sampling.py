@@ -426,6 +426,11 @@ def _loop_body_ops(hlo: str, shape: str) -> list[str]:
     return found
 
 
+# The tests compile with XLA's CPU fusion emitters off (tests/conftest.py); a test of the program's
+# structure compiles it as the library's users get it.
+LIBRARY_COMPILER = {"xla_cpu_use_fusion_emitters": True}
+
+
 def test_no_cache_copy_in_the_step_loop(backend):
     """The compiled decode loop never materializes a cache-sized array per step: the portable
     path only reads the cache inside the loop (new keys go to the chunk buffer); the native path
@@ -442,6 +447,7 @@ def test_no_cache_copy_in_the_step_loop(backend):
     state = S.SamplingState(logits, jnp.asarray(batch.recent), jnp.asarray(batch.length), None,
                             jnp.zeros((B,), bool), jnp.full((B, 1), -1, jnp.int32), jnp.int32(0))
     hlo = S._cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), jnp.zeros((B,), jnp.uint32), None,
-                               None, np.int32(10), model=model, chunk=16, greedy=False).compile().as_text()
+                               None, np.int32(10), model=model, chunk=16, greedy=False).compile(
+        compiler_options=LIBRARY_COMPILER).as_text()
     assert _loop_body_ops(hlo, f"f32[{B},{cfg.heads},{C},{cfg.head_dim}]") == []
     assert ("jaxdecode_decode_layer" in hlo) == (backend == "native")

@@ -194,6 +194,11 @@ class PagedPool:
     def blocks_for(self, positions: int) -> int:
         return -(-int(positions) // self.block_size)
 
+    def prepare(self, params, rows: int):
+        """The parameters as the passes of up to ``rows`` rows take them (e.g. weights packed for
+        a native layer), computed once by the engine."""
+        return params
+
 
 def write_blocks(pool_layer, new, tables, positions, valid):
     """``new`` ``[B, H, S, D]`` into its rows' blocks at ``positions`` ``[B, S]`` where ``valid``

@@ -47,6 +47,7 @@ _TARGET = "jaxdecode_decode_attention"
 _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
+_PAGED_LAYER = "jaxdecode_paged_layer"
 PAGED_TARGET = "jaxdecode_paged_attention"  # called by the CharLM's paged form (models/charlm/paged.py)
 PAGED_INT8_TARGET = "jaxdecode_paged_attention_int8"  # the same over an int8 pool (models/base.py, Int8Blocks)
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
@@ -146,6 +147,7 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_DENSE, jax.ffi.pycapsule(lib.JaxdecodeDense), platform="cpu")
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
+        jax.ffi.register_ffi_target(_PAGED_LAYER, jax.ffi.pycapsule(lib.JaxdecodePagedLayer), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_INT8_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttentionInt8),
                                     platform="cpu")
@@ -301,3 +303,31 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     y, kn, vn = call(x.reshape(B * S, d), *weights, k, v, lim, k2, v2, n2, eps=np.float32(eps),
                      schedule=np.int32(SCHEDULES[schedule]), write=np.int32(mode))
     return y.reshape(B, S, d), kn, vn
+
+
+def paged_layer(x, weights, k_pool, v_pool, tables, lim, counts, eps: float, schedule: str = "auto"):
+    """:func:`decode_layer` for a paged cache: one native call per layer that reads and writes the
+    keys and values through block tables.
+
+    ``k_pool, v_pool`` ``[num_blocks, H, block_size, hd]``: row ``b``'s position ``t`` lies in block
+    ``tables[b, t // block_size]`` (``tables`` ``[B, max_blocks]`` int32) at offset
+    ``t % block_size``. New position ``s`` of row ``b`` (``x`` ``[B, S, d]``) sees the row's pool
+    positions ``t < lim[b, s]`` (``lim`` ``[B, S]``) and its new positions ``0..s``; the first
+    ``counts[b]`` (``[B]``) new positions are written into the pool at ``lim[b, 0]`` onwards (their
+    blocks must be the row's own: rows may share the blocks they only read). Every table entry
+    read or written must name a block of the pool, else the call fails. Returns the layer's output
+    ``[B, S, d]`` and the pool, written in place where XLA can donate it. The portable equivalent is
+    :func:`jaxdecode.models.base.write_blocks` followed by the layer over the gathered blocks,
+    which the tests compare this with."""
+    B, S, d = x.shape
+    lim = jnp.asarray(lim, jnp.int32)
+    counts = jnp.asarray(counts, jnp.int32)
+    tables = jnp.asarray(tables, jnp.int32)
+    _check_float32(x, k_pool, v_pool, *weights)
+    _registered()
+    pool = jax.ShapeDtypeStruct(k_pool.shape, jnp.float32)
+    call = jax.ffi.ffi_call(_PAGED_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), pool, pool),
+                            vmap_method="sequential", input_output_aliases={13: 1, 14: 2})
+    y, k_pool, v_pool = call(x.reshape(B * S, d), *weights, k_pool, v_pool, tables, lim, counts,
+                             eps=np.float32(eps), schedule=np.int32(SCHEDULES[schedule]))
+    return y.reshape(B, S, d), k_pool, v_pool

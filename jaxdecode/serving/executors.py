@@ -326,7 +326,7 @@ class PagedExecutor(ModelExecutor):
         self.S, self.T, self.V = slots, self.model.T, self.model.V
         self.capacity = self.T
         self.width = self.model.blocks_for(self.T)  # table columns: a row never exceeds the window
-        self.params = lm.params
+        self.params = self.model.prepare(lm.params, slots)
         # one buffer per leaf (the empty pool shares its zeros; the passes donate the pool)
         self.pool = jax.tree_util.tree_map(jnp.copy, self.model.empty_pool(num_blocks, kv_dtype))
         self._copies_bucket = batch_bucket(slots)

@@ -197,10 +197,15 @@ def _layers(module: M.CharLM, tokens, pool: PagedKV, tables, lengths, counts, co
     tab = tables[:, :cols]
     ks, vs = [], []
     for block, kp, vp in zip(module.blocks, pool.k, pool.v):
-        q, k, v = block.attn.heads(block.ln1(h))
-        kp, vp = _write(kp, k, tables, positions, valid), _write(vp, v, tables, positions, valid)
-        out = paged_attention(q, kp, vp, tab, positions + 1, impl=impl)
-        h = block._ff_residual(h + block.attn.merge(out))
+        weights = None if isinstance(kp, Int8Blocks) else block._fused(h)
+        if weights is not None:  # the whole layer as one native call through the tables
+            lim = jnp.broadcast_to(lengths[:, None], (B, S))
+            h, kp, vp = kernels.paged_layer(h, weights, kp, vp, tables, lim, counts, eps=M.LN_EPS)
+        else:
+            q, k, v = block.attn.heads(block.ln1(h))
+            kp, vp = _write(kp, k, tables, positions, valid), _write(vp, v, tables, positions, valid)
+            out = paged_attention(q, kp, vp, tab, positions + 1, impl=impl)
+            h = block._ff_residual(h + block.attn.merge(out))
         ks.append(kp)
         vs.append(vp)
     h = module.ln(h)
@@ -320,7 +325,7 @@ class PagedCharLM(DecodingModel, PagedPool):
         if P > self.T:
             raise ValueError(f"pool_prefill: padded prompt width {P} exceeds the model window T={self.T}")
         lengths = jnp.asarray(lengths, jnp.int32)
-        logits, hidden, kvs = M.CharLM(self.cfg).apply({"params": params}, tokens, return_hidden=True,
+        logits, hidden, kvs = M.CharLM(self.cfg).apply({"params": unpack(params)[0]}, tokens, return_hidden=True,
                                                         return_kv=True)
         dense = M.KVCache(tuple(k for k, _ in kvs), tuple(v for _, v in kvs), lengths)
         pool = write_cache(pool, dense, tables)
@@ -335,7 +340,8 @@ class PagedCharLM(DecodingModel, PagedPool):
         (default ``S``) of ``tokens[b]`` (``[B, S]``) at positions ``lengths[b]..``: their keys and
         values are written into the blocks ``tables`` lists (which must hold them), and each new
         position attends causally over its row. ``cols`` (static): attend only over the first
-        ``cols`` table columns (every row's positions must lie within them). Returns logits
+        ``cols`` table columns (every row's positions must lie within them). ``params``: the
+        CharLM parameters, or :meth:`prepare`'s. Returns logits
         ``[B, S, V]`` and hidden states ``[B, S, d]`` (padding positions past ``counts``: garbage)
         and the pool."""
         tables = jnp.asarray(tables, jnp.int32)
@@ -343,12 +349,20 @@ class PagedCharLM(DecodingModel, PagedPool):
         B, S = tokens.shape
         counts = jnp.full((B,), S, jnp.int32) if counts is None else jnp.asarray(counts, jnp.int32)
         cols = tables.shape[1] if cols is None else min(int(cols), tables.shape[1])
-        return M.CharLM(self.cfg).apply({"params": params}, tokens, pool, tables, lengths, counts, cols,
-                                        self.attention, method=_layers)
+        params, packed = unpack(params)
+        variables = {"params": params} if packed is None else {"params": params, "packed": packed}
+        return M.CharLM(self.cfg, packed is not None).apply(variables, tokens, pool, tables, lengths, counts, cols,
+                                                            self.attention, method=_layers)
 
     # --- the decoding-model interface
     def prepare(self, params, rows):
-        return unpack(params)[0]  # the plain CharLM parameters (a dense decoder may have packed them)
+        """With the native attention, passes of up to 1,024 rows on a float pool run each layer as
+        one native call through the tables (:func:`jaxdecode.native.kernels.paged_layer`), on weights
+        packed once per parameter set; otherwise the plain CharLM parameters."""
+        params, _ = unpack(params)
+        native = self.attention == "native" and kernels.available() and kernels.fuses_rows(rows)
+        packed = M.packed_params(params) if native and self.cfg.d % 16 == 0 else None
+        return Prepared((params, packed))
 
     def empty_cache(self, batch, capacity):
         m = max(1, self.blocks_for(capacity))
@@ -371,7 +385,7 @@ class PagedCharLM(DecodingModel, PagedPool):
         return logits, hidden, PagedCache(pool.k, pool.v, cache.table, cache.length + S)
 
     def window(self, params, history, lengths):
-        return M.window_logits(params, self.cfg, history, lengths, return_hidden=True)
+        return M.window_logits(unpack(params)[0], self.cfg, history, lengths, return_hidden=True)
 
     def capacity(self, cache):
         return cache.capacity

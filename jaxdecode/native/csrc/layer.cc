@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -209,7 +210,18 @@ struct LayerProblem {
   float *h, *qkv, *att, *x1, *f;  // scratch: [R, d], [R, 3d], [R, d], [R, d], [R, 4d]
   int64_t B, S, H, D, d, C, L;
   float scale, eps;
-  int write;  // where the new keys and values go: 0 knew/vnew [B, H, S, D], 1 the cache, 2 the buffer
+  // where the new keys and values go: 0 knew/vnew [B, H, S, D], 1 the cache, 2 the buffer, 3 a
+  // block pool (kPool, below)
+  int write;
+  // write 3: k, v (and knew, vnew, aliased) are a pool [N, H, BS, D]; row b's position t lies in
+  // block tables[b, t / BS] at offset t % BS (M columns). Query (b, s) sees pool positions
+  // t < lim[b, s] and its row's new positions 0..s; the first counts[b] new positions are written
+  // to the pool at lim[b, 0] + s. Their keys and values are also kept in own_k, own_v [B, H, S, D]
+  // (scratch), so that a query reads them as one segment wherever the blocks lie.
+  const int32_t *tables = nullptr, *counts = nullptr;
+  float *own_k = nullptr, *own_v = nullptr;
+  int64_t N = 0, BS = 1, M = 0;
+  static constexpr int kPool = 3;
   int64_t R() const { return B * S; }
 
   // Offset (in floats) of row-head bh's first new key in knew and vnew: its S new positions are
@@ -221,6 +233,9 @@ struct LayerProblem {
     if (write == 2) return (bh * L + std::clamp<int64_t>(n2[b * S], 0, L - S)) * D;
     return bh * S * D;
   }
+
+  // The most segments a query reads before its own new positions.
+  int64_t MaxSeen() const { return write == kPool ? M : 2; }
 };
 
 // Phase i of the layer, work item j of `items(i)`; `split` items for each dense product.
@@ -266,21 +281,42 @@ struct LayerPhases {
 
   // Row-head bh's S new keys and values, copied from the QKV product to where they go (see
   // LayerProblem::NewAt); returns their addresses.
+  // (With a pool: copied to own_k, own_v, and the row's first counts[b] written into its blocks.)
   void PlaceNew(int64_t bh, float*& kn, float*& vn) const {
     const int64_t b = bh / p.H, hh = bh % p.H, D = p.D, S = p.S, d = p.d;
-    kn = p.knew + p.NewAt(bh), vn = p.vnew + p.NewAt(bh);
+    const bool pool = p.write == LayerProblem::kPool;
+    kn = pool ? p.own_k + bh * S * D : p.knew + p.NewAt(bh);
+    vn = pool ? p.own_v + bh * S * D : p.vnew + p.NewAt(bh);
     for (int64_t s = 0; s < S; ++s) {
       const float* row = p.qkv + (b * S + s) * 3 * d + hh * D;
       std::copy(row + d, row + d + D, kn + s * D);
       std::copy(row + 2 * d, row + 2 * d + D, vn + s * D);
     }
+    if (!pool) return;
+    const int64_t n = std::min<int64_t>(p.counts[b], S);
+    for (int64_t s = 0; s < n; ++s) {  // positions and blocks checked by the handler
+      const int64_t t = p.lim[b * S] + s;
+      const int64_t at = ((int64_t{p.tables[b * p.M + t / p.BS]} * p.H + hh) * p.BS + t % p.BS) * D;
+      std::copy(kn + s * D, kn + (s + 1) * D, p.knew + at);
+      std::copy(vn + s * D, vn + (s + 1) * D, p.vnew + at);
+    }
   }
 
-  // The cache and buffer segments query s of row-head bh sees.
-  void Seen(int64_t bh, int64_t s, Segment* segs) const {
-    const int64_t i = bh / p.H * p.S + s, D = p.D;
+  // The segments query s of row-head bh sees before its new positions (the cache and the buffer,
+  // or a block of the pool each), at most p.MaxSeen(); returns how many.
+  int Seen(int64_t bh, int64_t s, Segment* segs) const {
+    const int64_t b = bh / p.H, i = b * p.S + s, D = p.D;
+    if (p.write == LayerProblem::kPool) {
+      const int64_t n = std::clamp<int64_t>(p.lim[i], 0, p.M * p.BS), nb = (n + p.BS - 1) / p.BS;
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t at = ((int64_t{p.tables[b * p.M + j]} * p.H + bh % p.H) * p.BS) * D;
+        segs[j] = {p.knew + at, p.vnew + at, std::min(p.BS, n - j * p.BS)};
+      }
+      return static_cast<int>(nb);
+    }
     segs[0] = {p.k + bh * p.C * D, p.v + bh * p.C * D, std::clamp<int64_t>(p.lim[i], 0, p.C)};
     segs[1] = {p.k2 + bh * p.L * D, p.v2 + bh * p.L * D, std::clamp<int64_t>(p.n2[i], 0, p.L)};
+    return 2;
   }
 
   // Attention of every head of row b. With one query per row the heads are attended together
@@ -291,19 +327,24 @@ struct LayerPhases {
       return;
     }
     thread_local std::vector<float> scores;
-    const int64_t D = p.D, d = p.d, H = p.H;
+    thread_local std::vector<Segment> segs;
+    const int64_t D = p.D, d = p.d, H = p.H, most = p.MaxSeen() + 1;
     const float* qs[8];
     float* outs[8];
-    Segment segs[8 * 3];
+    segs.resize(H * most);
+    int nseg = 0;  // the same for every head of the row
     for (int64_t hh = 0; hh < H; ++hh) {
       float *kn, *vn;
       PlaceNew(b * H + hh, kn, vn);
-      Seen(b * H + hh, 0, segs + 3 * hh);
-      segs[3 * hh + 2] = {kn, vn, 1};
+      nseg = Seen(b * H + hh, 0, segs.data() + hh * most);
+      segs[hh * most + nseg] = {kn, vn, 1};
       qs[hh] = p.qkv + b * 3 * d + hh * D;
       outs[hh] = p.att + b * d + hh * D;
     }
-    AttendHeads(qs, static_cast<int>(H), D, p.scale, segs, 3, outs, scores);
+    ++nseg;
+    if (nseg != most)  // AttendHeads reads head g's segments at g * nseg: close the gaps
+      for (int64_t hh = 1; hh < H; ++hh) std::copy_n(segs.data() + hh * most, nseg, segs.data() + hh * nseg);
+    AttendHeads(qs, static_cast<int>(H), D, p.scale, segs.data(), nseg, outs, scores);
   }
 
   void Attention(int64_t bh) const {
@@ -315,7 +356,7 @@ struct LayerPhases {
     auto out = [&](int64_t s) { return p.att + (b * S + s) * d + hh * D; };
     auto shared = [&](int64_t s, Segment* segs) { Seen(bh, s, segs); };
     int64_t s = 0;
-    if (D % 8 == 0 && D <= 128) {
+    if (D % 8 == 0 && D <= 128 && p.write != LayerProblem::kPool) {
       // pairs of queries that see the same cache positions read those keys and values once
       for (; s + 2 <= S; s += 2) {
         if (p.lim[b * S + s] != p.lim[b * S + s + 1] || p.n2[b * S + s] != p.n2[b * S + s + 1]) break;
@@ -327,11 +368,12 @@ struct LayerPhases {
         AttendPair(qs, D, p.scale, segs, own, outs, scores);
       }
     }
+    thread_local std::vector<Segment> segs;
+    segs.resize(p.MaxSeen() + 1);
     for (; s < S; ++s) {
-      Segment segs[3];
-      shared(s, segs);
-      segs[2] = {kn, vn, s + 1};
-      Attend(query(s), D, p.scale, segs, 3, out(s), scores);
+      const int n = Seen(bh, s, segs.data());
+      segs[n] = {kn, vn, s + 1};
+      Attend(query(s), D, p.scale, segs.data(), n + 1, out(s), scores);
     }
   }
 };
@@ -435,6 +477,37 @@ void RunPipeline(ffi::ThreadPool& pool, int64_t threads, const LayerPipeline& wo
   run(false);
 }
 
+// Runs the layer problem `p` on the calling thread and up to a few of the pool's.
+void RunLayer(ffi::ThreadPool& pool, const LayerProblem& p, int32_t schedule) {
+  const int64_t R = p.R(), d = p.d, S = p.S;
+  // More threads pay off once a layer's weights are a few hundred kilobytes. Every phase ends in
+  // a wait for the slowest thread, so a few threads only (measured on two cores; a few rows give
+  // little work per phase).
+  const int64_t threads =
+      12 * d * d >= (int64_t{1} << 17) ? std::clamp<int64_t>(pool.num_threads(), 1, 4) : 1;
+  const LayerPhases phases{p, 2 * threads};
+  // schedule: 0 = chosen here, 1 = phases, 2 = pipeline (the last two for tests and benchmarks).
+  // The pipeline's blocks are about 16 rows, whole rows of the batch, at least one: it needs
+  // several blocks per thread (a prefill of one 64-position prompt is one block, which one
+  // thread would run alone).
+  const int64_t per = std::max<int64_t>(1, kPipelineBlock / S) * S;
+  if (schedule == 2 ||
+      (schedule == 0 && threads >= 2 && R >= kPipelineRows && (R + per - 1) / per >= 2 * threads)) {
+    RunPipeline(pool, threads, LayerPipeline{p, phases, per});
+  } else {
+    RunPhases(pool, threads, phases);
+  }
+}
+
+// The layer's twelve weights, checked against the width d; the first mismatch, or success.
+ffi::Error CheckWeights(const char* who, int64_t d, const ffi::Buffer<ffi::F32>* const* w) {
+  const int64_t want[12] = {d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d};
+  for (int i = 0; i < 12; ++i)
+    if (static_cast<int64_t>(w[i]->element_count()) != want[i])
+      return ffi::Error::InvalidArgument(std::string(who) + ": a weight does not match the width d");
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g1,
                            ffi::Buffer<ffi::F32> be1, ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv,
                            ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> bo, ffi::Buffer<ffi::F32> g2,
@@ -454,11 +527,8 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
       v2.element_count() != k2.element_count() || n2.element_count() != B * S)
     return bad("decode_layer: cache shapes do not agree");
   auto n = [](const ffi::Buffer<ffi::F32>& buf) { return static_cast<int64_t>(buf.element_count()); };
-  const int64_t sizes[][2] = {{n(g1), d}, {n(be1), d}, {n(g2), d}, {n(be2), d}, {n(wqkv), 3 * d * d},
-                              {n(bqkv), 3 * d}, {n(wo), d * d}, {n(bo), d}, {n(w1), 4 * d * d},
-                              {n(b1), 4 * d}, {n(w2), 4 * d * d}, {n(b2), d}};
-  for (auto& s : sizes)
-    if (s[0] != s[1]) return bad("decode_layer: a weight does not match the width d");
+  const ffi::Buffer<ffi::F32>* w[12] = {&g1, &be1, &wqkv, &bqkv, &wo, &bo, &g2, &be2, &w1, &b1, &w2, &b2};
+  if (auto e = CheckWeights("decode_layer", d, w); e.failure()) return e;
   const int64_t R = B * S;
   // write 1 (2): knew and vnew are k and v (k2 and v2), aliased, and the new positions go there
   const int64_t out_n = write == 1 ? n(k) : write == 2 ? n(k2) : R * d;
@@ -480,23 +550,60 @@ ffi::Error DecodeLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                  n2.typed_data(), y->typed_data(), knew->typed_data(), vnew->typed_data(), s, s + R * d,
                  s + 4 * R * d, s + 5 * R * d, s + 6 * R * d, B, S, H, D, d, C, k2d[1],
                  1.f / std::sqrt(static_cast<float>(D)), eps, write};
-  // More threads pay off once a layer's weights are a few hundred kilobytes. Every phase ends in
-  // a wait for the slowest thread, so a few threads only (measured on two cores; a few rows give
-  // little work per phase).
-  const int64_t threads =
-      12 * d * d >= (int64_t{1} << 17) ? std::clamp<int64_t>(pool.num_threads(), 1, 4) : 1;
-  const LayerPhases phases{p, 2 * threads};
-  // schedule: 0 = chosen here, 1 = phases, 2 = pipeline (the last two for tests and benchmarks).
-  // The pipeline's blocks are about 16 rows, whole rows of the batch, at least one: it needs
-  // several blocks per thread (a prefill of one 64-position prompt is one block, which one
-  // thread would run alone).
-  const int64_t per = std::max<int64_t>(1, kPipelineBlock / S) * S;
-  if (schedule == 2 ||
-      (schedule == 0 && threads >= 2 && R >= kPipelineRows && (R + per - 1) / per >= 2 * threads)) {
-    RunPipeline(pool, threads, LayerPipeline{p, phases, per});
-  } else {
-    RunPhases(pool, threads, phases);
+  RunLayer(pool, p, schedule);
+  return ffi::Error::Success();
+}
+
+// The layer through a block table (write 3, see LayerProblem): x [R, d] with R = B * S, the
+// weights, the pool k, v [N, H, BS, D] (aliased to the outputs), tables [B, M], lim [B, S],
+// counts [B]. Outputs: y [R, d] and the pool with each row's first counts[b] new positions
+// written at lim[b, 0] onwards.
+ffi::Error PagedLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g1,
+                          ffi::Buffer<ffi::F32> be1, ffi::Buffer<ffi::F32> wqkv, ffi::Buffer<ffi::F32> bqkv,
+                          ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> bo, ffi::Buffer<ffi::F32> g2,
+                          ffi::Buffer<ffi::F32> be2, ffi::Buffer<ffi::F32> w1, ffi::Buffer<ffi::F32> b1,
+                          ffi::Buffer<ffi::F32> w2, ffi::Buffer<ffi::F32> b2, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lim,
+                          ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ResultBuffer<ffi::F32> knew, ffi::ResultBuffer<ffi::F32> vnew, float eps,
+                          int32_t schedule) {
+  auto bad = [](const char* what) { return ffi::Error::InvalidArgument(what); };
+  auto xd = x.dimensions(), kd = k.dimensions(), td = tables.dimensions(), ld = lim.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || td.size() != 2 || ld.size() != 2)
+    return bad("paged_layer: expected x [R, d], the pool [N, H, BS, hd], tables [B, M], lim [B, S]");
+  const int64_t d = xd[1], N = kd[0], H = kd[1], BS = kd[2], D = kd[3], B = td[0], M = td[1], S = ld[1];
+  if (ld[0] != B || xd[0] != B * S || H * D != d || d % 16 || counts.element_count() != B)
+    return bad("paged_layer: shapes do not agree");
+  if (v.element_count() != k.element_count() || knew->element_count() != k.element_count() ||
+      vnew->element_count() != k.element_count())
+    return bad("paged_layer: the values or the outputs do not match the keys' pool");
+  const ffi::Buffer<ffi::F32>* w[12] = {&g1, &be1, &wqkv, &bqkv, &wo, &bo, &g2, &be2, &w1, &b1, &w2, &b2};
+  if (auto e = CheckWeights("paged_layer", d, w); e.failure()) return e;
+  // every block a query reads, and every block a new position is written to, lies in the pool
+  const int32_t *tab = tables.typed_data(), *lm = lim.typed_data(), *cn = counts.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t seen = 0;
+    for (int64_t s = 0; s < S; ++s) seen = std::max<int64_t>(seen, std::clamp<int64_t>(lm[b * S + s], 0, M * BS));
+    const int64_t written = std::clamp<int64_t>(cn[b], 0, S);
+    if (written > 0 && (lm[b * S] < 0 || lm[b * S] + written > M * BS))
+      return bad("paged_layer: a new position lies past the row's block table");
+    const int64_t last = std::max(seen, written > 0 ? lm[b * S] + written : 0);
+    for (int64_t j = 0; j < (last + BS - 1) / BS; ++j)
+      if (tab[b * M + j] < 0 || tab[b * M + j] >= N)
+        return bad("paged_layer: a block table entry lies outside the pool");
   }
+  const int64_t R = B * S;
+  thread_local std::vector<float> scratch;
+  scratch.resize(R * 12 * d);
+  float* s = scratch.data();
+  LayerProblem p{x.typed_data(), g1.typed_data(), be1.typed_data(), wqkv.typed_data(), bqkv.typed_data(),
+                 wo.typed_data(), bo.typed_data(), g2.typed_data(), be2.typed_data(), w1.typed_data(),
+                 b1.typed_data(), w2.typed_data(), b2.typed_data(), knew->typed_data(), vnew->typed_data(),
+                 nullptr, nullptr, lm, nullptr, y->typed_data(), knew->typed_data(), vnew->typed_data(), s,
+                 s + R * d, s + 4 * R * d, s + 5 * R * d, s + 6 * R * d, B, S, H, D, d, 0, 0,
+                 1.f / std::sqrt(static_cast<float>(D)), eps, LayerProblem::kPool};
+  p.tables = tab, p.counts = cn, p.own_k = s + 10 * R * d, p.own_v = s + 11 * R * d, p.N = N, p.BS = BS, p.M = M;
+  RunLayer(pool, p, schedule);
   return ffi::Error::Success();
 }
 
@@ -531,3 +638,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, jaxdecode::DecodeLayerImpl,
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("schedule")
                                   .Attr<int32_t>("write"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodePagedLayer, jaxdecode::PagedLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 kernel, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lim
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k pool, written
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v pool, written
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("schedule"));
