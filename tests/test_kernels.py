@@ -5,6 +5,8 @@ The references below only call the model's functions (:func:`jaxdecode.models.ch
 required here (no skips): a failed build fails these tests.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,8 @@ import pytest
 
 from jaxdecode.native import kernels
 from jaxdecode.models.charlm import transformer as M
+
+import compiled as C
 
 
 
@@ -29,6 +33,7 @@ def test_native_layer_is_available():
     assert native and kernels.available(), why
 
 
+@jax.jit
 def reference_attention(q, k, v, lim, k2, v2, n2, scale):
     """The model's attention over the cache (up to ``lim``) and the buffer (up to ``n2``)."""
     B, H, _, D = q.shape
@@ -37,6 +42,7 @@ def reference_attention(q, k, v, lim, k2, v2, n2, scale):
                     scale)
 
 
+@functools.partial(jax.jit, static_argnums=8)  # one program per shape (see tests/compiled.py)
 def reference_decode_layer(x, weights, k, v, lim, k2, v2, n2, eps=1e-5):
     """The model's decoder layer (``Block.decode``, portable) on the kernel's weight tuple."""
     assert eps == M.LN_EPS
@@ -113,14 +119,14 @@ def test_cached_decoding_with_kernel_matches_forward():
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, cfg.V, size=(3, 20)).astype(np.int32)
     lengths = np.array([5, 9, 7], np.int32)
-    _, cache = M.prefill(params, cfg, jnp.asarray(tokens[:, :9]), lengths, native=True)
+    _, cache = C.prefill(params, cfg, jnp.asarray(tokens[:, :9]), lengths, native=True)
     S = 4
     new = np.stack([tokens[b, lengths[b]:lengths[b] + S] for b in range(3)])
     ext = jax.jit(lambda c, t: M.extend(params, cfg, c, t, native=True))
     assert "jaxdecode_decode_attention" in ext.lower(cache, jnp.asarray(new)).as_text()
     got, _ = ext(cache, jnp.asarray(new))
     for b in range(3):
-        full = M.forward(params, cfg, jnp.asarray(tokens[b:b + 1, :lengths[b] + S]))
+        full = C.forward(params, cfg, jnp.asarray(tokens[b:b + 1, :lengths[b] + S]))
         np.testing.assert_allclose(got[b], full[0, lengths[b]:], rtol=1e-4, atol=1e-5)
 
 
@@ -157,8 +163,8 @@ def test_extend_with_packed_weights(S):
     packed = M.pack_params(params)
     assert set(packed["block_0"]) == {"attn", "ff1", "ff2"} and "tok" not in packed
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.V, size=(1, 16)), jnp.int32)
-    _, cache = M.prefill(params, cfg, tokens[:, :8], jnp.array([8], jnp.int32))
-    want, _ = M.extend(params, cfg, cache, tokens[:, 8:8 + S])
+    _, cache = C.prefill(params, cfg, tokens[:, :8], jnp.array([8], jnp.int32))
+    want, _ = C.extend(params, cfg, cache, tokens[:, 8:8 + S])
     got, _ = jax.jit(lambda p, c, t, pk: M.extend(p, cfg, c, t, packed=pk, native=True))(params, cache, tokens[:, 8:8 + S], packed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -391,10 +397,10 @@ def test_fused_decode_matches_module_path(d, heads):
     packed = M.pack_params(params)
     rng = np.random.default_rng(d)
     tokens = jnp.asarray(rng.integers(0, cfg.V, size=(3, 30)), jnp.int32)
-    _, cache = M.prefill(params, cfg, tokens[:, :9], jnp.array([5, 9, 7], jnp.int32), capacity=40)
+    _, cache = C.prefill(params, cfg, tokens[:, :9], jnp.array([5, 9, 7], jnp.int32), capacity=40)
     ext = jax.jit(lambda c, t, pk: M.extend(params, cfg, c, t, packed=pk, native=True))
     assert "jaxdecode_decode_layer" in ext.lower(cache, tokens[:, 20:22], packed).as_text()
-    want, want_cache = M.extend(params, cfg, cache, tokens[:, 20:22])
+    want, want_cache = C.extend(params, cfg, cache, tokens[:, 20:22])
     got, got_cache = ext(cache, tokens[:, 20:22], packed)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
@@ -402,7 +408,7 @@ def test_fused_decode_matches_module_path(d, heads):
     local = want_local = M.empty_local(cfg, 3, 4)
     step = jax.jit(lambda loc, i, t: M.chunk_step(params, cfg, cache, loc, i, t, packed, native=True))
     for i in range(3):
-        want, _, want_local = M.chunk_step(params, cfg, cache, want_local, i, tokens[:, 25 + i])
+        want, _, want_local = C.chunk_step(params, cfg, cache, want_local, i, tokens[:, 25 + i])
         got, _, local = step(local, i, tokens[:, 25 + i])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(local.k + local.v, want_local.k + want_local.v):
@@ -428,7 +434,7 @@ def test_prefill_with_packed_weights():
     params = M.init_params(cfg, jax.random.PRNGKey(6))
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.V, size=(2, 16)), jnp.int32)
     lengths = jnp.array([16, 5], jnp.int32)
-    want, want_cache = M.prefill(params, cfg, tokens, lengths, capacity=24)
+    want, want_cache = C.prefill(params, cfg, tokens, lengths, capacity=24)
     got, cache = jax.jit(lambda p, pk: M.prefill(p, cfg, tokens, lengths, capacity=24, packed=pk, native=True))(
         params, M.pack_params(params))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -446,7 +452,7 @@ def test_prefill_cache_is_prefills_cache(packed):
     params = M.init_params(cfg, jax.random.PRNGKey(7))
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, cfg.V, size=(2, 16)), jnp.int32)
     lengths = jnp.array([16, 5], jnp.int32)
-    _, want = M.prefill(params, cfg, tokens, lengths, capacity=24)
+    _, want = C.prefill(params, cfg, tokens, lengths, capacity=24)
     pk = M.pack_params(params) if packed else None
     cache = jax.jit(lambda p, pk: M.prefill_cache(p, cfg, tokens, lengths, capacity=24, packed=pk,
                                                   native=packed))(params, pk)

@@ -5,6 +5,8 @@ import pytest
 
 from jaxdecode.models.charlm import transformer as M
 
+import compiled as C
+
 
 @pytest.fixture(scope="module")
 def small():
@@ -21,15 +23,15 @@ def test_cache_matches_forward_ragged(small):
     B, P = len(lengths), 10
     full = rng.integers(0, cfg.V, size=(B, cfg.T))
     prompts = np.where(np.arange(P)[None] < lengths[:, None], full[:, :P], 0)
-    logits, cache = M.prefill(params, cfg, jnp.asarray(prompts), jnp.asarray(lengths))
-    ref = np.asarray(M.forward(params, cfg, jnp.asarray(full)))  # [B, T, V]
+    logits, cache = C.prefill(params, cfg, jnp.asarray(prompts), jnp.asarray(lengths))
+    ref = np.asarray(C.forward(params, cfg, jnp.asarray(full)))  # [B, T, V]
     np.testing.assert_allclose(logits, ref[np.arange(B), lengths - 1], atol=1e-5, rtol=0)
     # step every row up to T positions; every step's logits equal the full forward's
     for s in range(cfg.T - lengths.max()):
         pos = lengths + s
         token = full[np.arange(B), pos]
         span = min(cfg.T, -(-(int(pos.max()) + 1) // 8) * 8)  # bucketed, as the loops do
-        logits, cache = M.step(params, cfg, cache, jnp.asarray(token), span=span)
+        logits, cache = C.step(params, cfg, cache, jnp.asarray(token), span=span)
         np.testing.assert_allclose(logits, ref[np.arange(B), pos], atol=1e-5, rtol=0)
     assert list(np.asarray(cache.length)) == list(lengths + cfg.T - lengths.max())
 
@@ -38,16 +40,16 @@ def test_extend_several_tokens_and_rollback(small):
     cfg, params = small
     rng = np.random.default_rng(1)
     full = rng.integers(0, cfg.V, size=(2, cfg.T))
-    ref = np.asarray(M.forward(params, cfg, jnp.asarray(full)))
+    ref = np.asarray(C.forward(params, cfg, jnp.asarray(full)))
     lengths = jnp.array([4, 7])
-    _, cache = M.prefill(params, cfg, jnp.asarray(full[:, :8]), lengths)
+    _, cache = C.prefill(params, cfg, jnp.asarray(full[:, :8]), lengths)
     new = np.stack([full[0, 4:8], full[1, 7:11]])
-    logits, cache2 = M.extend(params, cfg, cache, jnp.asarray(new))
+    logits, cache2 = C.extend(params, cfg, cache, jnp.asarray(new))
     np.testing.assert_allclose(logits[0], ref[0, 4:8], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[1], ref[1, 7:11], atol=1e-5, rtol=0)
     # roll row 0 back by two positions and append different tokens: still exact
     cache3 = cache2._replace(length=cache2.length - jnp.array([2, 0]))
-    logits, _ = M.step(params, cfg, cache3, jnp.asarray([full[0, 6], full[1, 11]]))
+    logits, _ = C.step(params, cfg, cache3, jnp.asarray([full[0, 6], full[1, 11]]))
     np.testing.assert_allclose(logits[0], ref[0, 6], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[1], ref[1, 11], atol=1e-5, rtol=0)
 
@@ -58,11 +60,11 @@ def test_window_semantics_past_T(small):
     N = cfg.T + 9
     hist = rng.integers(0, cfg.V, size=(3, N))
     lengths = np.array([5, cfg.T + 3, N])
-    got = np.asarray(M.window_logits(params, cfg, jnp.asarray(hist), jnp.asarray(lengths)))
+    got = np.asarray(C.window_logits(params, cfg, jnp.asarray(hist), jnp.asarray(lengths)))
     for b, n in enumerate(lengths):
         # the plain loop: the model on the last T tokens, logits at the final position
         ctx = hist[b, max(0, n - cfg.T):n]
-        want = np.asarray(M.forward(params, cfg, jnp.asarray(ctx[None])))[0, -1]
+        want = np.asarray(C.forward(params, cfg, jnp.asarray(ctx[None])))[0, -1]
         np.testing.assert_allclose(got[b], want, atol=1e-5, rtol=0)
     # forward itself keeps only the last T tokens, numbered from 0
     a = M.forward(params, cfg, jnp.asarray(hist))
@@ -97,7 +99,7 @@ def test_compile_once_per_bucket(small):
 def test_hidden_states(small):
     cfg, params = small
     x = jnp.asarray(np.arange(10)[None] % cfg.V)
-    logits, h = M.forward(params, cfg, x, return_hidden=True)
+    logits, h = C.forward(params, cfg, x, return_hidden=True)
     assert h.shape == (1, 10, cfg.d)
     np.testing.assert_allclose(logits, h @ params["tok"]["embedding"].T, atol=1e-5)
 

@@ -1,0 +1,38 @@
+"""The reference model's functions as the tests call them for reference values, each compiled into
+one program per configuration and static setting. Run operation by operation, one forward pass
+compiles dozens of small programs, which is most of what such a test costs."""
+
+import jax
+
+from jaxdecode.models.charlm import transformer as M
+
+
+def _static(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+class _Compiled:
+    """``fn(params, cfg, *arrays, **settings)`` jitted: ``cfg`` and the scalar settings are static,
+    the arrays (and array-valued settings such as ``packed``) are arguments."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.programs = {}
+
+    def __call__(self, params, cfg, *args, **kw):
+        static = {k: v for k, v in kw.items() if _static(v)}
+        arrays = {k: v for k, v in kw.items() if not _static(v)}
+        key = (cfg, tuple(sorted(static.items())), tuple(sorted(arrays)), len(args))
+        program = self.programs.get(key)
+        if program is None:
+            fn = self.fn
+            program = self.programs[key] = jax.jit(lambda p, a, d: fn(p, cfg, *a, **static, **d))
+        return program(params, args, arrays)
+
+
+forward = _Compiled(M.forward)
+prefill = _Compiled(M.prefill)
+extend = _Compiled(M.extend)
+step = _Compiled(M.step)
+chunk_step = _Compiled(M.chunk_step)
+window_logits = _Compiled(M.window_logits)
