@@ -323,6 +323,7 @@ def _shipped_plain_beam(k: int):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("shipped_plain_beam")  # both backends on one worker: one plain beam per k
 def test_shipped_checkpoint_matches_plain_beam(backend):
     from jaxdecode.models.checkpoint import CheckpointError, default_checkpoint, load
 

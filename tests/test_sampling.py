@@ -376,8 +376,10 @@ def shipped(backend):
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
 def _book_greedy_300(shipped_path: str):
-    """The book's loop (a full forward per character) on the shipped model: 300 greedy tokens."""
+    """The book's loop (a full forward per character) on the shipped model: 300 greedy tokens
+    (computed once for both backends, which run on one worker: the xdist group below)."""
     from jaxdecode.models import checkpoint
 
     lm = checkpoint.load(shipped_path, backend="portable")
@@ -393,6 +395,7 @@ def _book_greedy_300(shipped_path: str):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("book_greedy_300")
 def test_shipped_greedy_300_equals_book_loop(shipped):
     """300 greedy characters with the cache == the book's loop (a full forward per character)."""
     params, model = shipped.params, shipped.decoder
