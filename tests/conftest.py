@@ -41,6 +41,13 @@ def pytest_sessionfinish(session):
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(os.environ["JAXDECODE_TEST_JAX_CACHE"], ignore_errors=True)
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (in their order), then the rest: xdist hands tests out in this order,
+    so the longest ones start early and the run does not end on one worker finishing a 60-second
+    test while the other waits."""
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # Every compiled CPU program keeps its machine code in a few memory mappings of its own, and JAX
 # keeps every program it compiles. A test worker compiles tens of thousands of programs; at the
 # kernel's limit on mappings (vm.max_map_count, 65,530 by default) mmap fails inside XLA's
