@@ -113,11 +113,14 @@ def test_compile_once_per_bucket(tiny_lm):
     cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     rng = np.random.default_rng(1)
     key = jax.random.PRNGKey(0)
-    S.sample_tokens(model, params, [np.array([1])] * 3, 8, key, chunk=8)  # warm the (4, 16) bucket
+    # warm the (4, 16) bucket: three distinct prompts (identical ones are prefilled once, in a
+    # smaller batch bucket, so the test must not depend on which buckets earlier tests compiled)
+    S.sample_tokens(model, params, [np.array([1]), np.array([2, 3]), np.array([4, 5, 6])], 8, key, chunk=8)
     before = (S._cache_chunk._cache_size(), S._prefill._cache_size())
     for _ in range(4):
         B = int(rng.integers(3, 5))  # batch bucket 4
-        prompts = [rng.integers(0, cfg.V, size=rng.integers(1, 8)) for _ in range(B)]
+        # distinct prompts: lengths 1 to 7, each at most once
+        prompts = [rng.integers(0, cfg.V, size=n) for n in rng.choice(np.arange(1, 8), size=B, replace=False)]
         S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(int(rng.integers(100))), chunk=8)
     assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
 
