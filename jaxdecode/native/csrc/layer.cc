@@ -610,22 +610,27 @@ ffi::Error PagedLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 }  // namespace
 }  // namespace jaxdecode
 
+// The binding both layer handlers start with: the thread pool, x and the layer's twelve weights.
+static auto LayerInputs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // x
+      .Arg<ffi::Buffer<ffi::F32>>()   // ln1 scale
+      .Arg<ffi::Buffer<ffi::F32>>()   // ln1 bias
+      .Arg<ffi::Buffer<ffi::F32>>()   // qkv kernel, packed
+      .Arg<ffi::Buffer<ffi::F32>>()   // qkv bias
+      .Arg<ffi::Buffer<ffi::F32>>()   // proj kernel, packed
+      .Arg<ffi::Buffer<ffi::F32>>()   // proj bias
+      .Arg<ffi::Buffer<ffi::F32>>()   // ln2 scale
+      .Arg<ffi::Buffer<ffi::F32>>()   // ln2 bias
+      .Arg<ffi::Buffer<ffi::F32>>()   // ff1 kernel, packed
+      .Arg<ffi::Buffer<ffi::F32>>()   // ff1 bias
+      .Arg<ffi::Buffer<ffi::F32>>()   // ff2 kernel, packed
+      .Arg<ffi::Buffer<ffi::F32>>();  // ff2 bias
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, jaxdecode::DecodeLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 bias
+                              LayerInputs()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lim
@@ -640,21 +645,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeDecodeLayer, jaxdecode::DecodeLayerImpl,
                                   .Attr<int32_t>("write"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodePagedLayer, jaxdecode::PagedLayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln1 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // proj bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ln2 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff1 bias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 kernel, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // ff2 bias
+                              LayerInputs()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k pool
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v pool
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
