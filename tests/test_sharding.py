@@ -125,7 +125,7 @@ def _describe(tree) -> list:
 def _sharded_main(out_path: str) -> None:
     """On 4 devices: every case, and the layout of the first call of each program per case."""
     jax.config.update("jax_numpy_rank_promotion", "raise")
-    from jaxdecode.decoding import sharded as S
+    from jaxdecode.decoding import placement as S
 
     assert jax.device_count() == DEVICES, jax.devices()
     layouts: dict = {}

@@ -47,7 +47,18 @@ from jaxdecode.decoding.common import (
 )
 from jaxdecode.decoding import budget as budget_lib
 from jaxdecode import constraints as C
+from jaxdecode.decoding.placement import (
+    AXIS,
+    ONE_DEVICE,
+    Placement,
+    _batch_axes,
+    _rows_struct,
+    _spec_tree,
+    make_mesh,
+    pad_batch,
+)
 from jaxdecode.models.base import DecodingModel
+from jax.sharding import PartitionSpec as P
 
 from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
     DEFAULT_CHUNK,
@@ -188,24 +199,29 @@ def _rule_per_row(rule, B: int):
 
 
 def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
-                  on_chunk=None, constraint=None, mesh=None) -> TokenResult:
-    """:func:`sample_tokens` for one batch (``key``: one, or one per row)."""
-    if mesh is not None:
-        from jaxdecode.decoding.sharded import Placement, sample_batch
-
-        return sample_batch(model, params, prompts, n, key, rule=rule, greedy=greedy, row_ids=row_ids,
-                            stops=stops, chunk=chunk, on_chunk=on_chunk, constraint=constraint,
-                            placement=Placement(mesh))
-    batch = make_batch(prompts, n, model.V, model.T, row_ids)
+                  on_chunk=None, constraint=None, mesh=None, placement=None) -> TokenResult:
+    """:func:`sample_tokens` for one batch (``key``: one, or one per row), its arrays placed and
+    its programs run by ``placement`` (default: one device, or split over ``mesh``)."""
+    if placement is None:
+        placement = ONE_DEVICE if mesh is None else Placement(mesh)
+    batch = pad_batch(make_batch(prompts, n, model.V, model.T, row_ids), placement.ways)
     B, Bb, T = batch.B, batch.Bb, model.T
+    local = Bb // placement.ways  # the rows of each device
     key = jnp.asarray(key)
+    if key.ndim not in (1, 2) or jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and placement.split:
+        raise ValueError(f"key must be one PRNG key or one per prompt, got shape {key.shape}")
     if key.ndim == 2:  # one key per row: the dummy rows take the first
+        if key.shape[0] != B:
+            raise ValueError(f"{key.shape[0]} keys for {B} prompts: give one key, or one per prompt")
         key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (Bb - B, key.shape[1]))])
     if n == 0:
         e = np.zeros((B, 0), np.int32)
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32),
                            np.zeros(B, bool))
+    key_axis = 0 if key.ndim == 2 else None
+    key = placement.put(key, key_axis)
     con, cstate, budget = C.for_rows(constraint, B, Bb, model.V, n)
+    con, cstate, budget = placement.replicated(con), placement.put(cstate), placement.put(budget)
     whole = model.reads_only_filled
     if chunk is None:
         chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
@@ -216,27 +232,45 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
             chunk = max(chunk, min(batch_bucket(n), WHOLE_CHUNK_MAX))
     chunk = min(chunk, batch_bucket(n))  # short requests get a smaller buffer
     Pmax, Pb = batch.Pmax, batch.Pb
-    rule_b = pad_rule(rule, B, Bb)
-    stop_arr, stop_lens = encode_stops(stops)
+    rule_b = placement.rows(pad_rule(rule, B, Bb))
+    stop_arr, stop_lens = placement.replicated(encode_stops(stops))
     S = stop_arr.shape[1] if stop_arr is not None else 1
+    prompt, length = placement.put(batch.prompt), placement.put(batch.length)
+    recent, row_ids_b = placement.put(batch.recent), placement.put(batch.row_ids)
+    max_new = round_up(n, 256)
 
-    rule_state = None
+    rule_state, rule_axes, rule_specs = None, None, None
     if rule_b is not None:
-        rule_state = _rule_init(rule_b, jnp.asarray(batch.prompt), jnp.asarray(batch.length), V=model.V,
-                                max_new=round_up(n, 256))
+        if placement.split:
+            # which axis of each leaf of the rule's state holds the rows: compare its shape at two
+            # batch sizes (every leaf of a padded rule has the rows first)
+            init = lambda r, p, l: r.init(p, l, model.V, max_new)
+            shapes = [jax.eval_shape(init, *(_rows_struct(a, extra) for a in (rule_b, prompt, length)))
+                      for extra in (0, 1)]
+            rule_axes = _batch_axes(*shapes)
+            rule_specs = _spec_tree(placement, rule_axes, shapes[0])
+        rule_state = placement.run(_rule_init, (rule_b, prompt, length), (0, 0, 0), rule_specs,
+                                   V=model.V, max_new=max_new)
 
     # The cache a chunk starting after `taken` steps needs: allocated once for the whole request
     # when attention reads each row only up to its length, else grown with the text.
     def capacity(taken):
         return round_up((min(T, Pmax + n) if whole else Pmax + taken) + chunk, SPAN_BUCKET)
 
-    params = model.prepare(params, Bb)
-    cache = None
+    params = placement.replicated(model.prepare(params, local))
+    cache, cache_axes, cache_specs = None, None, None
     if Pmax <= T:
+        if placement.split:  # the axis of each cache leaf that holds the rows (a model lays its cache out as it likes)
+            cache_shape, bigger = (jax.eval_shape(lambda b=b: model.empty_cache(b, capacity(0)))
+                                   for b in (local, local + 1))
+            cache_axes = _batch_axes(cache_shape, bigger)
+            cache_specs = _spec_tree(placement, cache_axes, cache_shape)
         tokens = batch.prompt[:, :min(Pb, T)]
         first: dict[bytes, int] = {}  # each distinct prompt's first row
         same = [first.setdefault(tokens[i, :batch.length[i]].tobytes(), i) for i in range(B)]
-        if len(first) < B:  # several samples of a prompt: prefill it once, copy its cache
+        if len(first) < B and not placement.split:
+            # several samples of a prompt: prefill it once, copy its cache (one device: with the
+            # rows split, every device prefills its own)
             uniq = list(first.values())
             Ub = batch_bucket(len(uniq))
             where = {r: j for j, r in enumerate(uniq)}
@@ -248,46 +282,71 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
             logits, cache = _prefill_shared(params, jnp.asarray(tok_u), jnp.asarray(len_u), jnp.asarray(rows),
                                             model=model, capacity=capacity(0))
         else:
-            logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(batch.length),
-                                     model=model, capacity=capacity(0))
+            prompt_T = prompt if Pb <= T else placement.put(tokens)
+            logits, cache = placement.run(_prefill, (params, prompt_T, length), (None, 0, 0),
+                                          (P(AXIS), cache_specs), model=model, capacity=capacity(0))
         n_cache = min(n, T - Pmax)
     else:
-        logits = _window_start(params, jnp.asarray(batch.recent), jnp.asarray(batch.length), model=model)
+        logits = placement.run(_window_start, (params, recent, length), (None, 0, 0), P(AXIS), model=model)
         n_cache = 0
     state = SamplingState(
-        logits=logits, recent=jnp.asarray(batch.recent), length=jnp.asarray(batch.length), rule_state=rule_state,
-        done=jnp.zeros((Bb,), bool), tail=jnp.full((Bb, S), -1, jnp.int32), step=jnp.int32(0), cstate=cstate)
-    common = {"rule": rule_b, "key": key, "row_ids": jnp.asarray(batch.row_ids), "stops": stop_arr,
-              "stop_lens": stop_lens, "con": con, "budget": budget}
+        logits=logits, recent=recent, length=length, rule_state=rule_state,
+        done=placement.put(np.zeros((Bb,), bool)), tail=placement.put(np.full((Bb, S), -1, np.int32)),
+        step=placement.put(np.int32(0), None), cstate=cstate)
+    state_axes, state_specs = None, None
+    if placement.split:
+        state_axes = _axes_list(SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, tail=0,
+                                              step=None, cstate=None if cstate is None else 0), state)
+        state_specs = _spec_tree(placement, state_axes, state)
+    common = (rule_b, key, row_ids_b, stop_arr, stop_lens)
+    common_axes = (0, key_axis, 0, None, None)
 
     outs, taken = [], 0
     while taken < n:
         valid = min(chunk, (n_cache if taken < n_cache else n) - taken)
-        step_end = np.int32(taken + valid)  # a numpy scalar: a jnp one costs a dispatch of its own
+        # a numpy scalar on one device: a jnp one costs a dispatch of its own
+        step_end = placement.scalar(np.int32(taken + valid))
         if taken < n_cache:
             if model.capacity(cache) < capacity(taken):
-                cache = _grow(cache, model=model, capacity=capacity(taken))
-            state, cache, out = _cache_chunk(params, state, cache, step_end=step_end, model=model,
-                                             chunk=chunk, greedy=greedy, **common)
+                cache = placement.run(_grow, (cache,), (cache_axes,), cache_specs, model=model,
+                                      capacity=capacity(taken))
+            state, cache, out = placement.run(
+                _cache_chunk, (params, state, cache) + common + (step_end, con, budget),
+                (None, state_axes, cache_axes) + common_axes + (None, None, 0),
+                (state_specs, cache_specs, _OUT), donate=(2,), model=model, chunk=chunk, greedy=greedy)
         else:
             cache = None
-            state, out = _window_chunk(params, state, step_end=step_end, model=model, chunk=chunk,
-                                       greedy=greedy, **common)
-        out = jax.device_get(out)
+            state, out = placement.run(
+                _window_chunk, (params, state) + common + (step_end, con, budget),
+                (None, state_axes) + common_axes + (None, None, 0),
+                (state_specs, _OUT), model=model, chunk=chunk, greedy=greedy)
+        out, done = placement.fetch((out, state.done))
         out = StepOutput(*(np.asarray(a)[:valid, :B].T for a in out))  # [B, valid]
         outs.append(out)
         taken += valid
         if on_chunk is not None:
             on_chunk(out.token, out.emitted)
-        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
+        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(done)[:B])):
             break  # every row has stopped
 
     cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
     tokens, mlp, slp, emitted = cat(0), cat(1), cat(2), cat(3)
     counts = emitted.sum(axis=1).astype(np.int32)
-    stopped = np.asarray(state.done)[:B]
+    stopped = np.asarray(done)[:B]
     return TokenResult(tokens.astype(np.int32), mlp.astype(np.float32), slp.astype(np.float32),
                        counts, stopped)
+
+
+_OUT = StepOutput(*([P(None, AXIS)] * 4))  # a chunk's outputs [chunk, B]: rows on the second axis
+
+
+def _axes_list(state_axes: SamplingState, state: SamplingState) -> list:
+    """The loop state's per-leaf batch axes, in its leaves' order."""
+    out = []
+    for field, ax in zip(state, state_axes):
+        n = len(jax.tree_util.tree_leaves(field))
+        out.extend(ax if isinstance(ax, list) else [ax] * n)
+    return out
 
 
 def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
@@ -337,8 +396,6 @@ def sharded_generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: in
                      mesh: jax.sharding.Mesh | None = None) -> list[Generation]:
     """:func:`jaxdecode.generate` with the batch split over ``mesh`` (default: every device); the
     same texts, tokens and log-probabilities, on every process."""
-    from jaxdecode.decoding.sharded import make_mesh
-
     return generate(lm, prompts, n, seed=seed, key=key, rule=rule, greedy=greedy, num_samples=num_samples,
                     stop=stop, chunk=chunk, on_text=on_text, constraint=constraint,
                     mesh=make_mesh() if mesh is None else mesh)

@@ -1,6 +1,6 @@
 """The sampling loop's compiled pieces: the loop state, token choice, a chunk of steps on the cache
-or on the window, prefill and growth. :mod:`jaxdecode.decoding.sampling` drives them on one device,
-:mod:`jaxdecode.decoding.sharded` over a mesh of devices."""
+or on the window, prefill and growth. :mod:`jaxdecode.decoding.sampling` drives them, on one device or
+over a mesh of devices (:mod:`jaxdecode.decoding.placement`)."""
 
 from __future__ import annotations
 
