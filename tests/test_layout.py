@@ -17,7 +17,7 @@ INTERFACE = {"models.base", "models.lm", "models.checkpoint"}
 ALLOWED = {
     "io": set(),
     "native": {"io"},
-    "rules": set(),
+    "rules": {"io"},
     "constraints": {"io"},
     "models": {"io", "native", "rules"},
     "decoding": {"io", "rules", "constraints", "models.base"},
@@ -123,3 +123,27 @@ def test_folders_and_short_modules():
 def test_old_module_paths_import_the_moved_module(old):
     new = {"jaxdecode.studies.decoders": "jaxdecode.eval.studies.decoders"}.get(old) or jaxdecode.MOVED[old]
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_the_registries_are_one_type_and_take_a_users_entry():
+    """Rules, drafts and studies are each a Registry of frozen specs; a draft of one's own is
+    registered with the public decorator, built by name, and a taken name is refused."""
+    from jaxdecode.eval.studies import STUDIES
+    from jaxdecode.io.registry import Registry
+    from jaxdecode.rules import RULES
+    from jaxdecode.speculative import DRAFTS, make_draft, register_draft
+
+    assert all(isinstance(r, Registry) for r in (RULES, DRAFTS, STUDIES))
+    with pytest.raises(ValueError, match="a draft kind named 'ngram' is already registered"):
+        register_draft("ngram", "again")(lambda *a, **k: None)
+    with pytest.raises(ValueError, match="unknown decoding setting 'top_q': use 'repetition_penalty', "):
+        RULES.lookup("top_q")
+    calls = []
+    builder = register_draft("mine", "a draft of the user's own")(lambda lm, data_path=None, **kw: calls.append((lm, kw)))
+    try:
+        assert DRAFTS["mine"].about == "a draft of the user's own" and DRAFTS["mine"].builder is builder
+        assert list(DRAFTS)[-1] == "mine"
+        make_draft("mine", "LM", n=2)
+        assert calls == [("LM", {"n": 2, "backoff": None, "progress": False})]
+    finally:
+        del DRAFTS["mine"]

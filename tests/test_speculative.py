@@ -613,7 +613,7 @@ def test_requests_past_the_window_are_refused(small_lm, small_drafts):
 def test_draft_registry():
     """make_draft knows exactly the registered drafts; an unknown name is refused, naming them."""
     assert list(SP.DRAFTS) == ["ngram", "distilled", "draft", "lookup"]
-    assert all(isinstance(d, str) and d for d in SP.DRAFTS.values())
+    assert all(isinstance(d.about, str) and d.about for d in SP.DRAFTS.values())
     with pytest.raises(ValueError, match="unknown draft kind 'nope'") as e:
         SP.make_draft("nope", None)
     for name in SP.DRAFTS:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jaxdecode.io.registry import Registry
 from jaxdecode.rules.base import Chain, Rule, RuleError, chain, per_row, processed_logprobs
 from jaxdecode.rules.penalties import (
     FrequencyPenalty,
@@ -107,11 +108,10 @@ REGISTRY: tuple[RuleSpec, ...] = (
              "keep logits within n standard deviations of the max"),
 )
 
-RULES: dict[str, RuleSpec] = {spec.name: spec for spec in REGISTRY}
+RULES: Registry[RuleSpec] = Registry("decoding setting", REGISTRY)  # refuses a name registered twice
 
 RULE_ORDER: tuple[str, ...] = tuple(spec.name for spec in REGISTRY)
 
-assert len(RULES) == len(REGISTRY), "a rule name is registered twice"
 assert [KINDS.index(s.kind) for s in REGISTRY] == sorted(KINDS.index(s.kind) for s in REGISTRY), \
     "REGISTRY must list the rules in the order of KINDS"
 

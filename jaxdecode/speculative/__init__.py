@@ -40,7 +40,7 @@ registry of drafts: :mod:`.drafts.ngram`, :mod:`.drafts.distilled`, :mod:`.draft
 from __future__ import annotations
 
 from jaxdecode.speculative.acceptance import Noise, _draw, _pick, accept, iteration_noise, row_keys  # noqa: F401 - _draw, _pick: tests
-from jaxdecode.speculative.drafts import DRAFTS, Draft, make_draft, register_draft
+from jaxdecode.speculative.drafts import DRAFTS, Draft, DraftSpec, make_draft, register_draft
 from jaxdecode.speculative.drafts.distilled import (
     DISTILLED_BACKOFF,
     DISTILLED_N,
@@ -64,6 +64,7 @@ __all__ = [
     "DISTILLED_BACKOFF",
     "DISTILLED_N",
     "DRAFTS",
+    "DraftSpec",
     "Draft",
     "LookupState",
     "ModelDraft",

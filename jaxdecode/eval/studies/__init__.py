@@ -17,6 +17,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from jaxdecode.io.registry import Registry
+
 
 class StudyUnavailable(RuntimeError):
     """A registered study whose module is not installed."""
@@ -25,7 +27,9 @@ class StudyUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Study:
     """A study by name: its module under ``jaxdecode.eval.studies``, a one-line description, and the
-    options of the ``study`` command it takes, as ``(command-line dest, run() keyword)``."""
+    options of the ``study`` command it takes, as ``(command-line dest, run() keyword)``. The
+    registry, :data:`STUDIES`, is a :class:`~jaxdecode.io.registry.Registry`, as the rules' and the
+    drafts' are."""
 
     name: str
     module: str
@@ -33,7 +37,7 @@ class Study:
     options: tuple[tuple[str, str], ...] = ()
 
 
-STUDIES: dict[str, Study] = {s.name: s for s in (
+STUDIES: Registry[Study] = Registry("study", (
     Study("decoders", "decoders", "human, greedy, beam and sampling after the KATHARINA prompt"),
     Study("truncation", "truncation", "what each truncation rule keeps at a word start and inside 'hither'"),
     Study("tradeoff", "tradeoff", "quality against likelihood for each rule and setting"),
@@ -43,14 +47,14 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
           options=(("prompts", "n_prompts"), ("n", "n"), ("budget", "node_budget"))),
     Study("constrained", "constrained", "masked against exact conditional sampling of a choice of names (SMC)"),
     Study("cost", "cost", "prefill against decode, throughput against batch size (timings)"),
-)}
+))
 
 
 def load_study(name: str):
     """The module of study ``name``; :class:`StudyUnavailable` when it is not installed."""
-    study = STUDIES.get(name)
-    if study is None:
+    if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}: choose from {', '.join(STUDIES)} or all")
+    study = STUDIES[name]
     full = f"{__name__}.{study.module}"
     if importlib.util.find_spec(full) is None:
         raise StudyUnavailable(f"the {name} study is not installed: module {full} is missing")

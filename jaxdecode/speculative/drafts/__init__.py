@@ -1,10 +1,10 @@
-"""Drafts for speculative sampling: the interface and registry (:mod:`.base`) and the drafts,
-which register themselves on import, in the order the command line lists them."""
+"""Drafts for speculative sampling: the interface and registry (:mod:`.base`) and the drafts."""
 
 from jaxdecode.speculative.drafts.base import (  # noqa: F401 (the private helpers, for draft modules elsewhere)
     DRAFTS,
     Builder,
     Draft,
+    DraftSpec,
     _draft,
     _no_backoff,
     _static,
@@ -13,4 +13,4 @@ from jaxdecode.speculative.drafts.base import (  # noqa: F401 (the private helpe
 )
 from jaxdecode.speculative.drafts import ngram, distilled, model, lookup  # noqa: F401, I001
 
-__all__ = ["DRAFTS", "Builder", "Draft", "make_draft", "register_draft"]
+__all__ = ["DRAFTS", "Builder", "Draft", "DraftSpec", "make_draft", "register_draft"]

@@ -1,18 +1,24 @@
 """The :class:`Draft` interface and the registry of the drafts the library builds by name
-(:func:`make_draft`, :data:`DRAFTS`; the draft modules register on import of the package).
+(:func:`make_draft`, :data:`DRAFTS`, a :class:`~jaxdecode.io.registry.Registry` of
+:class:`DraftSpec`).
 
-A draft module defines its draft class (a pytree made with :func:`_draft`) and registers a
-builder with :func:`register_draft`: ``builder(lm, data_path=None, *, n=None, backoff=None,
-progress=False) -> Draft`` makes the draft for target ``lm``, reading the corpus
-(``data_path``, default ``$JAXDECODE_DATA``) or loading checkpoints as it needs.
+A draft module defines its draft class (a pytree made with :func:`_draft`) and a builder,
+``build(lm, data_path=None, *, n=None, backoff=None, progress=False) -> Draft``, that makes the
+draft for target ``lm``, reading the corpus (``data_path``, default ``$JAXDECODE_DATA``) or
+loading checkpoints as it needs; :data:`DRAFTS` names it (``"ngram:build"``), and the module is
+imported when the draft is first built. A draft of one's own is added with
+``DRAFTS.add(DraftSpec(...))`` or the :func:`register_draft` decorator.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 
 import jax
+
+from jaxdecode.io.registry import Registry
 
 
 def _draft(cls):
@@ -67,27 +73,50 @@ class Draft:
 
 Builder = Callable[..., Draft]
 
-DRAFTS: dict[str, str] = {}  # name -> one-line description, in registration order
-_BUILDERS: dict[str, Builder] = {}
+
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """A draft that :func:`make_draft` and the command line build by name.
+
+    ``builder``: ``(lm, data_path=None, *, n=None, backoff=None, progress=False) -> Draft``, or
+    where to find one, ``"module:function"`` under :mod:`jaxdecode.speculative.drafts` (imported
+    when the draft is first built). ``about``: the one-line description the command line shows.
+    """
+
+    name: str
+    about: str
+    builder: str | Builder
+
+    def build(self, *args, **kwargs) -> Draft:
+        builder = self.builder
+        if isinstance(builder, str):
+            module, _, attr = builder.partition(":")
+            builder = getattr(importlib.import_module(f"jaxdecode.speculative.drafts.{module}"), attr)
+        return builder(*args, **kwargs)
+
+
+# In the order the command line lists them.
+DRAFTS: Registry[DraftSpec] = Registry("draft kind", (
+    DraftSpec("ngram", "an n-gram table counted from the corpus's training split (default: the chapter's "
+                       "add-0.01 trigram; n and an interpolating backoff can be set)", "ngram:build"),
+    DraftSpec("distilled", "an n-gram table of the model's own predictions over the corpus's training split "
+                           "(default: 6-gram, backoff 2); built once (minutes), cached", "distilled:build"),
+    DraftSpec("draft", "the shipped small draft model (shakespeare-char-draft)", "model:build"),
+    DraftSpec("lookup", "prompt lookup: continue the last earlier occurrence of the context's last n "
+                        "characters (default 3)", "lookup:build"),
+))
 
 
 def register_draft(name: str, description: str) -> Callable[[Builder], Builder]:
     """Register the decorated builder ``(lm, data_path=None, *, n=None, backoff=None,
-    progress=False) -> Draft`` as the draft ``name`` of :func:`make_draft` (and the CLI)."""
+    progress=False) -> Draft`` as the draft ``name`` of :func:`make_draft` (and the CLI): the
+    same as ``DRAFTS.add(DraftSpec(name, description, builder))``."""
 
     def register(builder: Builder) -> Builder:
-        if name in _BUILDERS:
-            raise ValueError(f"a draft named {name!r} is already registered")
-        _BUILDERS[name] = builder
-        DRAFTS[name] = description
+        DRAFTS.add(DraftSpec(name, description, builder))
         return builder
 
     return register
-
-
-def _names() -> str:
-    names = [repr(k) for k in DRAFTS]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def make_draft(kind: str, lm, data_path=None, *, n: int | None = None,
@@ -99,10 +128,7 @@ def make_draft(kind: str, lm, data_path=None, *, n: int | None = None,
     text, by default a 6-gram with backoff 2, see :func:`distilled_draft`; ``progress`` shows its
     first, slow build), ``"draft"`` (the shipped small model ``shakespeare-char-draft``) or
     ``"lookup"`` (prompt lookup over the last ``n`` tokens, default 3)."""
-    builder = _BUILDERS.get(kind)
-    if builder is None:
-        raise ValueError(f"unknown draft kind {kind!r}: use {_names()}")
-    return builder(lm, data_path, n=n, backoff=backoff, progress=progress)
+    return DRAFTS.lookup(kind).build(lm, data_path, n=n, backoff=backoff, progress=progress)
 
 
 def _no_backoff(backoff) -> None:

@@ -15,7 +15,6 @@ import numpy as np
 
 from jaxdecode.io import paths
 from jaxdecode.io.data import read_corpus
-from jaxdecode.speculative.drafts.base import register_draft
 from jaxdecode.speculative.drafts.ngram import NGramDraft, target_predictions
 
 
@@ -138,9 +137,7 @@ def distilled_draft(lm, data_path=None, *, n: int = DISTILLED_N, backoff: float 
     return draft
 
 
-@register_draft("distilled", "an n-gram table of the model's own predictions over the corpus's "
-                             "training split (default: 6-gram, backoff 2); built once (minutes), cached")
-def _build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
+def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> NGramDraft:
     return distilled_draft(lm, data_path, n=DISTILLED_N if n is None else n,
                            backoff=DISTILLED_BACKOFF if backoff is None else backoff, progress=progress)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static, register_draft
+from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static
 
 
 class LookupState(NamedTuple):
@@ -75,9 +75,7 @@ class PromptLookupDraft(Draft):
         return LookupState(history, jnp.where(active, length + n_accepted + 1, length))
 
 
-@register_draft("lookup", "prompt lookup: continue the last earlier occurrence of the context's "
-                          "last n characters (default 3)")
-def _build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
+def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> PromptLookupDraft:
     _no_backoff(backoff)
     return PromptLookupDraft(3 if n is None else n)

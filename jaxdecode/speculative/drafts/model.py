@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxdecode.models.checkpoint import DRAFT_NAME, load
 from jaxdecode.models.base import DecodingModel
 from jaxdecode.speculative.acceptance import _pick
-from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static, register_draft
+from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static
 
 
 class ModelDraftState(NamedTuple):
@@ -93,8 +93,7 @@ class ModelDraft(Draft):
             state.base)
 
 
-@register_draft("draft", f"the shipped small draft model ({DRAFT_NAME})")
-def _build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
+def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> ModelDraft:
     _no_backoff(backoff)
     small = load(DRAFT_NAME)

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxdecode.io.data import read_corpus
 from jaxdecode.speculative.acceptance import _pick
-from jaxdecode.speculative.drafts.base import Draft, _draft, _static, register_draft
+from jaxdecode.speculative.drafts.base import Draft, _draft, _static
 
 
 class NGramState(NamedTuple):
@@ -316,9 +316,7 @@ class NGramDraft(Draft):
         return NGramState(jnp.where(active[:, None], context, state.context), state.row)
 
 
-@register_draft("ngram", "an n-gram table counted from the corpus's training split (default: the "
-                         "chapter's add-0.01 trigram; n and an interpolating backoff can be set)")
-def _build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
+def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> NGramDraft:
     """:meth:`NGramDraft.from_corpus` over the corpus (``data_path``, default ``$JAXDECODE_DATA``)."""
     return NGramDraft.from_corpus(lm.vocab, read_corpus(data_path), n=3 if n is None else n,
