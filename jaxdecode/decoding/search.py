@@ -56,6 +56,14 @@ def _prompt_prefill(params, prompt, length, *, model, capacity):
     return logits, cache
 
 
+def _bucket(x: int, least: int, factor: int, cap: int | None = None) -> int:
+    """The smallest ``least * factor**k`` that is at least ``x``, at most ``cap``."""
+    b = least
+    while b < x:
+        b *= factor
+    return b if cap is None else min(b, cap)
+
+
 def _choices(constraint, n: int):
     """``choices(state, depth, lp [V]) -> (tokens, next states, stop log-probability)`` at a node:
     every token with no constraint (and no stop); else the allowed tokens and, in a final state,
@@ -84,8 +92,8 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
 
     Best-first search over prefixes (uniform-cost search with a heap keyed by minus the
     log-probability): log-probabilities only fall as a prefix grows, so the first complete
-    hypothesis popped is the mode. Nodes are expanded ``batch`` at a time, in heap order, in one
-    model call; a complete hypothesis is only returned when it is the top of the heap with no
+    hypothesis popped is the mode. Nodes are expanded up to ``batch`` at a time, in heap order, in
+    one model call over as many rows and positions as they need (each rounded up to a bucket); a complete hypothesis is only returned when it is the top of the heap with no
     expansion pending, so batching never changes the answer. Children whose log-probability falls
     below ``lower_bound`` (that of any known continuation, by default greedy's) cannot lead to the
     mode and are not pushed. Raises :class:`SearchBudgetExceeded` after ``node_budget`` expansions.
@@ -128,8 +136,11 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
                                                capacity=round_up(Pb + W, PROMPT_BUCKET))
 
         def expand(nodes):
-            tokens = np.zeros((batch, W), np.int32)
-            depth = np.zeros((batch,), np.int32)
+            # only as many rows and positions as the nodes need (each a bucket, so a search
+            # compiles a few programs): a node near the root costs a short forward, not W tokens
+            width = min(W, _bucket(max(len(t) for t in nodes), 4, 2))
+            tokens = np.zeros((_bucket(len(nodes), 1, 4, batch), width), np.int32)
+            depth = np.zeros((tokens.shape[0],), np.int32)
             for i, t in enumerate(nodes):
                 tokens[i, :len(t)] = t
                 depth[i] = len(t)
@@ -138,8 +149,9 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
             return np.asarray(out, np.float64)[:len(nodes)]
     else:
         def expand(nodes):  # the book's window: a forward over the last T tokens of each prefix
-            history = np.zeros((batch, T), np.int32)
-            lengths = np.ones((batch,), np.int32)
+            rows = _bucket(len(nodes), 1, 4, batch)
+            history = np.zeros((rows, T), np.int32)
+            lengths = np.ones((rows,), np.int32)
             for i, t in enumerate(nodes):
                 seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-T:]
                 history[i, :len(seq)] = seq
