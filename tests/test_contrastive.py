@@ -13,7 +13,8 @@ from jaxdecode.decoding.sampling import sample_tokens
 
 def _full_forward(model, params):
     """``f(tokens list) -> (logits [t, V], hidden [t, d])`` of the model's plain forward over the
-    last T tokens (positions from 0), jitted once at width T (causal: right padding is inert)."""
+    last T tokens (positions from 0), right-padded to a power of two of at least 16, at most T
+    (causal: right padding is inert; one program per width)."""
     T = model.T
     if hasattr(model, "cfg"):  # the reference CharLM
         from jaxdecode.models.charlm import transformer as M
@@ -24,7 +25,10 @@ def _full_forward(model, params):
 
     def f(tokens):
         window = list(tokens)[-T:]
-        padded = np.zeros((1, T), np.int32)
+        width = 16
+        while width < len(window):
+            width *= 2
+        padded = np.zeros((1, min(width, T)), np.int32)
         padded[0, :len(window)] = window
         logits, hidden = fwd(jnp.asarray(padded))
         return np.asarray(logits[0, :len(window)], np.float64), np.asarray(hidden[0, :len(window)], np.float64)
