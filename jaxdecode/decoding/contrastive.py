@@ -11,7 +11,11 @@ every earlier position of the row, prompt included. ``alpha = 0`` (or ``k = 1``)
 
 All ``k`` candidates of a prompt are scored in one pass: the cache holds ``k`` copies of every
 row, each pass appends one candidate per copy, and the chosen copy's cache replaces the others
-(:meth:`~jaxdecode.models.base.DecodingModel.reorder`, as beam search does). The normalized hidden
+(:meth:`~jaxdecode.models.base.DecodingModel.reorder`, as beam search does). Like beam search, the
+loop runs on ``model.for_beams()``: for the reference model its paged twin, where the copies of a
+row share their full blocks and a reorder copies only the last, partly filled one (on the shipped
+model, 10 prompts x 150 characters with k = 4 took 1.35 s against 4.15 s on the dense cache,
+which copies every position of every copy at each step). The normalized hidden
 states of each row's earlier positions are kept in a ``[B, N, d]`` buffer.
 
 Past the model window ``T`` the loop switches, like the other loops, to the exact window mode:
@@ -228,6 +232,7 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
     copies of every row; a request whose copies do not fit ``memory_budget`` (see
     :mod:`jaxdecode.decoding.budget`) is refused before anything is allocated.
     """
+    model = model.for_beams()  # the cache of k copies per row is reordered at every step
     batch = make_batch(prompts, n, model.V, model.T)
     B, Bb, T = batch.B, batch.Bb, model.T
     k, alpha_b = check_settings(k, alpha, model.V, B)
