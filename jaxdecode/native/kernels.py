@@ -24,6 +24,7 @@ built or the default backend is not the CPU).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -122,13 +123,23 @@ def build(verbose: bool = False) -> Path:
             return out
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", *extra, f"-I{jax.ffi.include_dir()}",
-               f"-I{_CSRC}", *[str(f) for f in sources if f.suffix == ".cc"], "-o", tmp]
+        flags = ["-O3", "-march=native", "-std=c++17", "-fPIC", *extra]
         print("jaxdecode: compiling the native CPU kernels (once, under a minute)...", file=sys.stderr, flush=True)
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if res.returncode != 0:
-                raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{res.stderr[-2000:]}")
+            with tempfile.TemporaryDirectory(dir=out.parent) as objs:
+                # one compiler per source file, as many at once as there are cores, then one link
+                units = [f for f in sources if f.suffix == ".cc"]
+                jobs = [[cxx, *flags, f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}", "-c", str(f), "-o",
+                         str(Path(objs) / (f.stem + ".o"))] for f in units]
+                with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+                    results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True,
+                                                                       check=False), jobs))
+                link = [cxx, *flags, "-shared", *[cmd[-1] for cmd in jobs], "-o", tmp]
+                results.append(subprocess.run(link, capture_output=True, text=True, check=False)
+                               if all(r.returncode == 0 for r in results) else None)
+                failed = next((r for r in results if r is not None and r.returncode != 0), None)
+                if failed is not None:
+                    raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{failed.stderr[-2000:]}")
             os.replace(tmp, out)  # atomic: an interrupted build never leaves half a library
         finally:
             if os.path.exists(tmp):
