@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compiled import optimized_jit
 from jaxdecode.decoding import contrastive as C
 from jaxdecode.decoding.sampling import sample_tokens
 
@@ -19,7 +20,8 @@ def _full_forward(model, params):
     if hasattr(model, "cfg"):  # the reference CharLM
         from jaxdecode.models.charlm import transformer as M
 
-        fwd = jax.jit(lambda toks: M.forward(params, model.cfg, toks, return_hidden=True))
+        fwd = (optimized_jit if model.T >= 256 else jax.jit)(
+            lambda toks: M.forward(params, model.cfg, toks, return_hidden=True))
     else:
         fwd = jax.jit(lambda toks: model.forward(params, toks))
 

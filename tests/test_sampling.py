@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compiled import optimized_jit
 from jaxdecode.models.charlm import transformer as M
 from jaxdecode.decoding import sampling as S
 
@@ -387,7 +388,7 @@ def _book_greedy_300(shipped_path: str):
 
     lm = checkpoint.load(shipped_path, backend="portable")
     prompt = lm.vocab.encode("KATHARINA:\nMoved! in good time: ")
-    f = jax.jit(lambda p, x, i: jnp.argmax(M.forward(p, lm.cfg, x)[0, i]))
+    f = optimized_jit(lambda p, x, i: jnp.argmax(M.forward(p, lm.cfg, x)[0, i]))
     ids = list(prompt)
     for _ in range(300):
         width = -(-len(ids) // 64) * 64  # a few compiled widths; causal, so padding is invisible
@@ -434,7 +435,7 @@ def _loop_body_ops(hlo: str, shape: str) -> list[str]:
 
 # The tests compile with XLA's CPU fusion emitters off (tests/conftest.py); a test of the program's
 # structure compiles it as the library's users get it.
-LIBRARY_COMPILER = {"xla_cpu_use_fusion_emitters": True}
+LIBRARY_COMPILER = {"xla_cpu_use_fusion_emitters": True}  # the structure only: no need to optimize
 
 
 def test_no_cache_copy_in_the_step_loop(backend):
