@@ -393,6 +393,10 @@ SHIPPED_PATTERNS = [
 
 
 SHIPPED_SAMPLES = 64  # per pattern; a sample that breaks its pattern fails the test
+# Speculative sampling at 640 rows costs about 8 times plain sampling in the tests' compile
+# settings (26 s against 3.4 s): it draws fewer samples per pattern. Its masked distribution is
+# checked exactly on small models (test_constrained_speculative_has_the_masked_distribution).
+SPECULATIVE_SAMPLES = 16
 
 
 @pytest.fixture(scope="module")
@@ -408,7 +412,7 @@ def shipped_native():
 @pytest.mark.slow
 def test_ten_patterns_every_sample_matches(shipped_native):
     """64 samples of each of ten patterns, all in one batch (per-row patterns, one table), by
-    plain sampling and by speculative sampling; greedy on three prompts."""
+    plain sampling, and 16 by speculative sampling; greedy on two prompts; beam search."""
     from jaxdecode import generate
 
     lm = shipped_native
@@ -418,10 +422,11 @@ def test_ten_patterns_every_sample_matches(shipped_native):
     outs = generate(lm, [prompt] * len(compiled), n, constraint=compiled, num_samples=SHIPPED_SAMPLES, seed=0)
     draft = SP.make_draft("draft", lm)  # the shipped small model: no corpus needed
     spec = SP.speculative_generate(lm, [prompt] * len(compiled), n, draft=draft, gamma=3, constraint=compiled,
-                                   num_samples=SHIPPED_SAMPLES, seed=0)
+                                   num_samples=SPECULATIVE_SAMPLES, seed=0)
     for i, pattern in enumerate(SHIPPED_PATTERNS):
-        for kind, gens in (("sampling", outs), ("speculative", spec)):
-            texts = [g.text for g in gens[i * SHIPPED_SAMPLES:(i + 1) * SHIPPED_SAMPLES]]
+        for kind, gens, m in (("sampling", outs, SHIPPED_SAMPLES), ("speculative", spec, SPECULATIVE_SAMPLES)):
+            texts = [g.text for g in gens[i * m:(i + 1) * m]]
+            assert len(texts) == m
             bad = [t for t in texts if not re.fullmatch(pattern, t)]
             assert not bad, (kind, pattern, bad[:3])
             assert len(set(texts)) > 1 or pattern.startswith("(yes")
