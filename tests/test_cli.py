@@ -527,7 +527,13 @@ def test_the_native_build_says_so_once(monkeypatch, tmp_path, capsys):
     first = kernels.build()
     err = capsys.readouterr().err
     assert err.startswith("jaxdecode: compiling the native CPU kernels (once") and err.count("\n") == 1
-    assert kernels.build() == first and len(calls) == 1
+    from pathlib import Path
+
+    sources = sorted(str(f) for f in (Path(kernels.__file__).parent / "csrc").glob("*.cc"))
+    assert sorted(c[c.index("-c") + 1] for c in calls[:-1]) == sources  # a compile per source
+    assert "-shared" in calls[-1]  # then the link
+    n = len(calls)
+    assert kernels.build() == first and len(calls) == n
     assert capsys.readouterr().err == ""  # built: nothing to say
 
 

@@ -369,8 +369,9 @@ def test_study_output_interrupted(tmp_path, fault):
 # ----------------------------------------------------------------------------- the native library
 
 _FAKE_CXX = """#!/bin/sh
-# a stand-in compiler: records the call, writes half a file, waits, then builds a tiny library
-echo $$ >> "{log}"
+# a stand-in compiler: records which process called it, writes half a file, waits, then builds a
+# tiny library (the build runs it once per source file, then once to link)
+echo $PPID >> "{log}"
 out=""; prev=""
 for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
 printf 'half a library' > "$out"
@@ -425,7 +426,9 @@ def test_native_build_by_two_processes(tmp_path):
     paths = {o.strip() for o, _ in outs}
     assert len(paths) == 1
     lib = Path(paths.pop())
-    assert len(log.read_text().split()) == 1, "compiled twice"
+    callers = log.read_text().split()
+    assert len(set(callers)) == 1, "both processes compiled"
+    assert len(callers) == len(list((ROOT / "jaxdecode" / "native" / "csrc").glob("*.cc"))) + 1
     assert ctypes.CDLL(str(lib)).jaxdecode_stand_in() == 42
     assert _listing(lib.parent) == [lib.name, lib.name + ".lock"]  # no temporary file
 
