@@ -2,6 +2,8 @@
 one program per configuration and static setting. Run operation by operation, one forward pass
 compiles dozens of small programs, which is most of what such a test costs."""
 
+import contextlib
+
 import jax
 
 from jaxdecode.models.charlm import transformer as M
@@ -41,6 +43,18 @@ LIBRARY_OPTIONS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expens
 def optimized_jit(fn, **kw):
     """``jax.jit(fn)`` compiled with :data:`LIBRARY_OPTIONS`."""
     return jax.jit(fn, compiler_options=LIBRARY_OPTIONS, **kw)
+
+
+@contextlib.contextmanager
+def optimized():
+    """Inside: programs compile at XLA's optimization level (tests/conftest.py turns it down for the
+    suite through ``jax_disable_most_optimizations``; where $XLA_FLAGS was set, nothing changes)."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 forward = _Compiled(M.forward)

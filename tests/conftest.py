@@ -20,8 +20,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # with LLVM's optimization turned down and XLA's older CPU code generator for fusions (the newer
 # fusion emitters take twice as long to compile): 12 min 50 s in all against 27 min
 # (docs/testing.md). The library itself compiles at XLA's defaults. $XLA_FLAGS, if set, wins.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                                   "--xla_cpu_use_fusion_emitters=false")
+# (LLVM's optimization is turned down through JAX's own switch, jax_disable_most_optimizations, so
+# that a test marked `optimized` can turn it back up: see _optimized below.)
+OWN_XLA_FLAGS = "XLA_FLAGS" not in os.environ
+if OWN_XLA_FLAGS:
+    os.environ["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for the processes the tests start
+    jax.config.update("jax_disable_most_optimizations", True)
 
 # One compilation cache on disk for the whole run, shared by the xdist workers: a program that
 # several tests (or both workers) build is compiled once and loaded after. Programs are keyed by
@@ -157,3 +162,17 @@ def tiny_lm(tiny_model, backend):
 
     cfg, params, vocab = tiny_model
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)
+
+
+@pytest.fixture(autouse=True)
+def _optimized(request):
+    """A test marked ``optimized`` compiles at XLA's optimization level, not the suite's lowest:
+    for tests whose programs run for seconds (tens of thousands of rows, hundreds of forwards of
+    the shipped model), where optimized code saves more than its longer compile costs."""
+    if not request.node.get_closest_marker("optimized"):
+        yield
+        return
+    from compiled import optimized
+
+    with optimized():
+        yield

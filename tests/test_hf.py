@@ -183,6 +183,7 @@ def test_sampling_first_two_tokens_match_the_exact_distribution(first_two):
     assert p > 1e-3, p
 
 
+@pytest.mark.optimized
 def test_speculative_with_a_same_tokenizer_llama_draft_is_exact(first_two, models):
     """Speculative sampling (gamma 3) with the one-layer Llama draft: the same exact distribution
     of the first two tokens (same test and power as plain sampling)."""

@@ -430,6 +430,7 @@ def test_distilled_draft_is_cached(small_lm, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 # gamma 4 proposes past the 3 tokens checked; gamma 1 and 2 also check the extra token drawn from
 # the target after every proposal is accepted (at position 2 or 3)
 @pytest.mark.parametrize("backend, gamma", [("native", 1), ("native", 4), ("portable", 2)], scope="module")

@@ -225,6 +225,7 @@ def test_chapter_findings_on_the_shipped_model(small_study):
     assert con["nll"] < tau1["nll"]
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_same_seed_same_bytes(shipped, corpus_path, tmp_path):
     """Two runs with the same seed write the same JSON and Markdown, byte for byte (a small
