@@ -131,13 +131,12 @@ def build(verbose: bool = False) -> Path:
                 units = [f for f in sources if f.suffix == ".cc"]
                 jobs = [[cxx, *flags, f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}", "-c", str(f), "-o",
                          str(Path(objs) / (f.stem + ".o"))] for f in units]
+                run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, check=False)
                 with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-                    results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True,
-                                                                       check=False), jobs))
-                link = [cxx, *flags, "-shared", *[cmd[-1] for cmd in jobs], "-o", tmp]
-                results.append(subprocess.run(link, capture_output=True, text=True, check=False)
-                               if all(r.returncode == 0 for r in results) else None)
-                failed = next((r for r in results if r is not None and r.returncode != 0), None)
+                    results = list(pool.map(run, jobs))
+                if all(r.returncode == 0 for r in results):
+                    results.append(run([cxx, *flags, "-shared", *[cmd[-1] for cmd in jobs], "-o", tmp]))
+                failed = next((r for r in results if r.returncode != 0), None)
                 if failed is not None:
                     raise KernelError(f"compiling the native layer ({_CSRC}) failed:\n{failed.stderr[-2000:]}")
             os.replace(tmp, out)  # atomic: an interrupted build never leaves half a library
