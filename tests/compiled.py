@@ -63,3 +63,23 @@ extend = _Compiled(M.extend)
 step = _Compiled(M.step)
 chunk_step = _Compiled(M.chunk_step)
 window_logits = _Compiled(M.window_logits)
+
+
+# The statistical draws (tens of thousands of rows) run on the native backend only. The portable
+# backend's sampler is the same loop around another forward pass; that it draws what the native one
+# does is shown row by row: the same keys and row ids give the same tokens on both backends, on the
+# first rows of the same request (a row's draw depends only on its key, row id and prompt). The
+# two forwards' logits differ by float rounding, which can move a uniform across a boundary in a
+# rare row: at most ``DIFFER_PER_ROWS`` in a row may differ (none did when this was written).
+DIFFER_PER_ROWS = 1 / 500
+
+
+def assert_same_draws(native, portable, what: str = ""):
+    """``native`` and ``portable``: token arrays of the same rows on the two backends (the first
+    ``len(portable)`` rows of ``native``). At most :data:`DIFFER_PER_ROWS` of the rows may differ."""
+    import numpy as np
+
+    native, portable = np.asarray(native)[:len(portable)], np.asarray(portable)
+    assert native.shape == portable.shape, (native.shape, portable.shape)
+    differ = int((native != portable).reshape(len(native), -1).any(axis=1).sum())
+    assert differ <= DIFFER_PER_ROWS * len(native), (what, differ, len(native))

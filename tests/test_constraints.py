@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from compiled import assert_same_draws
 from jaxdecode import constraints as C
 from jaxdecode.eval import exact
 from jaxdecode import rules
@@ -169,12 +170,21 @@ def reference(tiny_decoder):
     return c, nl, want, wrong
 
 
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 def test_masked_sampling_has_the_reference_distribution(tiny_decoder, reference):
-    model, params, _ = tiny_decoder
+    """The draws run on the native backend; the portable one draws the same first 1,000 rows
+    (``compiled.assert_same_draws``)."""
+    from jaxdecode.models.charlm.decoder import decoder_for
+
+    model, params, cfg = tiny_decoder
     c, _, want, wrong = reference
     assert abs(sum(want.values()) - 1) < 1e-9 and len(want) > 10
     draws = 6000
     res = sample_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(7), constraint=c)
+    portable = sample_tokens(decoder_for(cfg, "portable"), params, [PROMPT] * 1000, N, jax.random.PRNGKey(7),
+                             constraint=c)
+    assert_same_draws(res.tokens, portable.tokens)
+    np.testing.assert_array_equal(res.counts[:1000], portable.counts)
     got = _counts(res.tokens, res.counts)
     assert all(c.accepts(k) for k in got)
     assert np.array_equal(res.stopped, res.counts < N)  # a row that stops does so before N tokens
@@ -218,24 +228,33 @@ def test_greedy_takes_the_most_probable_choice(tiny_decoder, reference):
     assert bool(res.stopped[0]) == (len(prefix) < N)
 
 
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 @pytest.mark.parametrize("draft_name", ["ngram", "model"])
 def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, reference, draft_name, backend):
     """Exact: the same distribution as masked plain sampling, stops included, whatever the
-    draft proposes (the n-gram draft knows nothing of the pattern)."""
+    draft proposes (the n-gram draft knows nothing of the pattern). The draws run on the native
+    backend; the portable one (target and model draft) draws the same first 600 rows."""
     from jaxdecode.models.charlm.transformer import ModelConfig, init_params
     from jaxdecode.models.charlm.decoder import decoder_for
 
     model, params, cfg = tiny_decoder
     c, _, want, wrong = reference
-    if draft_name == "ngram":
-        text = np.random.default_rng(0).integers(0, cfg.V, 3000)
-        draft = SP.NGramDraft.from_tokens(text, cfg.V, n=3)
-    else:
-        dcfg = ModelConfig(V=cfg.V, T=cfg.T, d=8, L=1, heads=1)
-        draft = SP.ModelDraft(init_params(dcfg, jax.random.PRNGKey(5)), decoder_for(dcfg, backend))
+    drafts = {}
+    for b in ("native", "portable"):
+        if draft_name == "ngram":
+            text = np.random.default_rng(0).integers(0, cfg.V, 3000)
+            drafts[b] = SP.NGramDraft.from_tokens(text, cfg.V, n=3)
+        else:
+            dcfg = ModelConfig(V=cfg.V, T=cfg.T, d=8, L=1, heads=1)
+            drafts[b] = SP.ModelDraft(init_params(dcfg, jax.random.PRNGKey(5)), decoder_for(dcfg, b))
+    draft = drafts[backend]
     draws = 6000
     res = SP.speculative_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(11), draft=draft, gamma=2,
                                 constraint=c)
+    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, [PROMPT] * 600, N, jax.random.PRNGKey(11),
+                                     draft=drafts["portable"], gamma=2, constraint=c)
+    assert_same_draws(res.tokens, portable.tokens, draft_name)
+    np.testing.assert_array_equal(res.counts[:600], portable.counts)
     got = _counts(res.tokens, res.counts)
     assert all(c.accepts(k) for k in got)
     assert exact.chisquare_pvalue(got, want) > 1e-3

@@ -104,6 +104,8 @@ def test_prompt_longer_than_T(tiny):
     assert res.tokens[0].tolist() == reference_contrastive(full, prompt, 10, 4, 0.6)
 
 
+# native only: the portable loop is checked by test_matches_plain_loop_within_and_past_T
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 def test_alpha_zero_and_k_one_are_greedy(tiny, key):
     model, params = tiny
     prompts = [np.array([1, 2, 3]), np.array([7, 7])]

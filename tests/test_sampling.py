@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compiled import optimized_jit
+from compiled import assert_same_draws, optimized_jit
 from jaxdecode.models.charlm import transformer as M
 from jaxdecode.decoding import sampling as S
 
@@ -212,10 +212,15 @@ def _chi2_power(p_true: dict, p_wrong: dict, samples: int, alpha: float = ALPHA)
     return 1.0 - (1.0 - outside) ** samples * (1.0 - inside)
 
 
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 @pytest.mark.parametrize("case", sorted(EXACT_CASES))
 def test_sampling_matches_exact_distribution(tiny_lm, case):
     """Empirical frequencies of 3-token continuations against the enumerated distribution, with
-    the test's power (at least 0.99) against a named wrong implementation of each rule."""
+    the test's power (at least 0.99) against a named wrong implementation of each rule. The draws
+    run on the native backend; the portable one draws the same tokens for the first 1,024 rows of
+    the first round (``compiled.assert_same_draws``), so what is shown holds for it too."""
+    from jaxdecode.models import decoder_for
+
     cfg, params, model = tiny_lm.cfg, tiny_lm.params, tiny_lm.decoder
     make, make_wrong = EXACT_CASES[case]
     rule = make()
@@ -229,6 +234,10 @@ def test_sampling_matches_exact_distribution(tiny_lm, case):
     for r in range(rounds):
         res = S.sample_tokens(model, params, [prompt] * rows, 3, jax.random.PRNGKey(11 + r), rule=rule)
         counts.update(map(tuple, res.tokens.tolist()))
+        if r == 0:
+            portable = S.sample_tokens(decoder_for(cfg, "portable"), params, [prompt] * 1024, 3,
+                                       jax.random.PRNGKey(11), rule=make())
+            assert_same_draws(res.tokens, portable.tokens, case)
     assert sum(counts.values()) == rows * rounds
     assert exact.chisquare_pvalue(counts, probs) > ALPHA
     # the processed log-probability reported for each draw is the product the enumeration gives

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from compiled import assert_same_draws
 from jaxdecode.models.charlm import transformer as M
 from jaxdecode import rules
 from jaxdecode.decoding import sampling as S
@@ -463,10 +464,12 @@ def test_exact_distribution_of_first_three_tokens(exact_model, exact_drafts, kin
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], scope="module")
 def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
     """The interpolated n-gram draft (a table walked through its transitions) is exact too. Power
     with 5e4 draws against drawing from the target instead of the residual after a rejection: 1.0
-    (noncentrality 1.6e4 on 32 degrees of freedom); against acceptance with min(1, q/p): 1.0."""
+    (noncentrality 1.6e4 on 32 degrees of freedom); against acceptance with min(1, q/p): 1.0.
+    The draws run on the native backend; the portable one draws the same first 2,000 rows."""
     params, cfg, want, model = exact_model
     prompts = np.broadcast_to(EXACT_PROMPT, (DRAWS, len(EXACT_PROMPT)))
     p = TOP_P[1]
@@ -475,6 +478,9 @@ def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
     codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
     counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
     assert chisquare_pvalue(counts, want[p]) > P_MIN
+    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, prompts[:2000], 3, jax.random.PRNGKey(12),
+                                     draft=exact_drafts["backoff"], gamma=4, rule=rules.top_p(p))
+    assert_same_draws(res.tokens, portable.tokens, "backoff")
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4])

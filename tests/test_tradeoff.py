@@ -110,6 +110,8 @@ def test_family_rule_has_one_setting_per_row_and_neutral_elsewhere():
 # ----------------------------------------------------------------------------- one program a family
 
 
+# native only: this checks the study's grouping of rows, which has no forward of its own
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 def test_every_family_is_one_call_of_one_compiled_program(tiny_lm, monkeypatch):
     """Each family is one sample_tokens call, and with batches in the same bucket every family and
     every setting value shares one compiled chunk program."""
@@ -134,6 +136,8 @@ def test_every_family_is_one_call_of_one_compiled_program(tiny_lm, monkeypatch):
     assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
 
 
+# native only: this checks the study's grouping of rows, which has no forward of its own
+@pytest.mark.parametrize("backend", ["native"], scope="session")
 def test_family_rows_match_separate_runs_of_the_plain_rule(tiny_lm):
     """A row of a family call is the sample its setting gives alone (neutral chain parts change
     nothing, row ids are the prompt's index), and t = 0 rows are greedy decoding."""
