@@ -358,25 +358,6 @@ class Engine:
         prefill budget (the first piece of a step always runs)."""
         return self.prefill_budget is not None and tokens > 0 and tokens + size > self.prefill_budget
 
-    def _append_paged(self, rows):
-        """Write each row's newest token into its blocks (a new block when its last is full, a copy
-        of a shared, partly filled one) and compute its next-token logits."""
-        a = self.allocator
-        go_on = np.zeros((self.S,), bool)
-        tokens, positions = np.zeros((self.S,), np.int32), np.zeros((self.S,), np.int32)
-        tables = np.zeros((self.S, self._width), np.int32)
-        copies = []
-        for row in rows:
-            copies += a.append(row.seq, row.tokens[-1])
-            s = row.slot
-            go_on[s], tokens[s], positions[s] = True, row.tokens[-1], row.length - 1
-            table = a.table(row.seq)
-            tables[s, :len(table)] = table
-        self._note_peak()
-        self.executor.append(go_on, tokens, positions, tables, copies)
-        for row in rows:
-            a.mark_computed(row.seq)
-
     def _decode_many_paged(self, decoding, steps, lengths, k: int):
         """``k`` decode steps in one call on the paged cache: each decoding row first gets blocks
         for the positions the call writes (its ``k`` tokens, but never its last one: within what
@@ -464,7 +445,7 @@ class Engine:
         if active:
             steps = np.array([len(r.tokens) if d else 0 for r, d in zip(self._slots, decoding)], np.int32)
             lengths = np.array([0 if r is None else r.length for r in self._slots], np.int32)
-            if k > 1 and self.paged:
+            if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
                 tokens, mlp, slp = self._decode_many_paged(decoding, steps, lengths, k)
             elif k > 1:
                 tokens, mlp, slp = self.executor.decode_many(decoding, steps, lengths, k)
@@ -488,13 +469,10 @@ class Engine:
         if self.paged:
             for row in done:
                 self.allocator.free(row.seq)
-            going = [r for r in stepped if r.finish is None]
-            if k > 1:  # written in the call, in the blocks reserved for them
-                for row in going:
+            for row in stepped:  # written in the call, in the blocks reserved for them
+                if row.finish is None:
                     self.allocator.append(row.seq, row.tokens[-k:])
                     self.allocator.mark_computed(row.seq)
-            elif going:  # the chosen tokens are written once the rows that go on have their blocks
-                self._append_paged(going)
         begin = start
         for j in range(k):  # a multi-step call is recorded as its k steps
             end = self.clock.step_done(self.S if active else 0, prefill_tokens if j == 0 else 0)

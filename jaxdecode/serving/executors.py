@@ -255,8 +255,8 @@ def _init_state(rule, prompt, lengths, *, V):
 
 def _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding):
     """The paged engine's choice of a token in every slot (its rule state advanced in the
-    ``decoding`` slots only); the tokens are appended by a separate pass, once the host has given
-    them blocks."""
+    ``decoding`` slots only); :func:`_paged_decode_many` then writes the tokens of the rows that go
+    on into the blocks the host reserved for them."""
     token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
     if rule_state is not None:
         rule_state = _rows_where(decoding, new_state, rule_state)
@@ -272,7 +272,6 @@ def _paged_forward_step(params, pool, logits, tables, lengths, tokens, counts, s
     return pool, _scatter_rows(logits, last, src, dst)
 
 
-_paged_select = jax.jit(_paged_select_step, donate_argnames=("rule_state",))
 _paged_forward = jax.jit(_paged_forward_step, static_argnames=("model",), donate_argnames=("pool", "logits"))
 
 
@@ -352,12 +351,8 @@ class PagedExecutor(ModelExecutor):
                                                 src, dst, model=self.model)
 
     def decode(self, decoding, steps, lengths):
-        """Choose a token in every slot (see :meth:`ModelExecutor.decode`); nothing is appended:
-        :meth:`append` writes the tokens of the rows that go on."""
-        token, mlp, slp, self.rule_state = _paged_select(
-            self.logits, self._rule(), self.rule_state, self.keys.copy(), self.row_ids.copy(),
-            steps.astype(np.int32), self.greedy.copy(), decoding)
-        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+        raise NotImplementedError("the paged cache decodes through decode_many, in blocks the engine "
+                                  "reserved first (k = 1 included)")
 
     def _copy(self, copies):
         if copies:
@@ -377,14 +372,3 @@ class PagedExecutor(ModelExecutor):
             self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), decoding, lengths.astype(np.int32),
             tables.astype(np.int32), n.astype(np.int32), model=self.model, k=k)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
-
-    def append(self, go_on, tokens, positions, tables, copies):
-        """Append ``tokens[s]`` at ``positions[s]`` for the slots ``go_on`` ``[S]`` (bool) through
-        ``tables`` ``[S, width]``, after the block copies ``copies`` (``(src, dst)``, copy on
-        write); each such slot gets its next-token logits."""
-        self._copy(copies)
-        counts = go_on.astype(np.int32)
-        dst = np.where(go_on, np.arange(self.S), self.S).astype(np.int32)
-        self.pool, self.logits = _paged_forward(
-            self.params, self.pool, self.logits, tables.astype(np.int32), positions.astype(np.int32),
-            tokens.astype(np.int32)[:, None], counts, np.arange(self.S, dtype=np.int32), dst, model=self.model)

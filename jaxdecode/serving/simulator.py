@@ -165,8 +165,9 @@ class ReplayExecutor:
     def prefill_pieces(self, pieces, tables):  # a paged engine's prompt pieces
         pass
 
-    def append(self, go_on, tokens, positions, tables, copies):  # a paged engine's new tokens
-        pass
+    def decode_many(self, decoding, steps, lengths, k, tables=None, copies=None, n=None):  # a paged engine's steps
+        out = [self.decode(decoding, steps + j * decoding, lengths) for j in range(k)]
+        return tuple(np.stack(a) for a in zip(*out))
 
     def decode(self, decoding, steps, lengths):
         tokens = np.zeros((self.S,), np.int32)
