@@ -99,7 +99,8 @@ def brute(tiny_lm):
 
 # every case on the native backend; two of them on the portable one, whose beam and mode search
 # run the same loops around its own forward (the other tests here run every case on both)
-@pytest.mark.parametrize("backend, case", [("native", c) for c in range(len(CASES))] + [("portable", 1), ("portable", 4)],
+@pytest.mark.parametrize("backend, case",
+                         [("native", c) for c in range(len(CASES))] + [("portable", 1), ("portable", 4)],
                          scope="session")
 def test_mode_search_and_wide_beam_find_the_argmax(tiny_lm, brute, case):
     c, prompt, n, scores = brute[case]

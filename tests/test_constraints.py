@@ -251,8 +251,8 @@ def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, refer
     draws = 6000
     res = SP.speculative_tokens(model, params, [PROMPT] * draws, N, jax.random.PRNGKey(11), draft=draft, gamma=2,
                                 constraint=c)
-    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, [PROMPT] * 600, N, jax.random.PRNGKey(11),
-                                     draft=drafts["portable"], gamma=2, constraint=c)
+    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, [PROMPT] * 600, N,
+                                     jax.random.PRNGKey(11), draft=drafts["portable"], gamma=2, constraint=c)
     assert_same_draws(res.tokens, portable.tokens, draft_name)
     np.testing.assert_array_equal(res.counts[:600], portable.counts)
     got = _counts(res.tokens, res.counts)

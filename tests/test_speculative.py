@@ -478,8 +478,9 @@ def test_exact_distribution_with_backoff_draft(exact_model, exact_drafts):
     codes, counts = np.unique(res.tokens, axis=0, return_counts=True)
     counts = {tuple(c): k for c, k in zip(codes.tolist(), counts.tolist())}
     assert chisquare_pvalue(counts, want[p]) > P_MIN
-    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, prompts[:2000], 3, jax.random.PRNGKey(12),
-                                     draft=exact_drafts["backoff"], gamma=4, rule=rules.top_p(p))
+    portable = SP.speculative_tokens(decoder_for(cfg, "portable"), params, prompts[:2000], 3,
+                                     jax.random.PRNGKey(12), draft=exact_drafts["backoff"], gamma=4,
+                                     rule=rules.top_p(p))
     assert_same_draws(res.tokens, portable.tokens, "backoff")
 
 

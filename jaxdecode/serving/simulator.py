@@ -165,7 +165,8 @@ class ReplayExecutor:
     def prefill_pieces(self, pieces, tables):  # a paged engine's prompt pieces
         pass
 
-    def decode_many(self, decoding, steps, lengths, k, tables=None, copies=None, n=None):  # a paged engine's steps
+    def decode_many(self, decoding, steps, lengths, k, tables=None, copies=None, n=None):
+        """A paged engine's steps (``k`` of them; the blocks are the engine's business)."""
         out = [self.decode(decoding, steps + j * decoding, lengths) for j in range(k)]
         return tuple(np.stack(a) for a in zip(*out))
 
