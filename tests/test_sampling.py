@@ -236,7 +236,7 @@ def test_sampling_matches_exact_distribution(tiny_lm, case):
         counts.update(map(tuple, res.tokens.tolist()))
         if r == 0:
             portable = S.sample_tokens(decoder_for(cfg, "portable"), params, [prompt] * 1024, 3,
-                                       jax.random.PRNGKey(11), rule=make())
+                                       jax.random.PRNGKey(11), rule=rule)
             assert_same_draws(res.tokens, portable.tokens, case)
     assert sum(counts.values()) == rows * rounds
     assert exact.chisquare_pvalue(counts, probs) > ALPHA
