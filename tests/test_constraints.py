@@ -429,6 +429,7 @@ def shipped_native():
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_ten_patterns_every_sample_matches(shipped_native):
     """64 samples of each of ten patterns, all in one batch (per-row patterns, one table), by
     plain sampling, and 16 by speculative sampling; greedy on two prompts; beam search."""

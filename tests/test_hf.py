@@ -211,6 +211,7 @@ def test_speculative_greedy_equals_greedy_through_the_end_token(models):
                 assert o.finish_reason == ("eos" if ex[f"greedy_eos_{i}"] else "length")
 
 
+@pytest.mark.optimized
 def test_sampled_rows_stop_at_the_end_token(models):
     """Sampling with a rule chain: a row that draws an end token stops there; its text leaves it out."""
     lm = models("llama")

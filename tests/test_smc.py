@@ -294,6 +294,7 @@ def test_smc_on_the_native_backend(tiny_model, lm):
         assert smc.total_variation(P, res.distribution) < bound
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("resampling", ["systematic", "multinomial"])
 def test_smc_with_resampling_at_every_step(lm, resampling):
     """ess_threshold=1 resamples whenever the weights are unequal: after the second step here (the

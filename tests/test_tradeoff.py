@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from compiled import optimized
 from jaxdecode import rules
 from jaxdecode.decoding import sampling as S
 from jaxdecode.eval.studies import tradeoff as TR
@@ -179,8 +180,11 @@ def small_study(shipped, corpus_path, tmp_path_factory):
 
     contrastive = importlib.util.find_spec("jaxdecode.decoding.contrastive") is not None
     out = tmp_path_factory.mktemp("tradeoff")
-    result = TR.run(shipped, out, seed=0, data_path=corpus_path, progress=False, contrastive=contrastive,
-                    **SMALL)
+    # its beams and contrastive search run for seconds: compiled as a test marked `optimized` is
+    # (tests/conftest.py), 37 s against 29 s
+    with optimized():
+        result = TR.run(shipped, out, seed=0, data_path=corpus_path, progress=False, contrastive=contrastive,
+                        **SMALL)
     return result, out
 
 

@@ -134,6 +134,7 @@ def test_corrupt_corpus_error(tmp_path, content, message, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_shipped_checkpoint_loss_matches_its_record(corpus_path):
     try:
         lm = checkpoint.load()
