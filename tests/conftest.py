@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 import tempfile
@@ -48,11 +49,21 @@ def pytest_sessionfinish(session):
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(os.environ["JAXDECODE_TEST_JAX_CACHE"], ignore_errors=True)
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """The slow tests first (in their order), then the rest: xdist hands tests out in this order,
     so the longest ones start early and the run does not end on one worker finishing a 60-second
-    test while the other waits."""
-    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
+    test while the other waits.
+
+    The rest run a file at a time on one worker (an xdist group per file, the files with the most
+    tests first): a file's tests share their models and so their compiled programs, which one
+    process then traces and compiles once instead of each worker doing it again."""
+    per_file = collections.Counter(item.path for item in items)
+    items[:] = sorted(items, key=lambda item: (item.get_closest_marker("slow") is None, -per_file[item.path]
+                                               if item.get_closest_marker("slow") is None else 0))
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"file:{item.path.name}"))
 
 
 # Every compiled CPU program keeps its machine code in a few memory mappings of its own, and JAX
