@@ -58,11 +58,11 @@ def pytest_collection_modifyitems(config, items):
     The rest run a file at a time on one worker (an xdist group per file, the files with the most
     tests first): a file's tests share their models and so their compiled programs, which one
     process then traces and compiles once instead of each worker doing it again."""
+    fast = {item: item.get_closest_marker("slow") is None for item in items}
     per_file = collections.Counter(item.path for item in items)
-    items[:] = sorted(items, key=lambda item: (item.get_closest_marker("slow") is None, -per_file[item.path]
-                                               if item.get_closest_marker("slow") is None else 0))
+    items[:] = sorted(items, key=lambda item: (fast[item], -per_file[item.path] if fast[item] else 0))
     for item in items:
-        if item.get_closest_marker("slow") is None and item.get_closest_marker("xdist_group") is None:
+        if fast[item] and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(f"file:{item.path.name}"))
 
 

@@ -181,7 +181,7 @@ def small_study(shipped, corpus_path, tmp_path_factory):
     contrastive = importlib.util.find_spec("jaxdecode.decoding.contrastive") is not None
     out = tmp_path_factory.mktemp("tradeoff")
     # its beams and contrastive search run for seconds: compiled as a test marked `optimized` is
-    # (tests/conftest.py), 37 s against 29 s
+    # (tests/conftest.py): 29 s instead of 37 s
     with optimized():
         result = TR.run(shipped, out, seed=0, data_path=corpus_path, progress=False, contrastive=contrastive,
                         **SMALL)
