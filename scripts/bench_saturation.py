@@ -53,8 +53,12 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
 
 
 def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None):
-    """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool)."""
+    """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool), a paged one optionally
+    with its block size after a slash (``paged/32``; default the engine's)."""
+    cache, _, block = cache.partition("/")
     kw = {"cache": cache} if cache != "paged-int8" else {"cache": "paged", "kv_dtype": "int8"}
+    if block:
+        kw["block_size"] = int(block)
     kw["prefill_budget"] = prefill_budget
     t0 = time.perf_counter()
     rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps, **kw).run(reqs)
@@ -88,7 +92,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--lengths", choices=("uniform", "geometric"), default="uniform")
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, paged-int8 (default dense)")
+    ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, paged-int8, a paged one optionally with its block "
+                         "size after a slash (paged/32) (default dense)")
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="also a continuous arm with this prefill budget (prompt tokens per engine step)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -161,6 +161,16 @@ def test_reserve_gives_blocks_before_the_tokens_are_known():
     with pytest.raises(ValueError, match="positions must be >= 0"):
         a.reserve("p", -1)
     a.check()
+    # forked after its reservation: the reserved, partly filled block is shared again, so the next
+    # append still copies it before writing (a reservation is no exemption from copy on write)
+    a.allocate("r", [1, 2, 3, 4, 5])
+    a.reserve("r", 2)
+    a.fork("r", "s")
+    shared = a.table("r")[-1]
+    copies = a.append("r", [6])
+    assert len(copies) == 1 and copies[0][0] == shared and a.table("r")[-1] != shared == a.table("s")[-1]
+    assert a.append("r", [7]) == [] and a.tokens("r") == [1, 2, 3, 4, 5, 6, 7]
+    a.check()
 
 
 def test_prefix_sharing():

@@ -201,6 +201,14 @@ class BlockAllocator:
         Positions given blocks by :meth:`reserve` take no block (nor copy) again.
         """
         s = self._get(seq)
+        if type(tokens) is list and 0 < len(tokens) <= s.ahead and all(type(t) is int for t in tokens):
+            # the engine's every step: positions reserved before the call, so no block to take and,
+            # unless the sequence was forked since, no block to copy (_grow would change nothing)
+            n, bs = len(s.tokens), self.block_size
+            if n % bs == 0 or self._ref[s.blocks[n // bs]] == 1:
+                s.tokens.extend(tokens)
+                s.ahead -= len(tokens)
+                return []
         tokens = _as_tokens(np.atleast_1d(np.asarray(tokens)))
         if not tokens:
             return []

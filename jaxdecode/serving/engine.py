@@ -366,11 +366,12 @@ class Engine:
         tables = np.zeros((self.S, self._width), np.int32)
         n = np.zeros((self.S,), np.int32)
         copies = []
-        for s in np.flatnonzero(decoding):
-            row = self._slots[s]
+        slots = np.flatnonzero(decoding)
+        rows = [self._slots[s] for s in slots]
+        for row in rows:
             copies += a.reserve(row.seq, min(k, row.n - 1 - len(row.tokens)))
-            table = a.table(row.seq)
-            tables[s, :len(table)], n[s] = table, row.n
+        tables[slots] = a.tables([row.seq for row in rows], width=self._width)
+        n[slots] = [row.n for row in rows]
         self._note_peak()
         return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n)
 

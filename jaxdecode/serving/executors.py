@@ -151,10 +151,12 @@ class ModelExecutor:
         self._treedefs: list = []
         self._settings: list = []  # per layout part: one [slots] array per leaf
         self.rule_state = None
+        self._on_device = None  # _slot_inputs() as device arrays, until a row is admitted
 
     def set_layout(self, layout: tuple):
         """Start a new rule layout (every slot is free)."""
         self._treedefs, self._settings = [], []
+        self._on_device = None
         for part in layout:
             neutral = neutral_rule(part, self.V)
             leaves, treedef = jax.tree_util.tree_flatten(part if neutral is None else neutral)
@@ -173,8 +175,17 @@ class ModelExecutor:
         return Chain(tuple(jax.tree_util.tree_unflatten(td, [a.copy() for a in leaves])
                            for td, leaves in zip(self._treedefs, self._settings)))
 
+    def _slot_inputs(self):
+        """Every slot's rule settings, key, row id and greedy flag as device arrays: sent once after
+        the rows change, not with every decode call (each host array a call takes is a transfer)."""
+        if self._on_device is None:
+            self._on_device = jax.device_put((self._rule(), self.keys.copy(), self.row_ids.copy(),
+                                              self.greedy.copy()))
+        return self._on_device
+
     def admit(self, entries):
         """``entries``: ``(slot, row, rules)`` with ``rules`` the row's rule for each layout part."""
+        self._on_device = None
         for slot, row, rules in entries:
             self.keys[slot], self.row_ids[slot], self.greedy[slot] = row.key, row.j, row.greedy
             for store, rule in zip(self._settings, rules):
@@ -230,10 +241,10 @@ class ModelExecutor:
         steps and lengths advancing by one each time). Returns numpy ``(tokens, model_logprobs,
         sample_logprobs)`` ``[k, S]``."""
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
+        rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.logits, self.cache, self.rule_state = _decode_many(
-            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
-            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
-            model=self.model, span=span, k=k)
+            self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
+            greedy, lengths.astype(np.int32), decoding, model=self.model, span=span, k=k)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
 
     def decode(self, decoding, steps, lengths):
@@ -241,10 +252,10 @@ class ModelExecutor:
         steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
         model_logprobs, sample_logprobs)`` ``[S]``."""
         span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
+        rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
-            self.params, self.cache, self.logits, self._rule(), self.rule_state, self.keys.copy(),
-            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), lengths.astype(np.int32), decoding,
-            model=self.model, span=span)
+            self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
+            greedy, lengths.astype(np.int32), decoding, model=self.model, span=span)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
 
 
@@ -367,8 +378,9 @@ class PagedExecutor(ModelExecutor):
         ``copies``), ``n`` ``[S]`` each slot's token limit. Returns numpy ``(tokens,
         model_logprobs, sample_logprobs)`` ``[k, S]``."""
         self._copy(copies)
+        rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.pool, self.logits, self.rule_state = _paged_decode_many(
-            self.params, self.pool, self.logits, self._rule(), self.rule_state, self.keys.copy(),
-            self.row_ids.copy(), steps.astype(np.int32), self.greedy.copy(), decoding, lengths.astype(np.int32),
-            tables.astype(np.int32), n.astype(np.int32), model=self.model, k=k)
+            self.params, self.pool, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
+            greedy, decoding, lengths.astype(np.int32), tables.astype(np.int32), n.astype(np.int32),
+            model=self.model, k=k)
         return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
