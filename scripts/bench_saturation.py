@@ -52,7 +52,7 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
     return out
 
 
-def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None):
+def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None, overlap=True):
     """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool), a paged one optionally
     with its block size after a slash (``paged/32``; default the engine's)."""
     cache, _, block = cache.partition("/")
@@ -60,6 +60,7 @@ def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_bud
     if block:
         kw["block_size"] = int(block)
     kw["prefill_budget"] = prefill_budget
+    kw["overlap"] = overlap
     t0 = time.perf_counter()
     rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps, **kw).run(reqs)
     secs = time.perf_counter() - t0
@@ -97,6 +98,9 @@ def main() -> int:
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="also a continuous arm with this prefill budget (prompt tokens per engine step)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="also run continuous batching at --decode-steps with overlap=False (each call's "
+                         "tokens read before the next call is sent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -111,6 +115,9 @@ def main() -> int:
         arms[f"{tag}continuous"] = lambda c=cache: run_engine(lm, reqs, args.slots, "continuous", 1, c)
         arms[f"{tag}continuous-k{args.decode_steps}"] = lambda c=cache: run_engine(
             lm, reqs, args.slots, "continuous", args.decode_steps, c)
+        if args.no_overlap:
+            arms[f"{tag}continuous-k{args.decode_steps}-no-overlap"] = lambda c=cache: run_engine(
+                lm, reqs, args.slots, "continuous", args.decode_steps, c, overlap=False)
         if args.prefill_budget:
             arms[f"{tag}continuous-k{args.decode_steps}-budget{args.prefill_budget}"] = lambda c=cache: run_engine(
                 lm, reqs, args.slots, "continuous", args.decode_steps, c, args.prefill_budget)

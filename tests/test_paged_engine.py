@@ -250,3 +250,28 @@ def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path
     assert "paged KV cache" in out and "contiguous" in out and "prefix hits" in out
     np.testing.assert_equal(main(argv + ["--num-blocks", "1"]), 2)
     assert "more than the whole pool" in capsys.readouterr().err
+
+
+def test_overlapped_calls_keep_every_text_and_return_every_block(lm_portable):
+    """On a real clock the engine sends each device call before it reads the tokens of the one
+    before (``overlap``): a row that meets a stop string is seen one call late (the token computed
+    for it meanwhile is dropped), and a row leaves its slot and blocks as soon as the call that
+    chooses its last token is sent. Texts and log-probabilities are still generate's, on both
+    caches, one and several steps a call, with prefix hits, copies on write and a pool too small
+    for the whole load; every block comes back."""
+    lm = lm_portable
+    reqs = [Request(r.prompt, r.n, seed=r.seed, num_samples=r.num_samples, rule=r.rule, greedy=r.greedy,
+                    stop=r.stop) for r in _requests() + _shared_prefix_requests()]  # all arrive at once
+    refs = _reference(lm, reqs)
+    for cache, k in (("paged", 1), ("paged", 4), ("dense", 1), ("dense", 4)):
+        kw = {"num_blocks": 9, "block_size": BS} if cache == "paged" else {}
+        engine = Engine(lm, 3, cache=cache, prefill_chunk=4, decode_steps=k, **kw)
+        assert engine.overlap
+        in_flight, launch = [], engine._launch
+        engine._launch = lambda start: in_flight.append(engine._inflight is not None) or launch(start)
+        _assert_same(engine.run(reqs), refs)
+        assert sum(in_flight) >= len(in_flight) // 2  # most calls were sent while another was running
+        assert engine.idle and engine._inflight is None
+        if cache == "paged":
+            _assert_pool_empty(engine)
+    assert not Engine(lm, 3, overlap=False).overlap and not _paged(lm, 3, 9).overlap  # virtual clock: off

@@ -75,6 +75,7 @@ simulator's executor replays known outputs without one. The scheduling code is t
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -103,6 +104,21 @@ DEFAULT_PREFILL_CHUNK = 128
 # ----------------------------------------------------------------------------- the engine
 
 
+@dataclasses.dataclass
+class _Call:
+    """A device call of ``k`` decode steps (and the prompt pieces before it), as sent: ``rows``
+    the ``(slot, row)`` pairs that choose tokens in it, ``out`` its tokens and log-probabilities
+    (``single``: one step's ``[S]`` arrays, else ``[k, S]``), maybe still being computed."""
+
+    start: float
+    k: int
+    rows: list
+    out: tuple | None
+    single: bool
+    prefill_tokens: int
+    active: int
+
+
 def _admitted(row) -> tuple[int, int]:
     """Rows in the order they joined the queue (requests in submission order, then samples)."""
     return row.req, row.j
@@ -123,6 +139,11 @@ class Engine:
     default native on the native backend, else portable). ``decode_steps``: on either cache, up
     to this many decode steps run in one device call (one host round trip) while no row reads its
     prompt or waits for a free slot (see :meth:`_steps_now`); the texts do not change.
+    ``overlap`` (default on; off on a virtual clock): each step sends its device call before it reads
+    the previous call's tokens, so the host's scheduling and bookkeeping run while the device
+    computes. A row that meets a stop string is then seen one call late: the call sent meanwhile
+    computes a token for it that is dropped, and its slot is free one step later. The texts do not
+    change.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -131,7 +152,8 @@ class Engine:
     def __init__(self, lm, slots: int, *, policy: str = "continuous", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
                  block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
-                 decode_steps: int = 1, kv_dtype: str = "float32", prefill_budget: int | None = None):
+                 decode_steps: int = 1, kv_dtype: str = "float32", prefill_budget: int | None = None,
+                 overlap: bool = True):
         self.S = check_int("slots", slots, 1)
         self.decode_steps = check_int("decode_steps", decode_steps, 1)
         self.prefill_budget = None if prefill_budget is None else check_int("prefill_budget", prefill_budget, 1)
@@ -165,6 +187,12 @@ class Engine:
         self.executor = ModelExecutor(lm, slots) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
+        # the host's work for a step runs while the device computes the previous one: on a real
+        # clock, with an executor whose calls can return before they finish
+        self.overlap = bool(overlap) and getattr(self.executor, "asynchronous", False) \
+            and not getattr(self.clock, "virtual", False)
+        self._fetch_kw = {"fetch": False} if self.overlap else {}
+        self._inflight: _Call | None = None  # the call sent last, its tokens not read yet
         self.requests: list[Request] = []
         self._rows: list[list[_Row]] = []
         self._arrival: list[float] = []
@@ -243,7 +271,7 @@ class Engine:
     @property
     def idle(self) -> bool:
         """Nothing queued, nothing in a slot, nothing still to arrive."""
-        return not self._pending and not self._waiting and self.occupied == 0
+        return not self._pending and not self._waiting and self.occupied == 0 and self._inflight is None
 
     # --- scheduling
     def _release(self, now: float):
@@ -358,7 +386,7 @@ class Engine:
         prefill budget (the first piece of a step always runs)."""
         return self.prefill_budget is not None and tokens > 0 and tokens + size > self.prefill_budget
 
-    def _decode_many_paged(self, decoding, steps, lengths, k: int):
+    def _decode_many_paged(self, decoding, steps, lengths, k: int, fetch: bool = True):
         """``k`` decode steps in one call on the paged cache: each decoding row first gets blocks
         for the positions the call writes (its ``k`` tokens, but never its last one: within what
         :meth:`_reserved` keeps for it)."""
@@ -368,12 +396,13 @@ class Engine:
         copies = []
         slots = np.flatnonzero(decoding)
         rows = [self._slots[s] for s in slots]
-        for row in rows:
-            copies += a.reserve(row.seq, min(k, row.n - 1 - len(row.tokens)))
+        for row in rows:  # (positions already reserved for tokens not yet read back stay reserved)
+            copies += a.reserve(row.seq, row.pending + min(k, row.n - 1 - len(row.tokens) - row.pending))
         tables[slots] = a.tables([row.seq for row in rows], width=self._width)
         n[slots] = [row.n for row in rows]
         self._note_peak()
-        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n)
+        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n,
+                                         **({} if fetch else {"fetch": False}))
 
     @property
     def _width(self) -> int:
@@ -433,28 +462,61 @@ class Engine:
         return tokens
 
     def step(self) -> StepRecord | None:
-        """One engine step (see the module docstring); None when no slot had work."""
+        """One engine step (see the module docstring): admission, prompt pieces and one device call
+        of decode steps, then the tokens read back. With ``overlap``, a step sends its call before it
+        reads the tokens of the previous step's call, so the host's work between calls runs while
+        the device computes. Returns the last record of the call whose tokens it read; None when it
+        read none."""
         start = self.clock.now()
         self._release(start)
         self._admit()
-        if self.occupied == 0:
-            return None
+        call = self._launch(start) if self.occupied else None
+        if self.overlap:
+            call, self._inflight = self._inflight, call
+        return None if call is None else self._collect(call)
+
+    def _launch(self, start: float) -> _Call:
+        """This step's prompt pieces and its device call of decode steps, sent (not waited for). A
+        row whose last token the call chooses leaves its slot (and, paged, its blocks) at once: a
+        later call that uses them runs after this one on the device."""
         prefill_tokens = self._prefill_paged() if self.paged else self._prefill()
         decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
         active = int(decoding.sum())
         k = self._steps_now(decoding, prefill_tokens)
+        rows, out, single = [], None, False
         if active:
-            steps = np.array([len(r.tokens) if d else 0 for r, d in zip(self._slots, decoding)], np.int32)
-            lengths = np.array([0 if r is None else r.length for r in self._slots], np.int32)
+            rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
+            steps = np.zeros((self.S,), np.int32)
+            lengths = np.zeros((self.S,), np.int32)
+            for s, r in enumerate(self._slots):
+                if r is not None:
+                    lengths[s] = r.length + r.pending
+                    steps[s] = len(r.tokens) + r.pending if decoding[s] else 0
+            fetch = not self.overlap
             if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
-                tokens, mlp, slp = self._decode_many_paged(decoding, steps, lengths, k)
+                out = self._decode_many_paged(decoding, steps, lengths, k, fetch)
             elif k > 1:
-                tokens, mlp, slp = self.executor.decode_many(decoding, steps, lengths, k)
+                out = self.executor.decode_many(decoding, steps, lengths, k, **self._fetch_kw)
             else:
-                tokens, mlp, slp = (a[None] for a in self.executor.decode(decoding, steps, lengths))
-        stepped, done = [], []
-        for s in np.flatnonzero(decoding):
-            row = self._slots[s]
+                out, single = self.executor.decode(decoding, steps, lengths, **self._fetch_kw), True
+            for s, row in rows:
+                row.pending += k
+                if len(row.tokens) + row.pending >= row.n:  # this call chooses its last token
+                    self._slots[s] = None
+                    if self.paged:
+                        self.allocator.free(row.seq)
+        return _Call(start, k, rows, out, single, prefill_tokens, active)
+
+    def _collect(self, call: _Call) -> StepRecord:
+        """Read a call's tokens (waiting for it), add them to their rows, end the rows that met a
+        stop string or their ``n``, and record the call's steps."""
+        k, stepped, done = call.k, [], []
+        if call.rows:
+            tokens, mlp, slp = (np.asarray(a)[None] if call.single else np.asarray(a) for a in call.out)
+        for s, row in call.rows:
+            row.pending -= k
+            if row.finish is not None:
+                continue  # it met a stop string in an earlier call: these tokens lie past its end
             stepped.append(row)
             for j in range(k):  # a row that ends inside a multi-step call drops the tokens after it
                 row.tokens.append(int(tokens[j, s]))
@@ -464,20 +526,22 @@ class Engine:
                           for stop in row.stops)
                 if hit or len(row.tokens) == row.n:
                     row.finish, row.slot = ("stop" if hit else "length"), -1
-                    self._slots[s] = None
+                    if self._slots[s] is row:
+                        self._slots[s] = None
+                    if self.paged and row.seq in self.allocator:
+                        self.allocator.free(row.seq)
                     done.append(row)
                     break
         if self.paged:
-            for row in done:
-                self.allocator.free(row.seq)
             for row in stepped:  # written in the call, in the blocks reserved for them
-                if row.finish is None:
+                if row.finish is None and row.seq in self.allocator:  # (not released by a later call)
                     self.allocator.append(row.seq, row.tokens[-k:])
                     self.allocator.mark_computed(row.seq)
-        begin = start
+        begin = call.start
+        rows = self.S if call.active else 0
         for j in range(k):  # a multi-step call is recorded as its k steps
-            end = self.clock.step_done(self.S if active else 0, prefill_tokens if j == 0 else 0)
-            record = StepRecord(begin, end, self.S if active else 0, active, prefill_tokens if j == 0 else 0)
+            end = self.clock.step_done(rows, call.prefill_tokens if j == 0 else 0)
+            record = StepRecord(begin, end, rows, call.active, call.prefill_tokens if j == 0 else 0)
             self.step_records.append(record)
             begin = end
         for row in stepped:
@@ -500,7 +564,7 @@ class Engine:
         if not getattr(self.executor, "multi_step", False):
             return 1
         # (a row still reading its prompt ran a piece this step: prefill_tokens > 0 above)
-        left = min(r.n - len(r.tokens) for r, d in zip(self._slots, decoding) if d)
+        left = min(r.n - len(r.tokens) - r.pending for r, d in zip(self._slots, decoding) if d)
         k = min(self.decode_steps, left)
         return 1 << (k.bit_length() - 1)  # a power of two: few compiled programs
 
@@ -517,7 +581,7 @@ class Engine:
         if self.paged:
             self._reset_cache_stats()
         while not self.idle:
-            if self.step() is None:  # nothing to run until the next arrival
+            if self.step() is None and self._inflight is None:  # nothing to run until the next arrival
                 if not self._pending:
                     raise RuntimeError("the engine stalled with requests queued and no slot busy")
                 self.clock.wait_until(self._pending[0][0])

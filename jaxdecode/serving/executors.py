@@ -235,28 +235,35 @@ class ModelExecutor:
                                                      src, dst, model=self.model, span=self.capacity)
 
     multi_step = True  # decode_many runs several steps per call
+    asynchronous = True  # decode calls take fetch=False: device arrays back, read when needed
 
-    def decode_many(self, decoding, steps, lengths, k: int):
+    def decode_many(self, decoding, steps, lengths, k: int, fetch: bool = True):
         """``k`` decode steps in one call (as :meth:`decode` ``k`` times with the decoding rows'
         steps and lengths advancing by one each time). Returns numpy ``(tokens, model_logprobs,
-        sample_logprobs)`` ``[k, S]``."""
+        sample_logprobs)`` ``[k, S]`` (``fetch=False``: device arrays, the call possibly still
+        running)."""
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
         rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.logits, self.cache, self.rule_state = _decode_many(
             self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
             greedy, lengths.astype(np.int32), decoding, model=self.model, span=span, k=k)
-        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+        return _fetch((token, mlp, slp), fetch)
 
-    def decode(self, decoding, steps, lengths):
+    def decode(self, decoding, steps, lengths, fetch: bool = True):
         """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
         steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
-        model_logprobs, sample_logprobs)`` ``[S]``."""
+        model_logprobs, sample_logprobs)`` ``[S]`` (``fetch=False``: device arrays)."""
         span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
         rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
             self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
             greedy, lengths.astype(np.int32), decoding, model=self.model, span=span)
-        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+        return _fetch((token, mlp, slp), fetch)
+
+
+def _fetch(arrays, fetch: bool):
+    """``arrays`` as numpy (waiting for the call that computes them), or as they are."""
+    return tuple(np.asarray(a) for a in jax.device_get(arrays)) if fetch else arrays
 
 
 @functools.partial(jax.jit, static_argnames=("V",))
@@ -361,7 +368,7 @@ class PagedExecutor(ModelExecutor):
         self.pool, self.logits = _paged_forward(self.params, self.pool, self.logits, tab, lengths, tokens, counts,
                                                 src, dst, model=self.model)
 
-    def decode(self, decoding, steps, lengths):
+    def decode(self, decoding, steps, lengths, fetch: bool = True):
         raise NotImplementedError("the paged cache decodes through decode_many, in blocks the engine "
                                   "reserved first (k = 1 included)")
 
@@ -372,15 +379,15 @@ class PagedExecutor(ModelExecutor):
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
             self.pool = _copy_pool_blocks(self.pool, src, dst)
 
-    def decode_many(self, decoding, steps, lengths, k: int, tables, copies, n):
+    def decode_many(self, decoding, steps, lengths, k: int, tables, copies, n, fetch: bool = True):
         """``k`` decode steps in one call (:func:`_paged_decode_many`): ``tables`` ``[S, width]``
         list each slot's blocks with the next ``k`` positions reserved (after the block copies
         ``copies``), ``n`` ``[S]`` each slot's token limit. Returns numpy ``(tokens,
-        model_logprobs, sample_logprobs)`` ``[k, S]``."""
+        model_logprobs, sample_logprobs)`` ``[k, S]`` (``fetch=False``: device arrays)."""
         self._copy(copies)
         rule, keys, row_ids, greedy = self._slot_inputs()
         token, mlp, slp, self.pool, self.logits, self.rule_state = _paged_decode_many(
             self.params, self.pool, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
             greedy, decoding, lengths.astype(np.int32), tables.astype(np.int32), n.astype(np.int32),
             model=self.model, k=k)
-        return tuple(np.asarray(a) for a in jax.device_get((token, mlp, slp)))
+        return _fetch((token, mlp, slp), fetch)

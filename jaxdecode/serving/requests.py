@@ -55,6 +55,7 @@ class _Row:
     prefilled: int = 0  # prompt tokens in the cache
     leader: tuple | None = None  # paged cache: the sequence whose blocks its prompt is written into
     tokens: list = dataclasses.field(default_factory=list)
+    pending: int = 0  # tokens chosen in device calls whose results the engine has not read yet
     mlp: list = dataclasses.field(default_factory=list)
     slp: list = dataclasses.field(default_factory=list)
     finish: str | None = None
