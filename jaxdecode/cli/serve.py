@@ -59,6 +59,9 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="the most prompt tokens all rows read in one engine step (default: no limit)")
     s.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="up to K decode steps per device call while no request waits (default 1)")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="read each device call's tokens before the next call is sent (default: the host's "
+                        "work for a step runs while the device computes the previous one)")
     s.add_argument("--paged", action="store_true",
                    help="the paged KV cache: a pool of blocks, prompts sharing cached prefix blocks")
     s.add_argument("--num-blocks", type=int, default=None, metavar="B",
@@ -262,6 +265,7 @@ def cmd_serve_bench(args):
     cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size,
                  kv_dtype=args.kv_dtype) if args.paged else {}
     cache["decode_steps"] = args.decode_steps
+    cache["overlap"] = not args.no_overlap
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UsageError(f"--prefill-budget must be an integer >= 1, got {args.prefill_budget}")
     cache["prefill_budget"] = args.prefill_budget
@@ -315,7 +319,7 @@ def cmd_serve_bench(args):
                          "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
                          "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
                          "kv_dtype": args.kv_dtype, "prefill_budget": args.prefill_budget,
-                         "decode_steps": args.decode_steps},
+                         "decode_steps": args.decode_steps, "overlap": not args.no_overlap},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
             "runs": runs,

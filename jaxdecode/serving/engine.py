@@ -537,7 +537,9 @@ class Engine:
                 if row.finish is None and row.seq in self.allocator:  # (not released by a later call)
                     self.allocator.append(row.seq, row.tokens[-k:])
                     self.allocator.mark_computed(row.seq)
-        begin = call.start
+        # the records tile the clock: with overlap a call is sent while the one before still runs,
+        # so its first step is counted from the end of the one before
+        begin = max(call.start, self.step_records[-1].end) if self.step_records else call.start
         rows = self.S if call.active else 0
         for j in range(k):  # a multi-step call is recorded as its k steps
             end = self.clock.step_done(rows, call.prefill_tokens if j == 0 else 0)
