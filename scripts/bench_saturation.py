@@ -53,10 +53,11 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
 
 
 def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None, overlap=True):
-    """``cache``: ``dense``, ``paged`` or ``paged-int8`` (the quantized pool), a paged one optionally
+    """``cache``: ``dense``, ``paged``, ``dense-int8`` or ``paged-int8`` (quantized), a paged one optionally
     with its block size after a slash (``paged/32``; default the engine's)."""
     cache, _, block = cache.partition("/")
-    kw = {"cache": cache} if cache != "paged-int8" else {"cache": "paged", "kv_dtype": "int8"}
+    base, _, dtype = cache.partition("-")  # dense-int8, paged-int8: the quantized caches
+    kw = {"cache": base, "kv_dtype": dtype or "float32"}
     if block:
         kw["block_size"] = int(block)
     kw["prefill_budget"] = prefill_budget
@@ -93,7 +94,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--lengths", choices=("uniform", "geometric"), default="uniform")
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, paged-int8, a paged one optionally with its block "
+    ap.add_argument("--caches", default="dense", help="comma-separated: dense, paged, dense-int8, paged-int8, a paged one optionally with its block "
                          "size after a slash (paged/32) (default dense)")
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="also a continuous arm with this prefill budget (prompt tokens per engine step)")

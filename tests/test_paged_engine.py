@@ -135,10 +135,24 @@ def test_int8_pool_serves_close_to_the_float_pool(tiny_model, backend):
         differ += int(np.any(np.asarray(q.model_logprobs)[:same] != np.asarray(f.model_logprobs)[:same]))
     assert agree >= 0.5 * sum(len(g.tokens) for g in outs["float"])
     assert differ > 0  # the pools really differ
+    # the int8 dense cache: a pool of one block of the window per slot (the dense layout), the same
+    # quantization, so the same tokens as the int8 pool in blocks of 4
+    dense = Engine(lm, 3, kv_dtype="int8", prefill_chunk=4, clock=VirtualClock(UNIT))
+    rep = dense.run(reqs)
+    _assert_pool_empty(dense)
+    assert rep.cache["layout"] == "dense" and rep.cache["block_size"] == cfg.T and rep.cache["num_blocks"] == 3
+    assert rep.cache["pool_bytes"] == 3 * cfg.T * runs["int8"].cache["bytes_per_position"]
+    # (head_dim + 4 bytes of scale) per head and position against 4 * head_dim for float32
+    assert rep.cache["pool_bytes"] * 4 * hd == rep.cache["contiguous_bytes"] * (hd + 4)
+    for a, b in zip(outs["int8"], [g for r in rep.results for g in r.outputs]):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
         _paged(lm, 3, 12, kv_dtype="int4")
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        Engine(lm, 3, kv_dtype="int4")
     with pytest.raises(ValueError, match="is a setting of the paged cache"):
-        Engine(lm, 3, kv_dtype="int8")
+        Engine(lm, 3, kv_dtype="int8", num_blocks=3)
 
 
 def test_samples_share_the_prompt_blocks_and_copy_the_last_on_write(lm_portable):

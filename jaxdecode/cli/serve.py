@@ -68,8 +68,8 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="--paged: blocks in the pool (default: slots x T / block size, the dense cache's memory)")
     s.add_argument("--block-size", type=int, default=16, metavar="P", help="--paged: positions per block (default 16)")
     s.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
-                   help="--paged: how the pool stores keys and values (int8: one float32 scale per head and "
-                        "position; default float32)")
+                   help="how the KV cache stores keys and values, dense or --paged (int8: one float32 scale per "
+                        "head and position; default float32)")
     s.add_argument("--seed", type=seed_type, default=0, help="seed of the arrivals, prompts and settings (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object, with every request and its text")
     s.add_argument("--out", default="results/serve-bench.png", metavar="FIG.png",
@@ -186,7 +186,7 @@ def cache_line(policy: str, c: dict, slots: int, T: int) -> str:
     """A paged run's cache memory against a contiguous cache, and its prefix hits, in one line."""
     kib = lambda b: "–" if b is None else f"{b / 1024:.1f} KiB"
     ratio = "" if not c["contiguous_bytes"] else f", {c['peak_bytes'] / c['contiguous_bytes']:.0%} of it"
-    return (f"paged KV cache ({c.get('kv_dtype', 'float32')}), {policy}: peak {c['peak_blocks']} of {c['num_blocks']} blocks of {c['block_size']} "
+    return (f"{c.get('layout', 'paged')} KV cache ({c.get('kv_dtype', 'float32')}), {policy}: peak {c['peak_blocks']} of {c['num_blocks']} blocks of {c['block_size']} "
             f"positions = {kib(c['peak_bytes'])} against {kib(c['contiguous_bytes'])} contiguous ({slots} x T = "
             f"{T} positions){ratio}; prefix hits {c['prefix_hit_tokens']} prompt tokens; "
             f"{c['block_waits']} admissions waited for blocks")
@@ -258,12 +258,10 @@ def cmd_serve_bench(args):
         raise UsageError(f"--decode-steps must be an integer >= 1, got {args.decode_steps}")
     if not args.paged and args.num_blocks is not None:
         raise UsageError("--num-blocks needs --paged")
-    if not args.paged and args.kv_dtype != "float32":
-        raise UsageError("--kv-dtype int8 needs --paged (the dense cache holds float32)")
     if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
         raise UsageError("--block-size and --num-blocks must be integers >= 1")
     cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size,
-                 kv_dtype=args.kv_dtype) if args.paged else {}
+                 kv_dtype=args.kv_dtype) if args.paged else {"kv_dtype": args.kv_dtype}
     cache["decode_steps"] = args.decode_steps
     cache["overlap"] = not args.no_overlap
     if args.prefill_budget is not None and args.prefill_budget < 1:

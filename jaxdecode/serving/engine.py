@@ -58,7 +58,8 @@ too) until finished rows free their blocks; a request one of whose samples could
 the empty pool is refused when it is submitted. A decode step chooses the tokens first, then
 writes the tokens of the rows that go on (a finished row's last token is never written).
 :meth:`Engine.cache_stats` reports the peak of blocks in use and the prefix hits.
-``kv_dtype="int8"`` stores the pool as int8 with a float32 scale per head and position
+``kv_dtype="int8"`` (on either cache; a dense one is then a pool of one block of the window per
+slot) stores the keys and values as int8 with a float32 scale per head and position
 (:class:`~jaxdecode.models.base.Int8Blocks`): about a quarter of the memory, texts close to the
 float pool's but not equal to ``generate``'s.
 
@@ -166,7 +167,15 @@ class Engine:
         self.lm = lm
         self.T, self.V = lm.decoder.T, lm.decoder.V
         self.paged = cache == "paged"
+        self.layout = cache  # the cache as asked for (a quantized dense cache runs as a pool: below)
         self.allocator: BlockAllocator | None = None
+        if cache == "dense" and kv_dtype != "float32":
+            # a quantized dense cache: every slot one block of the whole window, the dense cache's
+            # [slots, heads, T, head_dim] layout, kept and read through the pool's code (no prefix
+            # sharing; the samples of a request copy their prompt's block when they first write)
+            if num_blocks is not None:
+                raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
+            self.paged, block_size, num_blocks, prefix_caching = True, self.T, self.S, False
         if self.paged:
             block_size = check_int("block_size", block_size, 1)
             width = -(-self.T // block_size)
@@ -180,9 +189,6 @@ class Engine:
                 executor = PagedExecutor(lm, slots, num_blocks, block_size, attention, kv_dtype)
         elif num_blocks is not None:
             raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
-        elif kv_dtype != "float32":
-            raise ValueError(f"kv_dtype={kv_dtype!r} is a setting of the paged cache (cache='paged'); the dense "
-                             f"cache holds float32")
         self.kv_dtype = kv_dtype
         self.executor = ModelExecutor(lm, slots) if executor is None else executor
         self._reset_cache_stats()
@@ -421,7 +427,7 @@ class Engine:
         nbytes = lambda positions: None if per is None else int(positions * per)
         # a contiguous float32 cache of the same heads: every slot holding the whole window
         dense = None if pool is None else 2 * len(pool.k) * math.prod(pool.k[0].shape[1::2]) * 4
-        return {"block_size": a.block_size, "num_blocks": a.num_blocks, "kv_dtype": self.kv_dtype,
+        return {"layout": self.layout, "block_size": a.block_size, "num_blocks": a.num_blocks, "kv_dtype": self.kv_dtype,
                 "bytes_per_position": per, "peak_blocks": self.peak_blocks,
                 "peak_bytes": nbytes(self.peak_blocks * a.block_size),
                 "pool_bytes": nbytes(a.num_blocks * a.block_size),
