@@ -76,7 +76,6 @@ simulator's executor replays known outputs without one. The scheduling code is t
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -87,7 +86,8 @@ import numpy as np
 
 from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
-from jaxdecode.serving.records import RealClock, Report, RequestResult, StepRecord, percentiles  # noqa: F401
+from jaxdecode.serving.records import (  # noqa: F401
+    DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
 from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
@@ -103,21 +103,6 @@ DEFAULT_PREFILL_CHUNK = 128
 
 
 # ----------------------------------------------------------------------------- the engine
-
-
-@dataclasses.dataclass
-class _Call:
-    """A device call of ``k`` decode steps (and the prompt pieces before it), as sent: ``rows``
-    the ``(slot, row)`` pairs that choose tokens in it, ``out`` its tokens and log-probabilities
-    (``single``: one step's ``[S]`` arrays, else ``[k, S]``), maybe still being computed."""
-
-    start: float
-    k: int
-    rows: list
-    out: tuple | None
-    single: bool
-    prefill_tokens: int
-    active: int
 
 
 def _admitted(row) -> tuple[int, int]:
@@ -141,10 +126,8 @@ class Engine:
     to this many decode steps run in one device call (one host round trip) while no row reads its
     prompt or waits for a free slot (see :meth:`_steps_now`); the texts do not change.
     ``overlap`` (default on; off on a virtual clock): each step sends its device call before it reads
-    the previous call's tokens, so the host's scheduling and bookkeeping run while the device
-    computes. A row that meets a stop string is then seen one call late: the call sent meanwhile
-    computes a token for it that is dropped, and its slot is free one step later. The texts do not
-    change.
+    the previous call's tokens, so the host's work runs while the device computes (a row that meets
+    a stop string is seen one call late; ``docs/serving.md``). The texts do not change.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -193,12 +176,11 @@ class Engine:
         self.executor = ModelExecutor(lm, slots) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
-        # the host's work for a step runs while the device computes the previous one: on a real
-        # clock, with an executor whose calls can return before they finish
+        # overlap on a real clock, with an executor whose calls can return before they finish
         self.overlap = bool(overlap) and getattr(self.executor, "asynchronous", False) \
             and not getattr(self.clock, "virtual", False)
         self._fetch_kw = {"fetch": False} if self.overlap else {}
-        self._inflight: _Call | None = None  # the call sent last, its tokens not read yet
+        self._inflight: DeviceCall | None = None  # the call sent last, its tokens not read yet
         self.requests: list[Request] = []
         self._rows: list[list[_Row]] = []
         self._arrival: list[float] = []
@@ -481,7 +463,7 @@ class Engine:
             call, self._inflight = self._inflight, call
         return None if call is None else self._collect(call)
 
-    def _launch(self, start: float) -> _Call:
+    def _launch(self, start: float) -> DeviceCall:
         """This step's prompt pieces and its device call of decode steps, sent (not waited for). A
         row whose last token the call chooses leaves its slot (and, paged, its blocks) at once: a
         later call that uses them runs after this one on the device."""
@@ -498,9 +480,8 @@ class Engine:
                 if r is not None:
                     lengths[s] = r.length + r.pending
                     steps[s] = len(r.tokens) + r.pending if decoding[s] else 0
-            fetch = not self.overlap
             if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
-                out = self._decode_many_paged(decoding, steps, lengths, k, fetch)
+                out = self._decode_many_paged(decoding, steps, lengths, k, not self.overlap)
             elif k > 1:
                 out = self.executor.decode_many(decoding, steps, lengths, k, **self._fetch_kw)
             else:
@@ -511,9 +492,9 @@ class Engine:
                     self._slots[s] = None
                     if self.paged:
                         self.allocator.free(row.seq)
-        return _Call(start, k, rows, out, single, prefill_tokens, active)
+        return DeviceCall(start, k, rows, out, single, prefill_tokens, active)
 
-    def _collect(self, call: _Call) -> StepRecord:
+    def _collect(self, call: DeviceCall) -> StepRecord:
         """Read a call's tokens (waiting for it), add them to their rows, end the rows that met a
         stop string or their ``n``, and record the call's steps."""
         k, stepped, done = call.k, [], []
@@ -543,8 +524,7 @@ class Engine:
                 if row.finish is None and row.seq in self.allocator:  # (not released by a later call)
                     self.allocator.append(row.seq, row.tokens[-k:])
                     self.allocator.mark_computed(row.seq)
-        # the records tile the clock: with overlap a call is sent while the one before still runs,
-        # so its first step is counted from the end of the one before
+        # the records tile the clock (under overlap a call starts while the one before still runs)
         begin = max(call.start, self.step_records[-1].end) if self.step_records else call.start
         rows = self.S if call.active else 0
         for j in range(k):  # a multi-step call is recorded as its k steps

@@ -34,6 +34,22 @@ class RealClock:
             time.sleep(delay)
 
 
+@dataclasses.dataclass
+class DeviceCall:
+    """An engine's device call of ``k`` decode steps (and the prompt pieces before it), as sent:
+    ``rows`` the ``(slot, row)`` pairs that choose tokens in it, ``out`` its tokens and
+    log-probabilities (``single``: one step's ``[S]`` arrays, else ``[k, S]``), maybe still being
+    computed."""
+
+    start: float
+    k: int
+    rows: list
+    out: tuple | None
+    single: bool
+    prefill_tokens: int
+    active: int
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One engine step: when it started and ended (clock seconds), the rows its decode pass
