@@ -374,7 +374,7 @@ class Engine:
         prefill budget (the first piece of a step always runs)."""
         return self.prefill_budget is not None and tokens > 0 and tokens + size > self.prefill_budget
 
-    def _decode_many_paged(self, decoding, steps, lengths, k: int, fetch: bool = True):
+    def _decode_many_paged(self, decoding, steps, lengths, k: int):
         """``k`` decode steps in one call on the paged cache: each decoding row first gets blocks
         for the positions the call writes (its ``k`` tokens, but never its last one: within what
         :meth:`_reserved` keeps for it)."""
@@ -389,8 +389,7 @@ class Engine:
         tables[slots] = a.tables([row.seq for row in rows], width=self._width)
         n[slots] = [row.n for row in rows]
         self._note_peak()
-        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n,
-                                         **({} if fetch else {"fetch": False}))
+        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n, **self._fetch_kw)
 
     @property
     def _width(self) -> int:
@@ -481,7 +480,7 @@ class Engine:
                     lengths[s] = r.length + r.pending
                     steps[s] = len(r.tokens) + r.pending if decoding[s] else 0
             if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
-                out = self._decode_many_paged(decoding, steps, lengths, k, not self.overlap)
+                out = self._decode_many_paged(decoding, steps, lengths, k)
             elif k > 1:
                 out = self.executor.decode_many(decoding, steps, lengths, k, **self._fetch_kw)
             else:
