@@ -21,7 +21,6 @@ window ``T``, with the prompt tokens found in the pool (prefix hits).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -220,28 +219,10 @@ def _figure(path, sweep: list[dict], runs: list[dict], title: str):
     return save_figure(fig, path)
 
 
-@contextlib.contextmanager
-def count_compiles():
-    """Counts the XLA compilations inside the block (``[count]``, filled in as they happen): a timed
-    run that compiles is timing the compiler."""
-    from jax._src import dispatch, monitoring
-
-    counted = [0]
-
-    def listener(event, duration, **kwargs):
-        if event == dispatch.BACKEND_COMPILE_EVENT:
-            counted[0] += 1
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counted
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
-
-
 def cmd_serve_bench(args):
     from jaxdecode.cli.common import UsageError, _load, _note
     from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine, RealClock
+    from jaxdecode.serving.warmup import count_compiles
     from jaxdecode.serving.simulator import DEFAULT_STEP_MODEL, StepTimeModel, VirtualClock, compare, scripts_of
     from jaxdecode.io.reports import clean, require_matplotlib
 
@@ -277,10 +258,12 @@ def cmd_serve_bench(args):
     requests = build_workload(lm, held, args.requests, args.rate, args.n, args.shared_prefix, args.seed)
     kind = "simulated" if args.simulate else "measured"
     if not args.simulate:
-        # the warm-up is the same run on the wall clock: a virtual clock's schedule, whose steps take
-        # other times, can need other program shapes than the timed run
-        _note(args, f"compiling: a first pass of {len(requests)} requests on the wall clock, each policy "
-                    f"(about {requests[-1].arrival:.0f} s of arrivals each), then the timed pass")
+        # every program either policy can take for these requests, whatever the timing (both share
+        # them); then a first pass on the wall clock, each policy, runs each program once before
+        # the timed runs (a program's first call costs more than the later ones, compiled or not)
+        compiled = Engine(lm, args.slots, prefill_chunk=chunk, **cache).warm_up(requests)
+        _note(args, f"compiled {compiled} programs; a first pass of {len(requests)} requests on the wall "
+                    f"clock, each policy (about {requests[-1].arrival:.0f} s of arrivals each), then the timed pass")
         for policy in ("static", "continuous"):
             Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=RealClock(), **cache).run(requests)
     reports, compiles = {}, {}

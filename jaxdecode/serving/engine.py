@@ -87,14 +87,14 @@ import numpy as np
 from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
 from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
 from jaxdecode.serving.records import (  # noqa: F401
-    DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
+    DeviceCall, RealClock, Report, RequestResult, StepRecord, cache_stats, percentiles)
 from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
+from jaxdecode.serving.warmup import warm_up
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
-           "Report", "Request",
-           "RequestResult", "StepRecord", "neutral_rule", "rule_parts", "percentiles"]
+           "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts", "percentiles"]
 
 POLICIES = ("continuous", "static")
 CACHES = ("dense", "paged")
@@ -108,7 +108,6 @@ DEFAULT_PREFILL_CHUNK = 128
 def _admitted(row) -> tuple[int, int]:
     """Rows in the order they joined the queue (requests in submission order, then samples)."""
     return row.req, row.j
-
 
 
 class Engine:
@@ -237,6 +236,11 @@ class Engine:
         keys = np.asarray(keys, np.uint32)
         return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i))
                 for j in row_ids]
+
+    def warm_up(self, requests: Sequence[Request]) -> int:
+        """Compile, without running them, the programs serving ``requests`` can take, whatever their
+        arrival times (:mod:`jaxdecode.serving.warmup`); returns the XLA compilations that took."""
+        return warm_up(self, list(requests)) if hasattr(self.executor, "compiling") else 0
 
     def _queue(self, rows_per_request, requests) -> list[int]:
         out = []
@@ -397,23 +401,8 @@ class Engine:
 
     def cache_stats(self) -> dict | None:
         """A paged engine's cache figures since its last :meth:`run` started (None for the dense
-        cache): the pool, the peak of blocks in use and its bytes, what a contiguous cache of
-        ``slots`` rows of the window ``T`` takes, and the prompt tokens served from cached
-        prefix blocks."""
-        if not self.paged:
-            return None
-        a = self.allocator
-        pool = getattr(self.executor, "pool", None)  # (a stand-in executor may have none)
-        per = None if pool is None else pool.nbytes // (a.num_blocks * a.block_size)  # a position, all layers
-        nbytes = lambda positions: None if per is None else int(positions * per)
-        # a contiguous float32 cache of the same heads: every slot holding the whole window
-        dense = None if pool is None else 2 * len(pool.k) * math.prod(pool.k[0].shape[1::2]) * 4
-        return {"layout": self.layout, "block_size": a.block_size, "num_blocks": a.num_blocks, "kv_dtype": self.kv_dtype,
-                "bytes_per_position": per, "peak_blocks": self.peak_blocks,
-                "peak_bytes": nbytes(self.peak_blocks * a.block_size),
-                "pool_bytes": nbytes(a.num_blocks * a.block_size),
-                "contiguous_bytes": None if dense is None else int(self.S * self.T * dense),
-                "prefix_hit_tokens": self.prefix_hit_tokens, "block_waits": self.block_waits}
+        cache): :func:`~jaxdecode.serving.records.cache_stats`."""
+        return cache_stats(self) if self.paged else None
 
     def _choose_layout(self):
         """For an empty engine: of the chains of the first rows in line that the first row fits,

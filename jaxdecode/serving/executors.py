@@ -4,6 +4,7 @@ See :mod:`jaxdecode.serving.engine`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -199,7 +200,8 @@ class ModelExecutor:
             for i, (slot, row, _) in enumerate(entries):
                 prompt[i, :len(row.prompt)] = row.prompt
                 lengths[i], dst[i] = len(row.prompt), slot
-            self.rule_state = _init_rule_rows(self._rule(), self.rule_state, prompt, lengths, dst, V=self.V)
+            state = self._call(_init_rule_rows, self._rule(), self.rule_state, prompt, lengths, dst, V=self.V)
+            self.rule_state = self.rule_state if state is None else state
 
     def prefill(self, first, more):
         """Run prompt pieces: ``first`` and ``more`` list ``(slots, tokens)``, a piece for the rows in
@@ -217,8 +219,8 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self.cache, self.logits = _prefill_insert(self.params, self.cache, self.logits, tokens, lengths, src,
-                                                      dst, model=self.model)
+            self._store(self._call(_prefill_insert, self.params, self.cache, self.logits, tokens, lengths, src, dst,
+                                   model=self.model), "cache", "logits")
         if more:
             G, K = batch_bucket(len(more)), self._rows_bucket
             C = len(more[0][1])
@@ -231,8 +233,8 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self.cache, self.logits = _extend_insert(self.params, self.cache, self.logits, rows, real, tokens,
-                                                     src, dst, model=self.model, span=self.capacity)
+            self._store(self._call(_extend_insert, self.params, self.cache, self.logits, rows, real, tokens, src,
+                                   dst, model=self.model, span=self.capacity), "cache", "logits")
 
     multi_step = True  # decode_many runs several steps per call
     asynchronous = True  # decode calls take fetch=False: device arrays back, read when needed
@@ -244,10 +246,10 @@ class ModelExecutor:
         running)."""
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
         rule, keys, row_ids, greedy = self._slot_inputs()
-        token, mlp, slp, self.logits, self.cache, self.rule_state = _decode_many(
-            self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
-            greedy, lengths.astype(np.int32), decoding, model=self.model, span=span, k=k)
-        return _fetch((token, mlp, slp), fetch)
+        out = self._call(_decode_many, self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids,
+                         steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, model=self.model,
+                         span=span, k=k)
+        return self._store(out, None, None, None, "logits", "cache", "rule_state", fetch=fetch)
 
     def decode(self, decoding, steps, lengths, fetch: bool = True):
         """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
@@ -255,10 +257,43 @@ class ModelExecutor:
         model_logprobs, sample_logprobs)`` ``[S]`` (``fetch=False``: device arrays)."""
         span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
         rule, keys, row_ids, greedy = self._slot_inputs()
-        token, mlp, slp, self.logits, self.cache, self.rule_state = _decode(
-            self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
-            greedy, lengths.astype(np.int32), decoding, model=self.model, span=span)
-        return _fetch((token, mlp, slp), fetch)
+        out = self._call(_decode, self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids,
+                         steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, model=self.model,
+                         span=span)
+        return self._store(out, None, None, None, "logits", "cache", "rule_state", fetch=fetch)
+
+    # --- compiling ahead (:mod:`jaxdecode.serving.warmup`)
+    _dry = False
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Inside the block every device call is compiled (its program put in jit's cache) and not
+        run: the executor's state stays as it was, and the calls return None."""
+        self._dry = True
+        try:
+            yield self
+        finally:
+            self._dry = False
+
+    def _call(self, fn, *args, **static):
+        """``fn(*args, **static)``, or while :meth:`compiling`, its program compiled and None."""
+        if self._dry:
+            fn.lower(*args, **static).compile()
+            return None
+        return fn(*args, **static)
+
+    def _store(self, out, *names, fetch: bool | None = None):
+        """A call's outputs kept as the attributes ``names`` (None: handed back, fetched unless
+        ``fetch`` is False); None after a call that was only compiled."""
+        if out is None:
+            return None
+        back = []
+        for name, value in zip(names, out):
+            if name is None:
+                back.append(value)
+            else:
+                setattr(self, name, value)
+        return _fetch(tuple(back), fetch) if fetch is not None else None
 
 
 def _fetch(arrays, fetch: bool):
@@ -365,8 +400,8 @@ class PagedExecutor(ModelExecutor):
             for s in slots:
                 src[i], dst[i] = g, s
                 i += 1
-        self.pool, self.logits = _paged_forward(self.params, self.pool, self.logits, tab, lengths, tokens, counts,
-                                                src, dst, model=self.model)
+        self._store(self._call(_paged_forward, self.params, self.pool, self.logits, tab, lengths, tokens, counts,
+                               src, dst, model=self.model), "pool", "logits")
 
     def decode(self, decoding, steps, lengths, fetch: bool = True):
         raise NotImplementedError("the paged cache decodes through decode_many, in blocks the engine "
@@ -377,7 +412,8 @@ class PagedExecutor(ModelExecutor):
             C = round_up(len(copies), self._copies_bucket)
             src, dst = np.zeros((C,), np.int32), np.full((C,), self.pool.num_blocks, np.int32)
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
-            self.pool = _copy_pool_blocks(self.pool, src, dst)
+            pool = self._call(_copy_pool_blocks, self.pool, src, dst)
+            self.pool = self.pool if pool is None else pool
 
     def decode_many(self, decoding, steps, lengths, k: int, tables, copies, n, fetch: bool = True):
         """``k`` decode steps in one call (:func:`_paged_decode_many`): ``tables`` ``[S, width]``
@@ -386,8 +422,7 @@ class PagedExecutor(ModelExecutor):
         model_logprobs, sample_logprobs)`` ``[k, S]`` (``fetch=False``: device arrays)."""
         self._copy(copies)
         rule, keys, row_ids, greedy = self._slot_inputs()
-        token, mlp, slp, self.pool, self.logits, self.rule_state = _paged_decode_many(
-            self.params, self.pool, self.logits, rule, self.rule_state, keys, row_ids, steps.astype(np.int32),
-            greedy, decoding, lengths.astype(np.int32), tables.astype(np.int32), n.astype(np.int32),
-            model=self.model, k=k)
-        return _fetch((token, mlp, slp), fetch)
+        out = self._call(_paged_decode_many, self.params, self.pool, self.logits, rule, self.rule_state, keys,
+                         row_ids, steps.astype(np.int32), greedy, decoding, lengths.astype(np.int32),
+                         tables.astype(np.int32), n.astype(np.int32), model=self.model, k=k)
+        return self._store(out, None, None, None, "pool", "logits", "rule_state", fetch=fetch)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -140,3 +141,21 @@ class Report:
             "mean_active": float(np.mean([s.active for s in busy])) if busy else 0.0,
             "mean_step_seconds": float(np.mean([s.seconds for s in self.steps])) if self.steps else None,
         } | ({} if self.cache is None else {"cache": dict(self.cache)})
+
+
+def cache_stats(engine) -> dict:
+    """A paged engine's cache figures since its last run started: the pool, the peak of blocks in
+    use and its bytes, what a contiguous cache of ``slots`` rows of the window ``T`` takes, and
+    the prompt tokens served from cached prefix blocks."""
+    a = engine.allocator
+    pool = getattr(engine.executor, "pool", None)  # (a stand-in executor may have none)
+    per = None if pool is None else pool.nbytes // (a.num_blocks * a.block_size)  # a position, all layers
+    nbytes = lambda positions: None if per is None else int(positions * per)
+    # a contiguous float32 cache of the same heads: every slot holding the whole window
+    dense = None if pool is None else 2 * len(pool.k) * math.prod(pool.k[0].shape[1::2]) * 4
+    return {"layout": engine.layout, "block_size": a.block_size, "num_blocks": a.num_blocks,
+            "kv_dtype": engine.kv_dtype, "bytes_per_position": per, "peak_blocks": engine.peak_blocks,
+            "peak_bytes": nbytes(engine.peak_blocks * a.block_size),
+            "pool_bytes": nbytes(a.num_blocks * a.block_size),
+            "contiguous_bytes": None if dense is None else int(engine.S * engine.T * dense),
+            "prefix_hit_tokens": engine.prefix_hit_tokens, "block_waits": engine.block_waits}

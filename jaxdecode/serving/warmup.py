@@ -1,0 +1,134 @@
+"""Compiling an engine's programs before it serves (:meth:`jaxdecode.serving.engine.Engine.warm_up`).
+
+The engine runs a bounded set of program shapes, padded to buckets (the rows of a prefill to a
+power of two, a prompt piece to :data:`~jaxdecode.decoding.common.PROMPT_BUCKET` positions, a
+dense decode step's span to :data:`~jaxdecode.decoding.common.SPAN_BUCKET`, the decode steps of
+one call to a power of two), but which of them a stream of requests meets depends on timing: how
+many prompts start in one step, how long the longest row is when a call runs, how many steps a
+call can take. A server that compiles on first use stalls its first requests; a benchmark that
+does times the compiler. :func:`warm_up` compiles every shape that serving a given set of
+requests can take, whatever their arrival times, without running any of them (the executor's
+:meth:`~jaxdecode.serving.executors.ModelExecutor.compiling`: jit's ahead-of-time compile, which
+fills the cache the calls use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from jaxdecode.serving.requests import _embed, _kind
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts the XLA compilations inside the block (``[count]``, filled in as they happen): a timed
+    run that compiles is timing the compiler."""
+    from jax._src import dispatch, monitoring
+
+    counted = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            counted[0] += 1
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counted
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(max(1, limit).bit_length()) if 1 << i <= limit]
+
+
+def _piece_widths(engine, prompts) -> tuple[set, bool]:
+    """The padded widths of the prompt pieces that start a prefill, and whether any prompt needs
+    later pieces of a full chunk (the dense cache's ``extend``). A paged prompt may start after
+    any number of cached full blocks (a prefix hit), and every piece goes through one program."""
+    C, T, widths, more = engine.chunk, engine.T, set(), False
+    for P in prompts:
+        if engine.paged:
+            bs = engine.allocator.block_size
+            starts = range(0, P, bs) if engine.allocator.prefix_caching else [0]
+            for start in starts:
+                for s in range(start, P, C):
+                    widths.add(min(round_up(min(C, P - s), PROMPT_BUCKET), T))
+        else:
+            widths.add(min(round_up(P - C * ((P - 1) // C), PROMPT_BUCKET), T))
+            more = more or P > C
+    return widths, more
+
+
+def warm_up(engine, requests) -> int:
+    """Compile (not run) every program ``engine`` can take to serve ``requests`` and returns the
+    number of XLA compilations that took (0 when all were compiled before). The engine must be
+    idle; its state does not change."""
+    if not engine.idle:
+        raise ValueError("warm_up needs an idle engine (nothing queued, running or still to arrive)")
+    rows = [row for i, r in enumerate(requests) for row in engine._make_rows(r, i)]
+    if not rows:
+        return 0
+    ex, S = engine.executor, engine.S
+    if engine._pinned:
+        layouts = [engine._layout]
+    else:  # each chain of kinds among the rows (the engine's layout is one of the rows' chains)
+        layouts = list({tuple(_kind(p) for p in r.parts): r.parts for r in rows}.values())
+    prompts = sorted({len(r.prompt) for r in rows})
+    longest = max(len(r.prompt) + r.n - 1 for r in rows)
+    widths, more = _piece_widths(engine, prompts)
+    groups = _powers_of_two(batch_bucket(min(S, len(rows))))
+    steps = _powers_of_two(min(engine.decode_steps, max(r.n for r in rows)))
+    if not getattr(ex, "multi_step", False):
+        steps = [1]
+    with count_compiles() as counted:
+        for layout in layouts:
+            ex.set_layout(layout)
+            row = next((r for r in rows if _embed(r.parts, layout, engine.V) is not None), rows[0])
+            with ex.compiling():
+                ex.admit([(0, row, _embed(row.parts, layout, engine.V))])
+                _prefills(engine, widths, more, groups)
+                _decodes(engine, steps, prompts[0], longest)
+        if engine._layout is not None:
+            ex.set_layout(engine._layout)  # back to the layout the engine runs
+    return counted[0]
+
+
+def _prefills(engine, widths, more, groups):
+    ex, S = engine.executor, engine.S
+    slots = list(range(S))
+    for G in groups:
+        pieces = [slots[g:g + 1] for g in range(min(G, S))]  # (G rows after padding)
+        for W in sorted(widths):
+            tokens = [np.zeros((W,), np.int32)] * len(pieces)
+            if engine.paged:
+                tables = np.zeros((len(pieces), engine._width), np.int32)
+                ex.prefill_pieces([(s, 0, t) for s, t in zip(pieces, tokens)], tables)
+            else:
+                ex.prefill(list(zip(pieces, tokens)), [])
+        if more and not engine.paged:
+            ex.prefill([], [(s, np.zeros((engine.chunk,), np.int32)) for s in pieces])
+
+
+def _decodes(engine, steps, shortest, longest):
+    """Every decode program: each number of steps a call, and (dense) each span its rows' longest
+    length can round up to."""
+    ex, S = engine.executor, engine.S
+    decoding = np.ones((S,), bool)
+    zeros = np.zeros((S,), np.int32)
+    for k in steps:
+        if engine.paged:
+            tables = np.zeros((S, engine._width), np.int32)
+            copies = [(0, 0)]  # one copy on write: the block copies' program too
+            ex.decode_many(decoding, zeros, zeros, k, tables, copies, np.full((S,), k + 1, np.int32))
+            continue
+        spans = sorted({min(engine.T, round_up(L + k, SPAN_BUCKET)) for L in range(shortest, longest + 1)})
+        for span in spans:
+            lengths = np.full((S,), span - k, np.int32)  # the longest row's length that gives this span
+            if k == 1:
+                ex.decode(decoding, zeros, lengths)
+            else:
+                ex.decode_many(decoding, zeros, lengths, k)
