@@ -9,6 +9,7 @@ import pytest
 from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.simulator import with_arrivals
+from jaxdecode.serving import executors, warmup
 from jaxdecode.serving.warmup import count_compiles
 
 from test_engine import _assert_same, _reference, _requests
@@ -26,13 +27,18 @@ def _at_once(reqs):
                     stop=r.stop) for r in reqs]
 
 
-@pytest.mark.parametrize("cache,k", [("dense", 1), ("dense", 4), ("paged", 1), ("paged", 4)])
-def test_after_a_warm_up_no_arrival_pattern_compiles(lm_portable, cache, k):
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_after_a_warm_up_no_arrival_pattern_compiles(lm_portable, cache, monkeypatch):
+    """Up to 2 decode steps a call (so calls of 1 and 2 steps)."""
     lm = lm_portable
-    reqs = _at_once(_requests() + _shared_prefix_requests())
+    # dense steps attend over spans of 4 positions here (128 by default: one span in a window of 16),
+    # so that the rows' lengths reach several spans
+    for module in (executors, warmup):
+        monkeypatch.setattr(module, "SPAN_BUCKET", 4)
+    reqs = _at_once(_shared_prefix_requests())  # two rule layouts, prefix hits, copies on write, stops
     refs = _reference(lm, reqs)
     kw = {"num_blocks": 9, "block_size": 4} if cache == "paged" else {}
-    make = lambda: Engine(lm, 3, cache=cache, prefill_chunk=4, decode_steps=k, **kw)
+    make = lambda: Engine(lm, 3, cache=cache, prefill_chunk=4, decode_steps=2, **kw)
     engine = make()
     assert engine.warm_up(reqs) > 0
     assert engine.idle and engine.warm_up(reqs) == 0  # everything is in jit's cache now
