@@ -52,7 +52,8 @@ def workload(lm, held: str, count: int, prompt_len: int, lengths: str, seed: int
     return out
 
 
-def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None, overlap=True):
+def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_budget=None, overlap=True,
+               admit_batch=1):
     """``cache``: ``dense``, ``paged``, ``dense-int8`` or ``paged-int8`` (quantized), a paged one optionally
     with its block size after a slash (``paged/32``; default the engine's)."""
     cache, _, block = cache.partition("/")
@@ -62,6 +63,7 @@ def run_engine(lm, reqs, slots, policy, decode_steps, cache="dense", prefill_bud
         kw["block_size"] = int(block)
     kw["prefill_budget"] = prefill_budget
     kw["overlap"] = overlap
+    kw["admit_batch"] = admit_batch
     t0 = time.perf_counter()
     rep = Engine(lm, slots, policy=policy, decode_steps=decode_steps, **kw).run(reqs)
     secs = time.perf_counter() - t0
@@ -102,6 +104,9 @@ def main() -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="also run continuous batching at --decode-steps with overlap=False (each call's "
                          "tokens read before the next call is sent)")
+    ap.add_argument("--admit-batch", type=int, default=None, metavar="M",
+                    help="also run continuous batching at --decode-steps with Engine(admit_batch=M): rows in "
+                         "line join once M slots are free")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -122,6 +127,9 @@ def main() -> int:
         if args.prefill_budget:
             arms[f"{tag}continuous-k{args.decode_steps}-budget{args.prefill_budget}"] = lambda c=cache: run_engine(
                 lm, reqs, args.slots, "continuous", args.decode_steps, c, args.prefill_budget)
+        if args.admit_batch:
+            arms[f"{tag}continuous-k{args.decode_steps}-admit{args.admit_batch}"] = lambda c=cache: run_engine(
+                lm, reqs, args.slots, "continuous", args.decode_steps, c, admit_batch=args.admit_batch)
     for name, arm in arms.items():  # compile every program
         arm()
         print(f"warm: {name}", file=sys.stderr, flush=True)

@@ -58,6 +58,9 @@ def add_serve_bench(sub, seed_type) -> None:
                    help="the most prompt tokens all rows read in one engine step (default: no limit)")
     s.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="up to K decode steps per device call while no request waits (default 1)")
+    s.add_argument("--admit-batch", type=int, default=1, metavar="M",
+                   help="continuous: while rows run, rows in line join once M slots are free (or as many as "
+                        "wait), their prompts read together (default 1: as soon as a slot is free)")
     s.add_argument("--no-overlap", action="store_true",
                    help="read each device call's tokens before the next call is sent (default: the host's "
                         "work for a step runs while the device computes the previous one)")
@@ -245,6 +248,9 @@ def cmd_serve_bench(args):
                  kv_dtype=args.kv_dtype) if args.paged else {"kv_dtype": args.kv_dtype}
     cache["decode_steps"] = args.decode_steps
     cache["overlap"] = not args.no_overlap
+    if not 1 <= args.admit_batch <= args.slots:
+        raise UsageError(f"--admit-batch must be an integer from 1 to --slots ({args.slots}), got {args.admit_batch}")
+    cache["admit_batch"] = args.admit_batch
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UsageError(f"--prefill-budget must be an integer >= 1, got {args.prefill_budget}")
     cache["prefill_budget"] = args.prefill_budget
@@ -300,7 +306,8 @@ def cmd_serve_bench(args):
                          "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
                          "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
                          "kv_dtype": args.kv_dtype, "prefill_budget": args.prefill_budget,
-                         "decode_steps": args.decode_steps, "overlap": not args.no_overlap},
+                         "decode_steps": args.decode_steps, "overlap": not args.no_overlap,
+                         "admit_batch": args.admit_batch},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
             "runs": runs,

@@ -90,7 +90,8 @@ from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, cache_stats, percentiles)
 from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
-from jaxdecode.serving.requests import Request, _Row, _embed, _kind, _kinds_text, _row_settings, neutral_rule, rule_parts
+from jaxdecode.serving.requests import (
+    Request, _Row, _embed, _kind, _kinds_text, _row_settings, best_layout, neutral_rule, rule_parts)
 from jaxdecode.serving.warmup import warm_up
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
@@ -127,6 +128,10 @@ class Engine:
     ``overlap`` (default on; off on a virtual clock): each step sends its device call before it reads
     the previous call's tokens, so the host's work runs while the device computes (a row that meets
     a stop string is seen one call late; ``docs/serving.md``). The texts do not change.
+    ``admit_batch`` (continuous policy): while rows run, the rows in line join only once that many
+    slots are free (or as many as there are rows in line), so that their prompts are read together
+    and the calls between admissions can take several decode steps; 1 (default): as soon as a slot
+    is free.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
@@ -136,8 +141,11 @@ class Engine:
                  layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
                  block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
                  decode_steps: int = 1, kv_dtype: str = "float32", prefill_budget: int | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, admit_batch: int = 1):
         self.S = check_int("slots", slots, 1)
+        self.admit_batch = check_int("admit_batch", admit_batch, 1)
+        if self.admit_batch > self.S:
+            raise ValueError(f"admit_batch must be at most the slots ({self.S}), got {admit_batch}")
         self.decode_steps = check_int("decode_steps", decode_steps, 1)
         self.prefill_budget = None if prefill_budget is None else check_int("prefill_budget", prefill_budget, 1)
         if policy not in POLICIES:
@@ -282,6 +290,8 @@ class Engine:
             return
         if self.policy == "static" and (len(free) < self.S or (len(self._waiting) < self.S and self._pending)):
             return  # a batch runs to completion; a new one starts full (or with the last rows)
+        if not self._admits_now(len(free)):
+            return  # too few free slots yet for the rows in line (admit_batch)
         if len(free) == self.S and not self._pinned:
             self._choose_layout()
         entries = []
@@ -407,11 +417,7 @@ class Engine:
     def _choose_layout(self):
         """For an empty engine: of the chains of the first rows in line that the first row fits,
         the one that most of them fit (the current layout first, then the earliest, on ties)."""
-        line = list(itertools.islice(self._waiting, LAYOUT_LOOKAHEAD))
-        head = line[0]
-        candidates = ([] if self._layout is None else [self._layout]) + [r.parts for r in line]
-        candidates = [c for c in candidates if _embed(head.parts, c, self.V) is not None]
-        best = max(candidates, key=lambda c: sum(_embed(r.parts, c, self.V) is not None for r in line))
+        best = best_layout(list(itertools.islice(self._waiting, LAYOUT_LOOKAHEAD)), self._layout, self.V)
         if self._layout is None or [_kind(p) for p in best] != [_kind(p) for p in self._layout]:
             self.executor.set_layout(best)
         self._layout = best
@@ -527,6 +533,10 @@ class Engine:
             row.t_done = end
         return record
 
+    def _admits_now(self, free: int) -> bool:
+        """Whether rows in line may join with ``free`` slots free (continuous: see ``admit_batch``)."""
+        return self.policy == "static" or self.occupied == 0 or free >= min(self.admit_batch, len(self._waiting))
+
     def _steps_now(self, decoding, prefill_tokens: int) -> int:
         """Decode steps in this engine step: up to ``decode_steps`` in one device call while no row
         reads its prompt, no row waits for a free slot, and every decoding row has that many
@@ -535,7 +545,8 @@ class Engine:
         after it), else one."""
         if self.decode_steps == 1 or prefill_tokens or not decoding.any():
             return 1
-        if self._waiting and any(r is None for r in self._slots):
+        free = sum(r is None for r in self._slots)
+        if self._waiting and free and self._admits_now(free):
             return 1
         if not getattr(self.executor, "multi_step", False):
             return 1

@@ -133,6 +133,14 @@ def _embed(parts: tuple, layout: tuple, V: int):
     return out if i == len(parts) else None
 
 
+def best_layout(line, current, V: int) -> tuple:
+    """Of the chains of the rows in ``line`` (and the ``current`` layout, if any) that the first
+    row fits, the one that most of them fit (the current layout first, then the earliest, on ties)."""
+    candidates = ([] if current is None else [current]) + [r.parts for r in line]
+    candidates = [c for c in candidates if _embed(line[0].parts, c, V) is not None]
+    return max(candidates, key=lambda c: sum(_embed(r.parts, c, V) is not None for r in line))
+
+
 def _kinds_text(parts) -> str:
     return ", ".join(type(p).__name__ for p in parts) or "no rule"
 
