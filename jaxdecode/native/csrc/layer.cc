@@ -61,6 +61,12 @@ void LayerNorm(const float* x, const float* g, const float* b, float eps, int64_
 // row with one new position (AttendHeads), two new positions of a row that see the same cache
 // positions (AttendPair).
 
+// The D floats at p brought toward the core ahead of their use, one cache line at a time.
+template <int64_t D>
+static inline void PrefetchRow(const float* p) {
+  for (int64_t l = 0; l < D; l += 16) __builtin_prefetch(p + l);
+}
+
 // Attend's attention (attend.h) for the G heads of one query position (G <= 8): head g's query
 // q[g] over its segments segs[g * nseg ...], whose lengths are the same for every head. A core
 // keeps more reads in flight over several streams than over one, so the heads' keys are read in
@@ -80,17 +86,24 @@ void AttendHeadsVec(const float* const* q, int G, float scale, const Segment* se
     for (int j = 0; j < NV; ++j) qv[g][j] = Load(q[g] + 8 * j) * scale;
     mx[g] = -INFINITY;
   }
+  // Each key (value) read also asks for the same position of the head's next segment: a paged
+  // row's next block lies elsewhere in the pool, where the processor's own prefetching, which
+  // follows a stream within a page, does not look.
   for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
     for (int64_t t = 0; t < segs[i].n; ++t)
-      for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g) {
+        if (i + 1 < nseg && t < segs[g * nseg + i + 1].n) PrefetchRow<D>(segs[g * nseg + i + 1].k + t * D);
         Scores<NV>(qv[g], segs[g * nseg + i].k + t * D, 1, scores.data() + g * total_n + at + t, mx[g]);
+      }
   float inv[8];
   for (int g = 0; g < G; ++g) inv[g] = 1.f / ExpShift(scores.data() + g * total_n, total_n, mx[g]);
   v8 acc[8][NV] = {};
   for (int i = 0, at = 0; i < nseg; at += segs[i].n, ++i)
     for (int64_t t = 0; t < segs[i].n; ++t)
-      for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g) {
+        if (i + 1 < nseg && t < segs[g * nseg + i + 1].n) PrefetchRow<D>(segs[g * nseg + i + 1].v + t * D);
         Weighted<NV>(scores.data() + g * total_n + at + t, segs[g * nseg + i].v + t * D, 1, acc[g]);
+      }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) {
       const v8 o = acc[g][j] * inv[g];
