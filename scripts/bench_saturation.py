@@ -151,6 +151,11 @@ def main() -> int:
         base = result["arms"].get(static, result["arms"].get("static", row))["chars_per_s"]
         row["vs_static"] = round(row["chars_per_s"] / base, 3)  # against static batching on the same cache
         row["vs_loop"] = round(row["chars_per_s"] / loop, 3)
+        # the same ratio within each round (the arms of a round run one after another, so a change of the
+        # machine's speed between rounds cancels), the median over the rounds
+        base_runs = runs[static] if static in runs else runs["static"]
+        row["vs_static_paired"] = round(statistics.median(
+            b["seconds"] / r["seconds"] for r, b in zip(runs[name], base_runs)), 3)
     # every float cache gives each request generate's text; the int8 pool's texts are close, not equal
     engine_texts = [runs[name][0]["texts"] for name in arms if name != "loop" and "int8" not in name]
     result["engine_texts_identical"] = all(t == engine_texts[0] for t in engine_texts)
