@@ -128,8 +128,9 @@ def main() -> int:
             arms[f"{tag}continuous-k{args.decode_steps}-budget{args.prefill_budget}"] = lambda c=cache: run_engine(
                 lm, reqs, args.slots, "continuous", args.decode_steps, c, args.prefill_budget)
         if args.admit_batch:
-            arms[f"{tag}continuous-k{args.decode_steps}-admit{args.admit_batch}"] = lambda c=cache: run_engine(
-                lm, reqs, args.slots, "continuous", args.decode_steps, c, admit_batch=args.admit_batch)
+            name = f"{tag}continuous-k{args.decode_steps}-admit{args.admit_batch}"
+            arms[name] = lambda c=cache: run_engine(lm, reqs, args.slots, "continuous", args.decode_steps, c,
+                                                    admit_batch=args.admit_batch)
     for name, arm in arms.items():  # compile every program
         arm()
         print(f"warm: {name}", file=sys.stderr, flush=True)

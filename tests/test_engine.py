@@ -146,11 +146,13 @@ def test_prefill_budget_bounds_the_prompt_tokens_of_a_step(lm_portable, cache):
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])
 def test_admit_batch_lets_rows_in_line_join_together(lm_portable, cache):
-    """With ``admit_batch=2`` (3 slots, 8 requests of different lengths), once rows run, the rows in line join two at a time (or all of them
-    when fewer wait), where ``admit_batch=1`` lets one join alone; every text is still generate's."""
+    """With ``admit_batch=2`` (3 slots, 8 requests of different lengths), once rows run, the rows in
+    line join two at a time (or all of them when fewer wait), where ``admit_batch=1`` lets one join
+    alone; every text is still generate's."""
     lm = lm_portable
     lengths = [("abc", 3), ("hi", 5), ("e", 8), ("ga.", 4), ("bad", 6), ("cc", 7), ("d", 3), ("fig", 5)]
-    reqs = [Request(p, n, seed=i, rule=rules.top_p(0.9) if i % 2 else None) for i, (p, n) in enumerate(lengths)]
+    reqs = [Request(p, n, seed=i, rule=rules.top_p(0.9) if i % 2 else None)
+            for i, (p, n) in enumerate(lengths)]
     refs = _reference(lm, reqs)
     kw = {"cache": "paged", "block_size": 4} if cache == "paged" else {}
     joins = {}
@@ -166,7 +168,8 @@ def test_admit_batch_lets_rows_in_line_join_together(lm_portable, cache):
         joins[m] = [(k, line) for k, line, running in seen if running]
     assert any(k == 1 and line > 1 for k, line in joins[1])  # one joined alone, another waiting
     assert joins[2] and all(k >= min(2, line) for k, line in joins[2])
-    for bad, message in ((0, "admit_batch must be an integer >= 1"), (4, r"admit_batch must be at most the slots \(3\)")):
+    for bad, message in ((0, "admit_batch must be an integer >= 1"),
+                         (4, r"admit_batch must be at most the slots \(3\)")):
         with pytest.raises(ValueError, match=message):
             Engine(lm, 3, admit_batch=bad)
 

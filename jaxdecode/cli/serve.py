@@ -249,7 +249,8 @@ def cmd_serve_bench(args):
     cache["decode_steps"] = args.decode_steps
     cache["overlap"] = not args.no_overlap
     if not 1 <= args.admit_batch <= args.slots:
-        raise UsageError(f"--admit-batch must be an integer from 1 to --slots ({args.slots}), got {args.admit_batch}")
+        raise UsageError(f"--admit-batch must be an integer from 1 to --slots ({args.slots}), "
+                         f"got {args.admit_batch}")
     cache["admit_batch"] = args.admit_batch
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UsageError(f"--prefill-budget must be an integer >= 1, got {args.prefill_budget}")
@@ -269,7 +270,8 @@ def cmd_serve_bench(args):
         # the timed runs (a program's first call costs more than the later ones, compiled or not)
         compiled = Engine(lm, args.slots, prefill_chunk=chunk, **cache).warm_up(requests)
         _note(args, f"compiled {compiled} programs; a first pass of {len(requests)} requests on the wall "
-                    f"clock, each policy (about {requests[-1].arrival:.0f} s of arrivals each), then the timed pass")
+                    f"clock, each policy (about {requests[-1].arrival:.0f} s of arrivals each), "
+                    f"then the timed pass")
         for policy in ("static", "continuous"):
             Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=RealClock(), **cache).run(requests)
     reports, compiles = {}, {}

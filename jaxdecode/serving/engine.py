@@ -535,7 +535,8 @@ class Engine:
 
     def _admits_now(self, free: int) -> bool:
         """Whether rows in line may join with ``free`` slots free (continuous: see ``admit_batch``)."""
-        return self.policy == "static" or self.occupied == 0 or free >= min(self.admit_batch, len(self._waiting))
+        need = min(self.admit_batch, len(self._waiting))
+        return self.policy == "static" or not self.occupied or free >= need
 
     def _steps_now(self, decoding, prefill_tokens: int) -> int:
         """Decode steps in this engine step: up to ``decode_steps`` in one device call while no row

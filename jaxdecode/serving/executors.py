@@ -219,8 +219,9 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self._store(self._call(_prefill_insert, self.params, self.cache, self.logits, tokens, lengths, src, dst,
-                                   model=self.model), "cache", "logits")
+            out = self._call(_prefill_insert, self.params, self.cache, self.logits, tokens, lengths, src, dst,
+                             model=self.model)
+            self._store(out, "cache", "logits")
         if more:
             G, K = batch_bucket(len(more)), self._rows_bucket
             C = len(more[0][1])
@@ -233,8 +234,9 @@ class ModelExecutor:
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            self._store(self._call(_extend_insert, self.params, self.cache, self.logits, rows, real, tokens, src,
-                                   dst, model=self.model, span=self.capacity), "cache", "logits")
+            out = self._call(_extend_insert, self.params, self.cache, self.logits, rows, real, tokens, src,
+                             dst, model=self.model, span=self.capacity)
+            self._store(out, "cache", "logits")
 
     multi_step = True  # decode_many runs several steps per call
     asynchronous = True  # decode calls take fetch=False: device arrays back, read when needed
@@ -246,9 +248,9 @@ class ModelExecutor:
         running)."""
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
         rule, keys, row_ids, greedy = self._slot_inputs()
-        out = self._call(_decode_many, self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids,
-                         steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, model=self.model,
-                         span=span, k=k)
+        out = self._call(_decode_many, self.params, self.cache, self.logits, rule, self.rule_state, keys,
+                         row_ids, steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding,
+                         model=self.model, span=span, k=k)
         return self._store(out, None, None, None, "logits", "cache", "rule_state", fetch=fetch)
 
     def decode(self, decoding, steps, lengths, fetch: bool = True):
@@ -400,8 +402,9 @@ class PagedExecutor(ModelExecutor):
             for s in slots:
                 src[i], dst[i] = g, s
                 i += 1
-        self._store(self._call(_paged_forward, self.params, self.pool, self.logits, tab, lengths, tokens, counts,
-                               src, dst, model=self.model), "pool", "logits")
+        out = self._call(_paged_forward, self.params, self.pool, self.logits, tab, lengths, tokens, counts,
+                         src, dst, model=self.model)
+        self._store(out, "pool", "logits")
 
     def decode(self, decoding, steps, lengths, fetch: bool = True):
         raise NotImplementedError("the paged cache decodes through decode_many, in blocks the engine "
