@@ -23,8 +23,9 @@ ALLOWED = {
     "decoding": {"io", "rules", "constraints", "models.base"},
     "speculative": {"io", "rules", "constraints", "decoding"} | INTERFACE,
     "serving": {"io", "rules", "constraints", "decoding", "models.base"},
+    "server": {"io", "rules", "constraints", "decoding", "serving"} | INTERFACE,
     "eval": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving"},
-    "cli": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving", "eval"},
+    "cli": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving", "server", "eval"},
     "": {"io", "rules", "models", "decoding"},  # jaxdecode/__init__.py: the flat API
 }
 # names a layer must not mention at all, even in a lazy import

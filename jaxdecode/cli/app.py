@@ -369,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxdecode.cli.serve import add_serve_bench  # serve-bench: static against continuous batching
 
     add_serve_bench(sub, _seed)
+    from jaxdecode.cli.server import add_serve  # serve: the OpenAI-compatible server
+
+    add_serve(sub)
     return p
 
 

@@ -84,14 +84,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxdecode.decoding.common import Generation, check_int, encode_stop_strings, finish_text, sample_keys
-from jaxdecode.serving.blocks import BlockAllocator, OutOfBlocks
+from jaxdecode.decoding.common import (
+    Generation, check_int, encode_stop_strings, finish_text, sample_keys, stop_string_list)
+from jaxdecode.serving.blocks import BlockAllocator
+from jaxdecode.serving.paging import PagedRows, _admitted
 from jaxdecode.serving.records import (  # noqa: F401
-    DeviceCall, RealClock, Report, RequestResult, StepRecord, cache_stats, percentiles)
+    DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
 from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
-    Request, _Row, _embed, _kind, _kinds_text, _row_settings, best_layout, neutral_rule, rule_parts)
+    TOP_LOGPROBS, Request, _Row, _embed, _kind, _kinds_text, _row_settings, best_layout, neutral_rule, rule_parts)
+from jaxdecode.serving.stream import RequestStream, stop_watch
 from jaxdecode.serving.warmup import warm_up
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
@@ -106,12 +109,15 @@ DEFAULT_PREFILL_CHUNK = 128
 # ----------------------------------------------------------------------------- the engine
 
 
-def _admitted(row) -> tuple[int, int]:
-    """Rows in the order they joined the queue (requests in submission order, then samples)."""
-    return row.req, row.j
+def _cut_stop(text: str, stops: list[str]) -> str:
+    """``text``, which ends with one of ``stops``, without it (the longest that fits)."""
+    for s in sorted(stops, key=len, reverse=True):
+        if text.endswith(s):
+            return text[:-len(s)]
+    return text
 
 
-class Engine:
+class Engine(PagedRows):
     """Serve a stream of :class:`Request` objects with ``slots`` decode slots.
 
     ``policy``: ``"continuous"`` or ``"static"`` (see the module docstring). ``prefill_chunk``:
@@ -211,8 +217,6 @@ class Engine:
         """The rows of request ``i`` (checked; nothing is queued)."""
         if not isinstance(r, Request):
             raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
-        if not isinstance(r.prompt, str) or not r.prompt:
-            raise ValueError(f"request {i}: the prompt must be a non-empty string, got {r.prompt!r}")
         n = check_int(f"request {i}: the number of new tokens n", r.n, 0)
         N = check_int(f"request {i}: num_samples", r.num_samples, 1)
         if not isinstance(r.greedy, (bool, np.bool_)):
@@ -220,9 +224,17 @@ class Engine:
         if isinstance(r.arrival, bool) or not isinstance(r.arrival, (int, float, np.integer, np.floating)) \
                 or not math.isfinite(r.arrival) or r.arrival < 0:
             raise ValueError(f"request {i}: arrival must be a finite time >= 0 seconds, got {r.arrival!r}")
+        if r.constraint is not None:
+            raise ValueError(f"request {i}: constrained requests (regex, choice, JSON schema) are not served "
+                             f"by the engine yet; jaxdecode.generate runs them")
+        top_k = check_int(f"request {i}: top_logprobs", r.top_logprobs, 0)
+        if top_k > TOP_LOGPROBS:
+            raise ValueError(f"request {i}: top_logprobs must be at most {TOP_LOGPROBS}, got {top_k}")
         try:
-            prompt = self.lm.vocab.encode(r.prompt)
+            prompt = self._prompt_tokens(r.prompt)
             stops = encode_stop_strings(self.lm, r.stop)
+            if r.ignore_eos:
+                stops = stops[:len(stops) - len(getattr(self.lm, "end_stops", []))]
             keys, row_ids = sample_keys(1, N, r.seed)
             parts = rule_parts(r.rule)
         except ValueError as e:
@@ -242,8 +254,25 @@ class Engine:
                              f"layout ({_kinds_text(self._layout)}): it must be the layout with parts left out, "
                              f"and only parts with a neutral setting may be left out")
         keys = np.asarray(keys, np.uint32)
-        return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i))
-                for j in row_ids]
+        texts = stop_string_list(r.stop)
+        return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i),
+                     top_k=top_k, watch=stop_watch(self.lm, texts)) for j in row_ids]
+
+    def _prompt_tokens(self, prompt) -> np.ndarray:
+        """A prompt's tokens: a non-empty string encoded, or token ids checked."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt must be a non-empty string")
+            tokens = self.lm.vocab.encode(prompt)
+            if len(tokens) == 0:
+                raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
+            return tokens
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("the prompt must be a non-empty string or a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.V:
+            raise ValueError(f"prompt token ids must lie in [0, {self.V}), got min {ids.min()} max {ids.max()}")
+        return ids.astype(np.int32)
 
     def warm_up(self, requests: Sequence[Request]) -> int:
         """Compile, without running them, the programs serving ``requests`` can take, whatever their
@@ -279,6 +308,8 @@ class Engine:
         while self._pending and self._pending[0][0] <= now:
             t, i = heapq.heappop(self._pending)
             for row in self._rows[i]:
+                if row.finish is not None:
+                    continue  # aborted before it arrived
                 if row.n == 0:
                     row.finish, row.t_done = "length", t
                 else:
@@ -310,109 +341,6 @@ class Engine:
             entries.append((row.slot, row, rules))
         if entries:
             self.executor.admit(entries)
-
-    # --- the paged cache
-    def _reset_cache_stats(self):
-        self.peak_blocks = 0 if self.allocator is None else self.allocator.num_used
-        self.prefix_hit_tokens = 0  # prompt tokens whose keys and values were found in the pool
-        self.block_waits = 0  # admissions refused for too few free blocks
-
-    def _note_peak(self):
-        self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
-
-    def _reserved(self, rows) -> int:
-        """Blocks ``rows`` may still take from the pool before they finish: each its blocks up to
-        ``prompt + n - 1`` positions (the last token is never written), plus one for the copy on
-        write of a shared, partly filled last block."""
-        a, bs = self.allocator, self.allocator.block_size
-        total = 0
-        for r in rows:
-            table, length = a.table(r.seq), a.length(r.seq)
-            cow = length % bs != 0 and a.refcount(table[-1]) > 1
-            total += max(0, a.blocks_for(len(r.prompt) + r.n - 1) - len(table)) + int(cow)
-        return total
-
-    def _place(self, row: _Row, group: dict) -> bool:
-        """Give a row its blocks if the pool can hold it to the end: the prompt's blocks now (shared
-        with a sample of its request admitted in the same call, or cached full prefix blocks), and
-        what it and every running row may still take reserved. False (nothing changed): it waits."""
-        a = self.allocator
-        first = group.get(row.req)
-        if first is not None:  # a sample of the same prompt: share its blocks, copy on write later
-            a.fork(first.seq, row.seq)
-            row.prefilled, row.leader, cached = first.prefilled, first.seq, 0
-        else:
-            try:
-                alloc = a.allocate(row.seq, row.prompt)
-            except OutOfBlocks:
-                return False
-            row.prefilled, row.leader, cached = alloc.cached, row.seq, alloc.cached
-        if self._reserved([r for r in self._slots if r is not None] + [row]) > a.num_free:
-            a.free(row.seq)
-            row.prefilled, row.leader = 0, None
-            return False
-        group.setdefault(row.req, row)
-        self.prefix_hit_tokens += cached
-        self._note_peak()
-        return True
-
-    def _prefill_paged(self) -> int:
-        """One prompt piece (up to ``prefill_chunk`` tokens, from the first position not cached) for
-        every group of rows writing one prompt into the same blocks; returns the tokens run."""
-        groups: dict = {}
-        for row in self._slots:
-            if row is not None and row.prefilled < len(row.prompt):
-                groups.setdefault(row.leader, []).append(row)
-        if not groups:
-            return 0
-        pieces, run, tokens = [], [], 0
-        for leader in sorted(groups, key=lambda g: _admitted(groups[g][0])):
-            rows = groups[leader]
-            start = rows[0].prefilled
-            size = min(self.chunk, len(rows[0].prompt) - start)
-            if self._over_budget(tokens, size):
-                break  # the rest wait for the next step
-            pieces.append(([r.slot for r in rows], start, rows[0].prompt[start:start + size]))
-            run.append(leader)  # piece i is written through the table of run[i]
-            tokens += size
-            for r in rows:
-                r.prefilled = start + size
-        self.executor.prefill_pieces(pieces, self.allocator.tables(run, width=self._width))
-        for leader in run:
-            for r in groups[leader]:  # their full blocks are now written: shareable by later prompts
-                self.allocator.mark_computed(r.seq, r.prefilled)
-        return tokens
-
-    def _over_budget(self, tokens: int, size: int) -> bool:
-        """Whether a piece of ``size`` tokens after ``tokens`` already run this step exceeds the
-        prefill budget (the first piece of a step always runs)."""
-        return self.prefill_budget is not None and tokens > 0 and tokens + size > self.prefill_budget
-
-    def _decode_many_paged(self, decoding, steps, lengths, k: int):
-        """``k`` decode steps in one call on the paged cache: each decoding row first gets blocks
-        for the positions the call writes (its ``k`` tokens, but never its last one: within what
-        :meth:`_reserved` keeps for it)."""
-        a = self.allocator
-        tables = np.zeros((self.S, self._width), np.int32)
-        n = np.zeros((self.S,), np.int32)
-        copies = []
-        slots = np.flatnonzero(decoding)
-        rows = [self._slots[s] for s in slots]
-        for row in rows:  # (positions already reserved for tokens not yet read back stay reserved)
-            copies += a.reserve(row.seq, row.pending + min(k, row.n - 1 - len(row.tokens) - row.pending))
-        tables[slots] = a.tables([row.seq for row in rows], width=self._width)
-        n[slots] = [row.n for row in rows]
-        self._note_peak()
-        return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n, **self._fetch_kw)
-
-    @property
-    def _width(self) -> int:
-        return -(-self.T // self.allocator.block_size)
-
-    def cache_stats(self) -> dict | None:
-        """A paged engine's cache figures since its last :meth:`run` started (None for the dense
-        cache): :func:`~jaxdecode.serving.records.cache_stats`."""
-        return cache_stats(self) if self.paged else None
 
     def _choose_layout(self):
         """For an empty engine: of the chains of the first rows in line that the first row fits,
@@ -465,9 +393,11 @@ class Engine:
         decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
         active = int(decoding.sum())
         k = self._steps_now(decoding, prefill_tokens)
-        rows, out, single = [], None, False
+        rows, out, single, top = [], None, False, None
         if active:
             rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
+            if any(r.top_k for _, r in rows):  # before the call, which consumes the logits (k = 1)
+                top = self.executor.top_logprobs(TOP_LOGPROBS)
             steps = np.zeros((self.S,), np.int32)
             lengths = np.zeros((self.S,), np.int32)
             for s, r in enumerate(self._slots):
@@ -486,7 +416,7 @@ class Engine:
                     self._slots[s] = None
                     if self.paged:
                         self.allocator.free(row.seq)
-        return DeviceCall(start, k, rows, out, single, prefill_tokens, active)
+        return DeviceCall(start, k, rows, out, single, prefill_tokens, active, top)
 
     def _collect(self, call: DeviceCall) -> StepRecord:
         """Read a call's tokens (waiting for it), add them to their rows, end the rows that met a
@@ -494,6 +424,7 @@ class Engine:
         k, stepped, done = call.k, [], []
         if call.rows:
             tokens, mlp, slp = (np.asarray(a)[None] if call.single else np.asarray(a) for a in call.out)
+            top = None if call.top is None else [np.asarray(a) for a in call.top]
         for s, row in call.rows:
             row.pending -= k
             if row.finish is not None:
@@ -503,8 +434,12 @@ class Engine:
                 row.tokens.append(int(tokens[j, s]))
                 row.mlp.append(float(mlp[j, s]))
                 row.slp.append(float(slp[j, s]))
+                if row.top_k:
+                    row.top.append((top[1][s], top[0][s]))
                 hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
                           for stop in row.stops)
+                # a subword row's text can hold a stop string however the model spelled it
+                hit = (row.watch is not None and row.watch.push(row.tokens[-1])) or hit
                 if hit or len(row.tokens) == row.n:
                     row.finish, row.slot = ("stop" if hit else "length"), -1
                     if self._slots[s] is row:
@@ -546,6 +481,8 @@ class Engine:
         after it), else one."""
         if self.decode_steps == 1 or prefill_tokens or not decoding.any():
             return 1
+        if any(r.top_k for r, d in zip(self._slots, decoding) if d):
+            return 1  # top log-probabilities are read from each step's logits before its call
         free = sum(r is None for r in self._slots)
         if self._waiting and free and self._admits_now(free):
             return 1
@@ -576,14 +513,70 @@ class Engine:
         start, self._reported = self._reported, len(self.requests)
         return self.report(range(start, len(self.requests)))
 
-    def _output(self, request, r) -> Generation:
+    def output(self, index: int, sample: int = 0, include_stop: bool = True) -> Generation:
+        """Sample ``sample`` of finished request ``index`` as :func:`jaxdecode.generate` returns it
+        (``include_stop=False``: the stop string that ended it cut from its text)."""
+        request, r = self.requests[index], self._rows[index][sample]
+        if r.finish is None:
+            raise ValueError(f"request {index} has not finished")
         tokens, text, reason = finish_text(self.lm, np.asarray(r.tokens, np.int32), r.finish == "stop",
                                            request.stop)
+        if reason == "stop" and not include_stop:
+            text = _cut_stop(text, stop_string_list(request.stop))
         c = len(tokens)
         return Generation(prompt=request.prompt, text=text, tokens=tokens,
                           model_logprobs=np.asarray(r.mlp[:c], np.float32),
                           sample_logprobs=np.asarray(r.slp[:c], np.float32),
                           finish_reason=reason if r.finish == "stop" or reason == "stop" else r.finish)
+
+    # --- serving requests one at a time: streams, aborts
+    def rows(self, index: int) -> list:
+        """The rows (samples) of request ``index``, as the engine updates them: read-only."""
+        return list(self._rows[index])
+
+    def stream(self, index: int, include_stop: bool = True) -> RequestStream:
+        """Request ``index``'s output as it is generated (:class:`~jaxdecode.serving.stream.RequestStream`)."""
+        return RequestStream(self, index, include_stop)
+
+    def abort(self, index: int) -> None:
+        """End request ``index`` now: its rows leave the queue or their slots (and, paged, give back
+        their blocks) before the next step; their finish reason is ``"abort"``."""
+        self._pending = [(t, i) for t, i in self._pending if i != index]
+        heapq.heapify(self._pending)
+        for row in self._rows[index]:
+            if row.finish is not None:
+                continue
+            row.finish, row.t_done = "abort", self.clock.now()
+            if row in self._waiting:
+                self._waiting.remove(row)
+            if row.slot >= 0 and self._slots[row.slot] is row:
+                self._slots[row.slot] = None
+            row.slot = -1
+            if self.paged and row.seq in self.allocator:
+                self.allocator.free(row.seq)
+
+    def forget(self, index: int) -> None:
+        """Drop finished request ``index``'s rows (a server's engine would otherwise keep every
+        request it ever served)."""
+        if any(r.finish is None for r in self._rows[index]):
+            raise ValueError(f"request {index} has not finished")
+        self._rows[index] = []
+
+    def rows_in_slots(self) -> list:
+        """The rows in the slots now (read-only)."""
+        return [r for r in self._slots if r is not None]
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """KV cache blocks ``(in use, free)``: the paged pool's, or a dense cache's slots (a slot is
+        one block of the window)."""
+        if self.allocator is not None:
+            return self.allocator.num_used, self.allocator.num_free
+        return self.occupied, self.S - self.occupied
+
+    @property
+    def queued(self) -> int:
+        """Rows waiting for a slot or still to arrive."""
+        return len(self._waiting) + sum(len(self._rows[i]) for _, i in self._pending)
 
     def report(self, indices=None) -> Report:
         """The finished requests (default: all) as a :class:`Report`."""
@@ -593,7 +586,7 @@ class Engine:
             rows = self._rows[i]
             if any(r.finish is None for r in rows):
                 raise ValueError(f"request {i} has not finished")
-            outs = [self._output(self.requests[i], r) for r in rows]
+            outs = [self.output(i, j) for j in range(len(rows))]
             firsts = [r.t_first for r in rows if r.t_first is not None]
             results.append(RequestResult(i, self.requests[i], outs, self._arrival[i],
                                          min(firsts) if firsts else None, max(r.t_done for r in rows)))

@@ -108,6 +108,12 @@ def _extend_insert(params, cache, logits, rows, real, tokens, src, dst, *, model
     return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, out[:, -1], src, dst)
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
+def _top_logprobs(logits, *, k):
+    """The ``k`` most probable tokens of each slot's next-token logits: ``(logprobs, ids)`` ``[S, k]``."""
+    return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+
+
 @functools.partial(jax.jit, static_argnames=("V",), donate_argnames=("rule_state",))
 def _init_rule_rows(rule, rule_state, prompt, lengths, dst, *, V):
     """The rule state of new rows (prompts ``[K, T]``) written into slots ``dst``."""
@@ -237,6 +243,11 @@ class ModelExecutor:
             out = self._call(_extend_insert, self.params, self.cache, self.logits, rows, real, tokens, src,
                              dst, model=self.model, span=self.capacity)
             self._store(out, "cache", "logits")
+
+    def top_logprobs(self, k: int):
+        """The model's ``k`` most probable next tokens in every slot, before the next decode call:
+        device arrays ``(logprobs, ids)`` ``[S, k]`` (``k`` at most the vocabulary)."""
+        return self._call(_top_logprobs, self.logits, k=min(k, self.V))
 
     multi_step = True  # decode_many runs several steps per call
     asynchronous = True  # decode calls take fetch=False: device arrays back, read when needed

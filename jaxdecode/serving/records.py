@@ -49,7 +49,7 @@ class DeviceCall:
     single: bool
     prefill_tokens: int
     active: int
-
+    top: tuple | None = None  # the top log-probabilities (values, ids) [S, TOP_LOGPROBS] before its step
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:

@@ -26,10 +26,13 @@ class Request:
     :func:`jaxdecode.generate`). ``rule``: a :mod:`jaxdecode.rules` rule or chain, or None; its
     settings are scalars or one per sample (``[num_samples]``). ``greedy``: the argmax of the
     processed logits. ``stop``: a string or strings ending a sample once generated (included in
-    its text). ``arrival``: seconds after the start of :meth:`Engine.run`.
+    its text). ``arrival``: seconds after the start of :meth:`Engine.run`. ``prompt`` may also be
+    token ids. ``top_logprobs``: for each generated token, the model's ``top_logprobs`` most
+    probable tokens and their log-probabilities (at most :data:`TOP_LOGPROBS`). ``ignore_eos``:
+    the model's end tokens do not end a sample.
     """
 
-    prompt: str
+    prompt: str | Sequence[int]
     n: int
     seed: int = 0
     num_samples: int = 1
@@ -37,6 +40,12 @@ class Request:
     greedy: bool = False
     stop: str | Sequence[str] | None = None
     arrival: float = 0.0
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    constraint: Any = None  # a jaxdecode.constraints.Constraint every sample's text must match
+
+
+TOP_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,6 +70,9 @@ class _Row:
     finish: str | None = None
     t_first: float | None = None
     t_done: float | None = None
+    top_k: int = 0  # top log-probabilities asked for
+    top: list = dataclasses.field(default_factory=list)  # per token: (ids, logprobs) [TOP_LOGPROBS]
+    watch: Any = None  # a subword row's stop-string check on its text (stream.StopWatch), or None
 
     @property
     def length(self) -> int:

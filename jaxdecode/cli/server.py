@@ -1,0 +1,113 @@
+"""``jaxdecode serve``: the OpenAI-compatible server (``docs/server.md``) on a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def add_serve(sub) -> None:
+    """Register ``serve`` on the subcommand set ``sub``."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
+    s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
+                        "network, with --api-key)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the checkpoint folder's name)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $JAXDECODE_API_KEY, "
+                        "or none)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (default: the checkpoint's own, if it has one)")
+    s.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="refuse new requests with 429 while N rows wait for a slot (default: no limit)")
+    s.add_argument("--slots", type=int, default=32, metavar="S", help="decode slots: rows generated at once "
+                                                                       "(default 32)")
+    s.add_argument("--cache", choices=("dense", "paged"), default="dense",
+                   help="the KV cache: one row of the window per slot, or a pool of blocks (default dense)")
+    s.add_argument("--num-blocks", type=int, default=None, metavar="B",
+                   help="--cache paged: blocks in the pool (default: slots x window / block size)")
+    s.add_argument("--block-size", type=int, default=16, metavar="P",
+                   help="--cache paged: positions per block (default 16)")
+    s.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
+                   help="how the KV cache stores keys and values (default float32)")
+    s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens a row reads per engine step (default 128)")
+    s.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                   help="the most prompt tokens all rows read in one engine step (default: no limit)")
+    s.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                   help="up to K decode steps per device call while no request waits (default 1)")
+    s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype of a Hugging Face checkpoint (default float32)")
+    s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="the server's log level (default warning)")
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args):
+    import uvicorn
+
+    from jaxdecode.cli.common import UsageError, _load
+    from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine
+    from jaxdecode.server.app import Server, build_app
+    from jaxdecode.server.chat import ChatTemplateError, load_chat_template
+    from jaxdecode.server.handlers import server_layout
+
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise UsageError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    lm = _load(args)
+    try:
+        template = load_chat_template(args.ckpt, args.chat_template) if args.ckpt or args.chat_template \
+            else None
+    except ChatTemplateError as e:
+        raise UsageError(str(e)) from None
+    try:
+        engine = Engine(lm, args.slots, layout=server_layout(lm.decoder.V), cache=args.cache,
+                        num_blocks=args.num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                        prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                        prefill_budget=args.prefill_budget, decode_steps=args.decode_steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.ckpt)) if args.ckpt
+                                      else "shakespeare-char")
+    server = Server(lm, engine, model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
+                    chat_template=template, max_waiting=args.max_waiting)
+    app = build_app(server)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=None)
+    _Uvicorn(config, server).run()
+    print("jaxdecode: server stopped", flush=True)
+    return 0
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        """uvicorn's server that, on SIGINT or SIGTERM, answers new requests with 503 while the ones
+        in flight finish, and prints its address once it listens."""
+
+        def __init__(self, config, jd_server):
+            super().__init__(config)
+            self.jd = jd_server
+
+        def handle_exit(self, sig, frame):
+            self.jd.draining = True
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.servers and self.servers[0].sockets:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"jaxdecode: serving '{self.jd.name}' at http://{host}:{port}/v1", flush=True)
+
+    return Draining
+
+
+def _Uvicorn(config, server):
+    return _uvicorn_server()(config, server)

@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an :class:`EngineRunner` (``docs/server.md``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. Every error is OpenAI's error JSON (:class:`~jaxdecode.server.protocol.APIError`),
+and the server keeps serving after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from jaxdecode.server.metrics import Metrics
+from jaxdecode.server.protocol import APIError, refuse_unsupported
+from jaxdecode.server.runner import EngineRunner
+
+log = logging.getLogger("jaxdecode.server")
+MAX_BODY = 4 << 20  # bytes
+
+
+class Server:
+    """The state the routes share: the model, its engine's runner, the chat template, limits."""
+
+    def __init__(self, lm, engine, *, model_name: str, api_key: str | None = None, chat_template=None,
+                 max_waiting: int | None = None):
+        self.lm, self.engine, self.name = lm, engine, model_name
+        self.api_key, self.template, self.max_waiting = api_key, chat_template, max_waiting
+        self.metrics = Metrics()
+        self.runner = EngineRunner(engine, self.metrics)
+        self.draining = False
+        self.T, self.V = engine.T, engine.V
+
+    # --- checks every generation request passes
+    def admit(self, body):
+        if body.model is not None and body.model != self.name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+        refuse_unsupported(body)
+        if self.max_waiting is not None and self.runner.waiting + self.runner.queued >= self.max_waiting:
+            raise APIError(429, f"the server's queue is full ({self.max_waiting} waiting); retry shortly",
+                           headers={"Retry-After": "1"})
+
+    def encode(self, text: str, special: bool = True):
+        vocab = self.lm.vocab
+        try:
+            if not special and hasattr(vocab, "subword"):
+                return vocab.encode(text, add_special_tokens=False)
+            return vocab.encode(text)
+        except ValueError as e:
+            raise APIError(400, f"the prompt cannot be encoded: {e}", param="prompt") from None
+
+
+def build_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.runner.start()
+        yield
+        server.runner.stop()
+
+    app = FastAPI(title="jaxdecode", lifespan=lifespan, max_body_size=MAX_BODY)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def gate(request: HTTPRequest, call_next):
+        if server.draining:
+            return _error(APIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
+        if server.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                return _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                       code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {err.get('msg')}"
+            if "input" in err and err.get("type") != "missing":
+                message += f" (got {json.dumps(err['input'], default=str)[:100]})"
+        param = None if err.get("type") == "json_invalid" else ".".join(loc) or None
+        return _error(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        status = e.status_code
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed here",
+                   413: f"the request body is larger than the server's limit of {MAX_BODY} bytes"}.get(
+                       status, str(e.detail))
+        return _error(APIError(status, message))
+
+    @app.exception_handler(Exception)
+    async def crashed(request, e: Exception):
+        log.exception("unexpected error")
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health():
+        if not server.runner.alive:
+            raise APIError(503, "the engine thread is not running")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
+                                            "owned_by": "jaxdecode", "max_model_len": server.T}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    from jaxdecode.server.routes import chat_completions, completions  # the two generation endpoints
+
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
+    return app
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

@@ -1,0 +1,190 @@
+"""What the two generation endpoints share: a request's fields turned into engine requests, the
+engine's deltas gathered or streamed back, and the response bodies of completions and chat in
+OpenAI's schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+
+from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
+from jaxdecode.rules import RuleError, make_rule
+from jaxdecode.serving.engine import Request
+from jaxdecode.server.protocol import APIError
+from jaxdecode.server.runner import FINISHED, Handle
+
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
+# the server's rule layout: every kind a request may set, in make_rule's order, each with the setting
+# that leaves the logits exactly unchanged; a request's own chain is this one with parts left out, so
+# every request fits every batch (no batch waits to drain for a request with other settings)
+NEUTRAL = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, temperature=1.0,
+               top_p=1.0, min_p=0.0)
+
+
+def server_layout(V: int):
+    return make_rule(top_k=V, **NEUTRAL)
+
+
+def sampling(body, V: int) -> dict:
+    """The engine settings of a request's sampling fields: ``rule``, ``greedy`` and ``seed``."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    greedy = temperature == 0.0
+    settings = dict(
+        repetition_penalty=None if body.repetition_penalty in (None, 1.0) else body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty or None, presence_penalty=body.presence_penalty or None,
+        temperature=None if greedy or temperature == 1.0 else temperature,
+        top_k=body.top_k if body.top_k not in (None, -1, 0) and body.top_k < V else None,
+        top_p=None if body.top_p in (None, 1.0) else body.top_p,
+        min_p=body.min_p or None)
+    try:
+        rule = make_rule(**settings)
+    except (RuleError, ValueError) as e:
+        raise APIError(400, str(e)) from None
+    seed = secrets.randbelow(2**31) if body.seed is None else body.seed
+    return dict(rule=rule, greedy=greedy, seed=seed)
+
+
+def stops(body) -> list[str]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "a stop string must not be empty", param="stop")
+    return stop
+
+
+def constraint(body, vocab):
+    """The request's structured-output constraint (``response_format`` or vLLM's ``guided_*``), or None."""
+    asked = [(name, value) for name, value in (("guided_regex", body.guided_regex),
+                                              ("guided_choice", body.guided_choice),
+                                              ("guided_json", body.guided_json)) if value is not None]
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"type": "object"}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        asked.append(("response_format", fmt.json_schema.schema_))
+    if len(asked) > 1:
+        raise APIError(400, f"give one structured-output field, got {', '.join(n for n, _ in asked)}",
+                       param=asked[1][0])
+    if not asked:
+        return None
+    name, value = asked[0]
+    try:
+        if name == "guided_regex":
+            return compile_regex(value, vocab)
+        if name == "guided_choice":
+            if not value:
+                raise APIError(400, "guided_choice needs at least one choice", param=name)
+            return compile_choices(value, vocab)
+        return compile_json_schema(json.dumps(value) if isinstance(value, dict) else value, vocab)
+    except (ConstraintError, ValueError) as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+
+
+def check_window(prompt_len: int, n: int, T: int, field: str):
+    if prompt_len + n > T:
+        raise APIError(400, f"this model's context window is {T} tokens, but {prompt_len + n} were asked for: "
+                            f"{prompt_len} in the prompt and {n} for the completion ({field}); lower {field} "
+                            f"or shorten the prompt", param=field, code="context_length_exceeded")
+
+
+class Job:
+    """The engine requests of one HTTP request, their deltas merged into one queue."""
+
+    def __init__(self, runner, requests: list[Request], include_stop: bool):
+        self.runner, self.loop = runner, asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handles = [_Tagged(self.loop, self.queue, k) for k in range(len(requests))]
+        self.requests = requests
+        self.include_stop = include_stop
+        self.open = len(requests)
+
+    async def start(self):
+        """Submit every request and wait until the engine accepted them (an APIError if not)."""
+        for r, h in zip(self.requests, self.handles):
+            self.runner.submit(r, h, self.include_stop)
+        accepted, error = 0, None
+        while accepted < len(self.handles):
+            k, item = await self.queue.get()
+            if item == FINISHED:  # (a request that failed also ends its stream)
+                self.open -= 1
+                continue
+            kind, value = item
+            if kind == "error":
+                error = error or value
+                self.open -= 1
+            accepted += 1
+        if error is not None:
+            self.abort()
+            raise APIError(400, str(error)) if isinstance(error, ValueError) else error
+
+    async def deltas(self):
+        """``(request k, [Delta])`` until every request finished."""
+        while self.open:
+            k, item = await self.queue.get()
+            if item == FINISHED:
+                self.open -= 1
+            elif isinstance(item, tuple) and item[0] == "error":
+                raise APIError(500, f"generation failed: {item[1]}")
+            else:
+                yield k, item
+
+    def abort(self):
+        for h in self.handles:
+            self.runner.abort(h)
+
+
+class _Tagged(Handle):
+    def __init__(self, loop, queue, tag):
+        self.loop, self.queue, self.tag = loop, queue, tag
+        self.index, self.aborted = None, False
+
+    def put(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, item))
+
+
+async def until_disconnected(request) -> None:
+    """Returns when the client has gone (the ASGI server's ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def gather(job: Job, request) -> list:
+    """Every delta of a non-streamed job, or None (and the job aborted) if the client left first."""
+    out = []
+
+    async def collect():
+        async for k, deltas in job.deltas():
+            out.append((k, deltas))
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        job.abort()
+        return None
+    work.result()
+    return out
+
+
+def ids(prefix: str) -> tuple[str, int]:
+    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+
+def token_text(vocab, token: int) -> tuple[str, list[int]]:
+    """A token's text alone and its bytes (a byte-level token holding part of a character shows
+    U+FFFD in its text; its bytes are exact)."""
+    if hasattr(vocab, "token_bytes"):
+        b = vocab.token_bytes(token)
+        return b.decode("utf-8", errors="replace"), list(b)
+    s = vocab.decode([token])
+    return s, list(s.encode("utf-8"))

@@ -1,0 +1,53 @@
+"""The server's Prometheus metrics (``GET /metrics``), one registry per server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# latency buckets in seconds: from a fraction of a millisecond (a cached step) to a minute
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+            60.0)
+
+
+class Metrics:
+    """Requests running and waiting, KV blocks in use and free, prompt and generated token
+    counters, and histograms of time to first token and time per output token."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        p = "jaxdecode_"
+        self.running = Gauge(p + "requests_running", "Requests with a row in a decode slot", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests waiting for a decode slot", registry=r)
+        self.blocks_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.blocks_free = Gauge(p + "kv_blocks_free", "KV cache blocks free", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens read", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter(p + "requests", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Submission to first token",
+                              buckets=_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_BUCKETS, registry=r)
+
+    # called from the engine's thread
+    def observe(self, runner):
+        self.running.set(runner.running)
+        self.waiting.set(runner.waiting + runner.engine.queued)
+        used, free = runner.engine.kv_blocks()
+        self.blocks_used.set(used)
+        self.blocks_free.set(free)
+
+    def prompt(self, tokens: int):
+        self.prompt_tokens.inc(tokens)
+
+    def generated(self, tokens: int):
+        self.generation_tokens.inc(tokens)
+
+    def first_token(self, seconds: float):
+        self.ttft.observe(seconds)
+
+    def per_token(self, seconds: float):
+        self.tpot.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""The engine's owner: one thread that alone touches the engine and the device, fed by the
+server's event loop through an inbox, handing each request's deltas back to the loop.
+
+The event loop never blocks on the engine: :meth:`EngineRunner.submit` and :meth:`abort` only put
+a command in the inbox and wake the thread, and the thread answers through
+``loop.call_soon_threadsafe`` into each request's :class:`asyncio.Queue`. An idle engine waits
+on a condition variable (it does not spin). A request is aborted in the engine at the thread's
+next turn, that is within one engine step of the client leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+
+from jaxdecode.serving.engine import Request
+
+log = logging.getLogger("jaxdecode.server")
+
+FINISHED = "finished"  # the last item of a handle's queue
+
+
+class Handle:
+    """One submitted request as the event loop sees it: ``queue`` receives ``("accepted", index)``
+    or ``("error", exception)`` first, then lists of :class:`~jaxdecode.serving.stream.Delta`, then
+    ``FINISHED``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.index: int | None = None
+        self.aborted = False
+
+    def put(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Active:
+    __slots__ = ("handle", "stream", "submitted", "first", "last", "tokens")
+
+    def __init__(self, handle, stream, submitted):
+        self.handle, self.stream, self.submitted = handle, stream, submitted
+        self.first = self.last = None
+        self.tokens = 0
+
+
+class EngineRunner:
+    """Drive ``engine`` from a thread of its own (see the module docstring). ``metrics``: an
+    object with ``observe(runner)``, ``prompt(tokens)``, ``generated(tokens)``, ``first_token(s)``
+    and ``per_token(s)`` (:class:`jaxdecode.server.metrics.Metrics`), or None."""
+
+    def __init__(self, engine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        self._inbox: deque = deque()
+        self._cv = threading.Condition()
+        self._active: dict[int, _Active] = {}
+        self._stopping = False
+        self.waiting = 0  # requests not yet in a slot (read by the event loop for admission control)
+        self.running = 0  # requests with a row in a slot
+        self._thread = threading.Thread(target=self._loop, name="jaxdecode-engine", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0):
+        """Finish what is running, then end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: Request, handle: Handle, include_stop: bool = False):
+        with self._cv:
+            self.waiting += 1
+            self._inbox.append(("submit", request, handle, include_stop))
+            self._cv.notify()
+
+    def abort(self, handle: Handle):
+        with self._cv:
+            handle.aborted = True
+            self._inbox.append(("abort", handle))
+            self._cv.notify()
+
+    # --- the thread
+    def _loop(self):
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._active and not self._stopping:
+                    self._cv.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                if self._stopping and not commands and not self._active:
+                    return
+            for command in commands:
+                self._command(command)
+            if self._active:
+                try:
+                    engine.step()
+                except Exception as e:  # the device call failed: end every request, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+            self._hand_out()
+
+    def _command(self, command):
+        if command[0] == "submit":
+            _, request, handle, include_stop = command
+            self.waiting -= 1
+            if handle.aborted:
+                return
+            try:
+                index = self.engine.submit(request)
+            except ValueError as e:
+                handle.put(("error", e))
+                return
+            handle.index = index
+            self._active[index] = _Active(handle, self.engine.stream(index, include_stop), time.perf_counter())
+            if self.metrics is not None:
+                self.metrics.prompt(len(self.engine.rows(index)[0].prompt))
+            handle.put(("accepted", index))
+        else:
+            handle = command[1]
+            if handle.index is not None and handle.index in self._active:
+                self.engine.abort(handle.index)
+
+    def _hand_out(self):
+        now = time.perf_counter()
+        for index, entry in list(self._active.items()):
+            deltas = entry.stream.poll()
+            if deltas:
+                new = sum(len(d.tokens) for d in deltas)
+                if new:
+                    if entry.first is None:
+                        entry.first = now
+                        if self.metrics is not None:
+                            self.metrics.first_token(now - entry.submitted)
+                    entry.last, entry.tokens = now, entry.tokens + new
+                    if self.metrics is not None:
+                        self.metrics.generated(new)
+                entry.handle.put(deltas)
+            if entry.stream.finished:
+                if self.metrics is not None and entry.first is not None and entry.tokens > 1:
+                    self.metrics.per_token((entry.last - entry.first) / (entry.tokens - 1))
+                entry.handle.put(FINISHED)
+                self.engine.forget(index)
+                del self._active[index]
+        self.running = len({r.req for r in self.engine.rows_in_slots()})
+        if self.metrics is not None:
+            self.metrics.observe(self)
+
+    def _fail_all(self, error: Exception):
+        for index, entry in list(self._active.items()):
+            self.engine.abort(index)
+            entry.handle.put(("error", error))
+            entry.handle.put(FINISHED)
+            entry.stream.done = [True] * len(entry.stream.done)
+            self.engine.forget(index)
+            del self._active[index]
