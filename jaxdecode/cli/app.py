@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxdecode.cli.server import add_serve  # serve: the OpenAI-compatible server
 
     add_serve(sub)
+    from jaxdecode.cli.chat import add_chat  # chat: an interactive conversation
+
+    add_chat(sub, _seed)
     return p
 
 
