@@ -1,0 +1,177 @@
+"""The server against the in-process engine on the same requests: throughput, time to first token
+and inter-token latency (p50, p99), with Poisson arrivals up to saturation.
+
+    python scripts/bench_server.py --out docs/bench_server.json [--ckpt FOLDER] [--slots 32]
+
+For each arrival rate, the same requests (prompts, lengths, seeds) are served twice:
+
+- **engine**: ``Engine.run`` in this process, each request arriving at its time (the engine's own
+  clock), with the server's settings (the same slots and rule layout);
+- **server**: ``jaxdecode serve`` in a subprocess on 127.0.0.1, one streaming HTTP client per
+  request (httpx, asyncio) sent at its arrival time; a token's time is when its chunk arrives.
+
+Then ``--clients`` (default 256) concurrent streaming clients at once, each checked to complete
+with no error. Every loop is bounded in count and time. The server is started and stopped here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPTS = ["ROMEO:\nIs the day so young? ", "JULIET:\nWhat's in a name? That which we call a rose ",
+           "KING RICHARD II:\nNo matter where; of comfort no man speak: ", "MENENIUS:\nWhat work's, my countrymen, ",
+           "First Citizen:\nBefore we proceed any further, hear me speak. ", "DUKE VINCENTIO:\nBe absolute for death; ",
+           "LADY CAPULET:\nWell, think of marriage now; ", "GLOUCESTER:\nNow is the winter of our discontent "]
+
+
+def make_requests(count: int, rate: float, seed: int, n_range=(32, 128)):
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, count) if rate > 0 else np.zeros(count)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [dict(i=i, prompt=PROMPTS[i % len(PROMPTS)], n=int(rng.integers(*n_range)),
+                 seed=int(rng.integers(1 << 30)), arrival=float(arrivals[i])) for i in range(count)]
+
+
+def engine_run(lm, reqs, slots: int) -> dict:
+    from jaxdecode.serving.engine import Engine, Request
+    from jaxdecode.server.handlers import server_layout
+
+    engine = Engine(lm, slots, layout=server_layout(lm.decoder.V))
+    engine.run([Request(r["prompt"], r["n"], seed=r["seed"]) for r in reqs[:slots]])  # warm
+    report = engine.run([Request(r["prompt"], r["n"], seed=r["seed"], arrival=r["arrival"]) for r in reqs])
+    res = report.results
+    tokens = sum(r.tokens for r in res)
+    span = max(r.finish for r in res) - min(r.arrival for r in res)
+    itl = []
+    for r in res:  # the engine records a request's first and last token; inter-token: their mean gap
+        if r.tpot is not None:
+            itl.append(r.tpot)
+    return {"tokens": tokens, "seconds": span, "throughput": tokens / span,
+            "ttft": _pct([r.ttft for r in res]), "itl_mean_per_request": _pct(itl),
+            "texts": [g.text for r in res for g in r.outputs]}
+
+
+def _pct(values) -> dict:
+    v = [x for x in values if x is not None]
+    return {"p50": float(np.percentile(v, 50)) if v else None, "p99": float(np.percentile(v, 99)) if v else None}
+
+
+async def _client(http, base, r, t0, out, timeout):
+    import httpx
+
+    await asyncio.sleep(max(0.0, t0 + r["arrival"] - time.perf_counter()))
+    sent = time.perf_counter()
+    times, text, error = [], "", None
+    body = {"prompt": r["prompt"], "max_tokens": r["n"], "seed": r["seed"], "stream": True}
+    try:
+        async with http.stream("POST", f"{base}/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    piece = json.loads(line[6:])["choices"][0]["text"]
+                    if piece:
+                        times.append(time.perf_counter())
+                        text += piece
+    except (httpx.HTTPError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+    out.append({"sent": sent, "times": times, "text": text, "error": error, "i": r["i"]})
+
+
+async def _load(base, reqs, timeout, limit):
+    import httpx
+
+    out: list = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as http:
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*[_client(http, base, r, t0, out, timeout) for r in reqs]),
+                               timeout=timeout)
+    return out
+
+
+def server_run(base, reqs, timeout=600.0, limit=512) -> dict:
+    out = asyncio.run(_load(base, reqs, timeout, limit))
+    errors = [o["error"] for o in out if o["error"]]
+    done = [o for o in out if not o["error"] and o["times"]]
+    tokens = sum(len(o["times"]) for o in done)  # one chunk per token on the character model
+    span = max(o["times"][-1] for o in done) - min(o["sent"] for o in done)
+    itl = [b - a for o in done for a, b in zip(o["times"], o["times"][1:])]
+    return {"tokens": tokens, "seconds": span, "throughput": tokens / span, "errors": len(errors),
+            "first_errors": errors[:3], "ttft": _pct([o["times"][0] - o["sent"] for o in done]),
+            "itl": _pct(itl), "texts": {o["i"]: o["text"] for o in out}}
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "jaxdecode.cli", "serve", "--port", "0", "--slots", str(args.slots)]
+    cmd += ["--ckpt", args.ckpt] if args.ckpt else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if "serving" in line and "http://" in line:
+            return proc, line.strip().split(" at ")[-1]
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--rates", default="2,8,0", help="arrival rates per second; 0: all at once (saturation)")
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_server.json")
+    args = p.parse_args()
+    import jaxdecode
+
+    lm = jaxdecode.load(args.ckpt)
+    proc, base = start_server(args)
+    rows = []
+    try:
+        server_run(base, make_requests(args.slots, 0, args.seed + 99))  # warm the server's programs
+        for rate in [float(x) for x in args.rates.split(",")]:
+            reqs = make_requests(args.requests, rate, args.seed)
+            eng = engine_run(lm, reqs, args.slots)
+            srv = server_run(base, reqs)
+            same = sum(srv["texts"].get(r["i"]) == t for r, t in zip(reqs, eng["texts"]))
+            eng.pop("texts"), srv.pop("texts")
+            rows.append({"rate": rate, "engine": eng, "server": srv, "same_texts": same, "requests": len(reqs),
+                         "throughput_ratio": srv["throughput"] / eng["throughput"],
+                         "ttft_p50_gap_ms": 1e3 * (srv["ttft"]["p50"] - eng["ttft"]["p50"])})
+            print(json.dumps(rows[-1]), flush=True)
+        many = server_run(base, make_requests(args.clients, 0, args.seed + 7, (16, 48)))
+        many.pop("texts")
+        clients = {"clients": args.clients, **many}
+        print(json.dumps(clients), flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "load_before": os.getloadavg(), "ckpt": args.ckpt or "shakespeare-char", "slots": args.slots,
+              "rates": rows, "concurrent_clients": clients, "server_exit_code": code}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
