@@ -468,9 +468,9 @@ def test_no_cache_copy_in_the_step_loop(backend):
     batch = S.make_batch([np.array([1, 2, 3])] * B, 10, model.V, model.T)
     logits, cache = S._prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=model, capacity=C)
     state = S.SamplingState(logits, jnp.asarray(batch.recent), jnp.asarray(batch.length), None,
-                            jnp.zeros((B,), bool), jnp.full((B, 1), -1, jnp.int32), jnp.int32(0))
+                            jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jnp.int32(0))
     hlo = S._cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), jnp.zeros((B,), jnp.uint32), None,
-                               None, np.int32(10), model=model, chunk=16, greedy=False).compile(
+                               np.int32(10), model=model, chunk=16, greedy=False).compile(
         compiler_options=LIBRARY_COMPILER).as_text()
     assert _loop_body_ops(hlo, f"f32[{B},{cfg.heads},{C},{cfg.head_dim}]") == []
     assert ("jaxdecode_decode_layer" in hlo) == (backend == "native")

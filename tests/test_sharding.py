@@ -281,7 +281,7 @@ def test_four_devices_equal_one(launched):
             replicated(leaf)
         for leaf in chunk["in"]["cache"]:  # KV cache: rows split; their lengths too
             split(leaf, cache_axis if len(leaf["shape"]) > 1 else 0, rows)
-        for f in ("logits", "recent", "length", "done", "tail"):
+        for f in ("logits", "recent", "length", "done", "stop_state"):
             [leaf] = chunk["state_fields"][f]
             split(leaf, 0, rows)
         [step] = chunk["state_fields"]["step"]

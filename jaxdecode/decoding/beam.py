@@ -52,14 +52,13 @@ from jaxdecode.decoding.common import (
     SPAN_BUCKET,
     check_int,
     encode_prompts,
-    encode_stop_strings,
-    encode_stops,
     finish_text,
     make_batch,
     pad_rule,
     push_recent,
     round_up,
 )
+from jaxdecode.decoding.stops import StopAutomaton, as_automaton, stop_automaton, stops_after
 from jaxdecode.models.base import DecodingModel
 from jaxdecode.decoding.search import SearchBudgetExceeded, mode_search
 
@@ -122,7 +121,7 @@ class BeamState(NamedTuple):
     live_tokens: jax.Array  # [B, k, N] generated tokens, real up to ``step``
     recent: jax.Array  # [B*k, T] the last T tokens of each beam, left-aligned
     length: jax.Array  # [B*k] tokens so far (prompt + generated), may exceed T
-    tail: jax.Array  # [B*k, S] the last S generated tokens (for stop strings), -1 = none yet
+    stop_state: jax.Array  # [B*k] int32 each beam's state in the stop automaton (:mod:`.stops`)
     rule_state: Any  # the rule's state, leaves [B*k, ...]
     fin_score: jax.Array  # [B, k] length-normalized scores of finished hypotheses, best first
     fin_logprob: jax.Array  # [B, k] their unmodified model log-probabilities
@@ -133,7 +132,7 @@ class BeamState(NamedTuple):
     cstate: Any = None  # [B*k] int32 each beam's automaton state (constrained search), else None
 
 
-def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int, cstate=None) -> BeamState:
+def beam_init(logits, recent, length, rule_state, k: int, N: int, cstate=None) -> BeamState:
     """The state before the first step: one live beam per row (the prompt), k-1 empty ones.
 
     ``logits`` [B, V], ``recent`` [B, T], ``length`` [B], ``rule_state`` and ``cstate`` (the
@@ -145,7 +144,7 @@ def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int, cstate
     return BeamState(
         logits=rep(logits), live_score=score, live_logprob=score,
         live_tokens=jnp.zeros((B, k, N), jnp.int32), recent=rep(recent), length=rep(length),
-        tail=jnp.full((B * k, S), -1, jnp.int32), rule_state=jax.tree_util.tree_map(rep, rule_state),
+        stop_state=jnp.zeros((B * k,), jnp.int32), rule_state=jax.tree_util.tree_map(rep, rule_state),
         fin_score=jnp.full((B, k), NEG_INF), fin_logprob=jnp.full((B, k), NEG_INF),
         fin_tokens=jnp.zeros((B, k, N), jnp.int32), fin_length=jnp.zeros((B, k), jnp.int32),
         done=jnp.zeros((B,), bool), step=jnp.int32(0), cstate=None if cstate is None else rep(cstate))
@@ -154,29 +153,16 @@ def beam_init(logits, recent, length, rule_state, k: int, N: int, S: int, cstate
 # ----------------------------------------------------------------------------- one step
 
 
-def _ends(tail, stops, stop_lens, V: int):
-    """[B*k, V] bool: appending token v to the beam completes one of the stop sequences.
-
-    ``tail`` [B*k, S] holds the last S generated tokens; ``stops`` [n_stops, S] right-aligned.
-    """
-    S = stops.shape[1]
-    pos = jnp.arange(S - 1)[None, :]  # [1, S-1] positions of the new tail before its last token
-    relevant = pos >= (S - stop_lens)[:, None]  # [n_stops, S-1]
-    prefix = (tail[:, None, 1:] == stops[None, :, :-1]) | ~relevant[None]  # [B*k, n_stops, S-1]
-    prefix = jnp.all(prefix, axis=-1) & (stop_lens > 0)[None]  # [B*k, n_stops]
-    last = stops[:, -1][:, None] == jnp.arange(V)[None, :]  # [n_stops, V]
-    return jnp.any(prefix[:, :, None] & last[None], axis=1)
-
-
 def _write_token(tokens, token, step):
     """tokens [B, k, N] with ``token`` [B, k] written at position ``step``."""
     return jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, step))
 
 
-def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: int, con=None):
+def _select(st: BeamState, rule, stops, alpha, max_len, active, T: int, con=None):
     """Extend every live beam by every token and keep the best; returns (state, parent, token).
 
-    ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search,
+    ``stops`` the :class:`~jaxdecode.decoding.stops.StopTable` (or None) that ``st.stop_state``
+    walks: a candidate whose token stops its beam finishes (with that token). ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search,
     ``con`` the :class:`~jaxdecode.constraints.Automaton` (or None) that ``st.cstate`` walks.
     """
     B, k = st.live_score.shape
@@ -202,11 +188,12 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
     new_len = st.step + 1  # generated length of every candidate
 
     if stops is not None:
-        ends = _ends(st.tail, stops, stop_lens, V)
-        if con is not None:  # a stop string ends a hypothesis only inside the language
-            ends = ends & (nxt >= 0) & con.final[jnp.maximum(nxt, 0)]
-        ends = unflatten_beams(ends, k)  # [B, k, V]
-        live_cand = jnp.where(ends, NEG_INF, cand).reshape(B, k * V)
+        hits = unflatten_beams(stops_after(stops, st.stop_state), k)  # [B, k, V]
+        ends = hits
+        if con is not None:  # a stop string ends a hypothesis only inside the language (elsewhere
+            # the candidate is dropped: its text would end at the stop string, outside the language)
+            ends = hits & unflatten_beams((nxt >= 0) & con.final[jnp.maximum(nxt, 0)], k)
+        live_cand = jnp.where(hits, NEG_INF, cand).reshape(B, k * V)
     else:
         live_cand = cand.reshape(B, k * V)
     score, idx = jax.lax.top_k(live_cand, k)  # [B, k], best first
@@ -217,10 +204,11 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
     live_tokens = _write_token(gather_beams(st.live_tokens, parent), token, st.step)
     logprob = jnp.take_along_axis(cand_raw, idx, axis=1)
     flat_token = flatten_beams(token)
-    rows = gather_flat((st.recent, st.length, st.tail, st.rule_state), parent)
-    recent, length, tail, rule_state = rows
+    rows = gather_flat((st.recent, st.length, st.stop_state, st.rule_state), parent)
+    recent, length, stop_state, rule_state = rows
     recent = push_recent(recent, length, flat_token, T)
-    tail = jnp.concatenate([tail[:, 1:], flat_token[:, None]], axis=1)
+    if stops is not None:  # (a live beam never reaches the accepting state: that candidate finished)
+        stop_state = stops.table[stop_state, flat_token]
     if rule is not None:
         rule_state = rule.update(rule_state, flat_token)
     cstate = st.cstate
@@ -258,7 +246,7 @@ def _select(st: BeamState, rule, stops, stop_lens, alpha, max_len, active, T: in
         done = done | (bound < fin[0][:, -1]) | (score[:, 0] == NEG_INF)
 
     new = st._replace(live_score=score, live_logprob=logprob, live_tokens=live_tokens,
-                      recent=recent, length=length + 1, tail=tail, rule_state=rule_state,
+                      recent=recent, length=length + 1, stop_state=stop_state, rule_state=rule_state,
                       fin_score=fin[0], fin_logprob=fin[1], fin_tokens=fin[2], fin_length=fin[3],
                       done=done, step=st.step + 1, cstate=cstate)
     return new, parent, flat_token
@@ -269,14 +257,14 @@ def _keep_if_active(active, new, old):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "span", "chunk"), donate_argnames=("cache",))
-def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, alpha, max_len, step_end, con=None,
+def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, alpha, max_len, step_end, con=None,
                       *, model: DecodingModel, span: int, chunk: int):
     """``chunk`` beam steps reading the cache's first ``span`` positions; steps >= step_end are no-ops."""
 
     def body(carry, _):
         st, cache = carry
         active = st.step < step_end
-        new, parent, token = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T, con)
+        new, parent, token = _select(st, rule, stops, alpha, max_len, active, model.T, con)
         cache = model.reorder(cache, _beam_rows(parent), span)
         logits, _, cache = model.extend(params, cache, token[:, None], span=span, in_place=False)
         # an inactive step leaves the state as it was (its cache write lands past the valid length)
@@ -288,13 +276,13 @@ def _beam_cache_chunk(params, state: BeamState, cache, rule, stops, stop_lens, a
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk"))
-def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, max_len, step_end, con=None, *,
+def _beam_window_chunk(params, state: BeamState, rule, stops, alpha, max_len, step_end, con=None, *,
                        model: DecodingModel, chunk: int):
     """``chunk`` beam steps of the exact window mode: the model's prediction from each beam's last T tokens."""
 
     def body(st, _):
         active = st.step < step_end
-        new, _, _ = _select(st, rule, stops, stop_lens, alpha, max_len, active, model.T, con)
+        new, _, _ = _select(st, rule, stops, alpha, max_len, active, model.T, con)
         logits, _ = model.window(params, new.recent, new.length)
         return _keep_if_active(active, new._replace(logits=logits), st), None
 
@@ -302,17 +290,17 @@ def _beam_window_chunk(params, state: BeamState, rule, stops, stop_lens, alpha, 
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("model", "capacity", "k", "N", "S"))
-def _beam_prefill(params, prompt, recent, lengths, rule_state, cstate=None, *, model, capacity, k, N, S):
+@functools.partial(jax.jit, static_argnames=("model", "capacity", "k", "N"))
+def _beam_prefill(params, prompt, recent, lengths, rule_state, cstate=None, *, model, capacity, k, N):
     logits, _, cache = model.prefill(params, prompt, lengths, capacity)
     cache = model.reorder(cache, jnp.repeat(jnp.arange(prompt.shape[0]), k))
-    return beam_init(logits, recent, lengths, rule_state, k, N, S, cstate), cache
+    return beam_init(logits, recent, lengths, rule_state, k, N, cstate), cache
 
 
-@functools.partial(jax.jit, static_argnames=("model", "k", "N", "S"))
-def _beam_window_start(params, recent, lengths, rule_state, cstate=None, *, model, k, N, S):
+@functools.partial(jax.jit, static_argnames=("model", "k", "N"))
+def _beam_window_start(params, recent, lengths, rule_state, cstate=None, *, model, k, N):
     logits, _ = model.window(params, recent, lengths)
-    return beam_init(logits, recent, lengths, rule_state, k, N, S, cstate)
+    return beam_init(logits, recent, lengths, rule_state, k, N, cstate)
 
 
 @functools.partial(jax.jit, static_argnames=("V", "max_new"))
@@ -344,9 +332,11 @@ class BeamResult:
         return self.hypotheses[i][0]
 
 
-def _end_sequences(end_tokens, V: int) -> list[np.ndarray]:
+def _end_sequences(end_tokens, V: int) -> list[np.ndarray] | StopAutomaton:
     if end_tokens is None:
         return []
+    if isinstance(end_tokens, StopAutomaton):
+        return end_tokens
     if isinstance(end_tokens, (int, np.integer)):
         end_tokens = [end_tokens]
     out = []
@@ -413,8 +403,8 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
                        budget_lib.row_bytes(model, Pmax, n, round_up(min(T, Pmax + n), SPAN_BUCKET), heads),
                        memory_budget, unit="beams", fewer="fewer prompts or a narrower beam")
     prompt, recent, length = batch.prompt, batch.recent, batch.length
-    stop_arr, stop_lens = encode_stops(ends)
-    S = stop_arr.shape[1] if stop_arr is not None else 1
+    stops = as_automaton(ends, model.V)
+    stop_dev = None if stops is None else stops.device()
     N = round_up(n, TOKEN_BUCKET)
 
     rule_b = None
@@ -431,13 +421,13 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     if Pmax <= T:
         state, cache = _beam_prefill(params, jnp.asarray(prompt[:, :min(Pb, T)]), jnp.asarray(recent),
                                      jnp.asarray(length), rule_state, cstate, model=model, capacity=capacity,
-                                     k=k, N=N, S=S)
+                                     k=k, N=N)
         n_cache = min(n, T - Pmax)
     else:
         state = _beam_window_start(params, jnp.asarray(recent), jnp.asarray(length), rule_state, cstate,
-                                   model=model, k=k, N=N, S=S)
+                                   model=model, k=k, N=N)
         n_cache = 0
-    common = {"rule": rule_b, "stops": stop_arr, "stop_lens": stop_lens, "alpha": jnp.asarray(alpha),
+    common = {"rule": rule_b, "stops": stop_dev, "alpha": jnp.asarray(alpha),
               "max_len": jnp.int32(n), "con": con}
 
     taken = 0
@@ -452,7 +442,7 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
             cache = None
             state = _beam_window_chunk(params, state, step_end=step_end, model=model, chunk=chunk, **common)
         taken += valid
-        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
+        if (stop_dev is not None or con is not None) and bool(np.all(np.asarray(state.done)[:B])):
             break  # no row can improve on its finished hypotheses
 
     return _collect(jax.device_get(state), B, n_best, alpha, taken)
@@ -508,15 +498,40 @@ def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: i
     :func:`beam_search`).
     """
     prompts, encoded = encode_prompts(lm, prompts, 1)
-    ends = encode_stop_strings(lm, stop) or None
+    ends = stop_automaton(lm, stop)  # stop strings however tokenized, and the end tokens
     constraint = C.per_sample(constraint, len(prompts), 1)
     res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
                       end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint, memory_budget=memory_budget)
-    def text(p, h):
-        tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop)
-        return BeamText(prompt=p, text=text, tokens=tokens, score=h.score, logprob=h.logprob, finished=h.finished)
+    alpha = _alpha_per_row(length_penalty, len(prompts), len(prompts))
 
-    return [[text(p, h) for h in hyps] for p, hyps in zip(prompts, res.hypotheses)]
+    def text(i, h):
+        tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop)
+        score, logprob = h.score, h.logprob
+        if len(tokens) < len(h.tokens):
+            con = constraint[i] if isinstance(constraint, list) else constraint
+            score, logprob = _rescore(lm, encoded[i], tokens, float(alpha[i]), rule, con)
+        return BeamText(prompt=prompts[i], text=text, tokens=tokens, score=score, logprob=logprob,
+                        finished=h.finished)
+
+    out = [[text(i, h) for h in hyps] for i, hyps in enumerate(res.hypotheses)]
+    return [sorted(hyps, key=lambda t: -t.score) for hyps in out]
+
+
+def _rescore(lm, prompt, tokens, alpha: float, rule, constraint) -> tuple[float, float]:
+    """The score and log-probability of a hypothesis cut short by the text check of
+    :func:`finish_text`. The search ends a hypothesis at the token whose bytes complete a stop
+    string, which is where its text first contains it, so no hypothesis is cut where the
+    vocabulary decodes to its tokens' bytes (every byte-level, sentencepiece or character one);
+    for another vocabulary the cut tokens are scored again under the model."""
+    if rule is not None or constraint is not None:
+        raise RuntimeError("beam search: the vocabulary's text ends a hypothesis before the stop automaton "
+                           "did (its decode differs from its tokens' bytes); such a hypothesis can be "
+                           "scored again only without a rule or a constraint")
+    from jaxdecode.decoding.score import token_logprobs
+
+    seq = np.concatenate([np.asarray(prompt, np.int32), np.asarray(tokens, np.int32)])
+    logprob = float(np.sum(token_logprobs(lm.decoder, lm.params, [seq], [len(prompt)])[0], dtype=np.float64))
+    return logprob / float(((5.0 + len(tokens)) / 6.0) ** alpha), logprob
 
 
 __all__ = [

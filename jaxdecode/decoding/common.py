@@ -111,32 +111,6 @@ def pad_rule(rule, B: int, Bb: int):
     return jax.tree_util.tree_map(fix, rule)
 
 
-def encode_stops(stops: Sequence[np.ndarray]):
-    """Stop sequences right-aligned in ``[n_stops, S]`` (``S`` a multiple of 8, -2 in front) and
-    their lengths; ``(None, None)`` without stops."""
-    if not stops:
-        return None, None
-    S = round_up(max(len(s) for s in stops), 8)
-    n = batch_bucket(len(stops))
-    arr = np.full((n, S), -2, np.int32)
-    lens = np.zeros((n,), np.int32)
-    for i, s in enumerate(stops):
-        if len(s) == 0:
-            raise ValueError("a stop string must not be empty")
-        arr[i, S - len(s):] = s
-        lens[i] = len(s)
-    return jnp.asarray(arr), jnp.asarray(lens)
-
-
-def stop_hit(tail, stops, stop_lens):
-    """[B] bool: the tail ``[B, S]`` ends with one of the stop sequences (right-aligned in ``stops``)."""
-    S = stops.shape[1]
-    pos = jnp.arange(S)[None, :]  # [1, S]
-    relevant = pos >= (S - stop_lens)[:, None]  # [n_stops, S]
-    match = (tail[:, None, :] == stops[None]) | ~relevant[None]  # [B, n_stops, S]
-    return jnp.any(jnp.all(match, axis=-1) & (stop_lens > 0)[None], axis=-1)
-
-
 def push_recent(recent, length, token, T):
     """Append ``token`` to each row's last-T buffer (shifting once it is full)."""
     B = recent.shape[0]
@@ -246,35 +220,66 @@ def stop_string_list(stop: str | Sequence[str] | None) -> list[str]:
             raise ValueError(f"a stop string must be a string, got {type(s).__name__}")
         if not s:
             raise ValueError("a stop string must not be empty")
+        if "\ufffd" in s:  # it stands for bytes that are not text, which no automaton over bytes can match
+            raise ValueError(f"the stop string {s!r} holds U+FFFD, the replacement character (it stands for "
+                             "bytes that are not text): leave it out")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"the stop string {s!r} is not valid Unicode text (a lone surrogate)") from None
     return stops
 
 
 def encode_stop_strings(lm, stop: str | Sequence[str] | None) -> list[np.ndarray]:
-    """Stop strings as token sequences the loops end a row at (a subword vocabulary's canonical
-    encoding, without special tokens: the text check of :func:`finish_text` catches the others),
-    followed by the model's end tokens."""
+    """Stop strings as their canonical token sequences (a subword vocabulary's encoding, without
+    special tokens), followed by the model's end tokens. A model spells a string in many ways:
+    the loops end rows with :func:`jaxdecode.decoding.stops.stop_automaton` instead, which
+    matches the text however it was tokenized."""
     stops = stop_string_list(stop)
     encode = getattr(lm.vocab, "encode_piece", lm.vocab.encode)
     return [encode(s) for s in stops] + list(getattr(lm, "end_stops", []))
 
 
+def _first_stop(decode, tokens: np.ndarray, stops: list[str]) -> tuple[int, str] | None:
+    """The fewest leading tokens whose text contains a stop string, and that text; None if even
+    all of them do not. A binary search on the decoded text itself (a prefix of tokens that ends
+    inside a multi-byte character decodes to U+FFFD, so no count of characters is compared)."""
+    has = lambda text: any(s in text for s in stops)
+    hi, text = len(tokens), decode(tokens)
+    if not has(text):
+        return None
+    lo = 0  # has(decode(tokens[:lo])) is False (no stop string is empty), has(... [:hi]) True
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        t = decode(tokens[:mid])
+        if has(t):
+            hi, text = mid, t
+        else:
+            lo = mid
+    return hi, text
+
+
 def finish_text(lm, tokens: np.ndarray, stopped: bool, stop: str | Sequence[str] | None = None):
-    """A finished row: ``(tokens kept, text, finish_reason)``. ``"eos"``: it generated an end
-    token (kept in the tokens, not in the text); ``"stop"``: a stop string ended it (kept in the
-    text); ``"length"``: it ran out of new tokens."""
+    """A finished row: ``(tokens kept, text, finish_reason)``, whichever came first of a stop
+    string and an end token. ``"stop"``: the text contains a stop string, however it was
+    tokenized; the tokens kept are the fewest whose text contains it, and the text ends with it
+    (it may end inside the last token). ``"eos"``: it generated an end token (kept in the tokens,
+    not in the text). ``"length"``: it ran out of new tokens. ``stopped``: the loop ended the row
+    early (with neither in the tokens, a constrained stop: ``"stop"``)."""
+    tokens = np.asarray(tokens)
     eos = set(getattr(lm, "eos_ids", ()))
-    n = len(tokens)
-    if n and eos and int(tokens[n - 1]) in eos:
-        return tokens, lm.vocab.decode(tokens[:n - 1]), "eos"
-    text = lm.vocab.decode(tokens)
+    end = next((i for i, t in enumerate(tokens.tolist()) if t in eos), None) if eos else None
+    body = tokens if end is None else tokens[:end]
     stops = stop_string_list(stop)
-    if stops and is_subword(lm.vocab):  # the first stop string in the text, however it was tokenized
-        cut = min((text.find(s) + len(s) for s in stops if s in text), default=None)
-        if cut is not None:
-            k = next(k for k in range(1, n + 1) if len(lm.vocab.decode(tokens[:k])) >= cut)
+    if stops:  # the first stop string in the text, however it was tokenized
+        found = _first_stop(lm.vocab.decode, body, stops)
+        if found is not None:
+            k, text = found
+            cut = min(text.find(s) + len(s) for s in stops if s in text)
             return tokens[:k], text[:cut], "stop"
-        return tokens, text, "length"
-    return tokens, text, "stop" if stopped else "length"
+    if end is not None:
+        return tokens[:end + 1], lm.vocab.decode(body), "eos"
+    return tokens, lm.vocab.decode(tokens), "stop" if stopped else "length"
 
 
 @dataclasses.dataclass

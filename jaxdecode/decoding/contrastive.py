@@ -45,15 +45,13 @@ from jaxdecode.decoding.common import (
     Generation,
     check_int,
     encode_prompts,
-    encode_stop_strings,
     finish_text,
-    encode_stops,
     make_batch,
     push_recent,
     round_up,
-    stop_hit,
     text_streamer,
 )
+from jaxdecode.decoding.stops import advance, as_automaton, stop_automaton
 from jaxdecode.models.base import DecodingModel
 from jaxdecode.decoding.sampling import TokenResult
 
@@ -69,8 +67,8 @@ class ContrastiveState(NamedTuple):
     filled: jax.Array  # [B] positions in ``history``
     recent: jax.Array  # [B, T] the last T tokens of each row (window mode)
     length: jax.Array  # [B] tokens so far (prompt + generated)
-    done: jax.Array  # [B] bool: the row has produced a stop string
-    tail: jax.Array  # [B, S] the last S generated tokens (stop strings)
+    done: jax.Array  # [B] bool: the row has produced a stop string or an end token
+    stop_state: jax.Array  # [B] int32 each row's state in the stop automaton (:mod:`.stops`)
     step: jax.Array  # [] int32
 
 
@@ -103,16 +101,15 @@ def _choose(st: ContrastiveState, cand, prob, top_lp, h_cand, alpha):
     return choice, pick(cand), pick(top_lp)
 
 
-def _record(st: ContrastiveState, choice, token, h_cand, logits, stops, stop_lens):
+def _record(st: ContrastiveState, choice, token, h_cand, logits, stops):
     """The state after each row appends its chosen token (``logits``: the chosen candidate's)."""
     B = st.length.shape[0]
     h = jnp.take_along_axis(h_cand, choice[:, None, None], axis=1)[:, 0]  # [B, d]
     N = st.history.shape[1]
     history = st.history.at[jnp.arange(B), jnp.minimum(st.filled, N - 1)].set(h)
-    tail = jnp.concatenate([st.tail[:, 1:], token[:, None]], axis=1)
-    done = st.done if stops is None else st.done | stop_hit(tail, stops, stop_lens)
+    stop_state, hit = advance(stops, st.stop_state, token)
     return st._replace(logits=logits, history=history, filled=jnp.minimum(st.filled + 1, N),
-                       length=st.length + 1, done=done, tail=tail, step=st.step + 1)
+                       length=st.length + 1, done=st.done | hit, stop_state=stop_state, step=st.step + 1)
 
 
 def _empty(chunk, B):
@@ -126,7 +123,7 @@ def _store(outs, i, token, lp, done):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "k", "span", "chunk"), donate_argnames=("cache",))
-def _cache_chunk(params, st: ContrastiveState, cache, alpha, stops, stop_lens, step_end, *,
+def _cache_chunk(params, st: ContrastiveState, cache, alpha, stops, step_end, *,
                  model: DecodingModel, k: int, span: int, chunk: int):
     """Steps up to ``step_end`` (at most ``chunk``) through the cache of ``B * k`` rows."""
     B = st.logits.shape[0]
@@ -141,7 +138,7 @@ def _cache_chunk(params, st: ContrastiveState, cache, alpha, stops, stop_lens, s
         rows = base + choice
         cache = model.reorder(cache, jnp.repeat(rows, k), span)
         outs = _store(outs, i, token, lp, st.done)
-        st = _record(st, choice, token, h_cand, logits[rows, 0], stops, stop_lens)
+        st = _record(st, choice, token, h_cand, logits[rows, 0], stops)
         return st, cache, outs
 
     steps = jnp.clip(step_end - st.step, 0, chunk)
@@ -155,7 +152,7 @@ def _cache_chunk(params, st: ContrastiveState, cache, alpha, stops, stop_lens, s
 
 
 @functools.partial(jax.jit, static_argnames=("model", "k", "chunk"))
-def _window_chunk(params, st: ContrastiveState, alpha, stops, stop_lens, step_end, *,
+def _window_chunk(params, st: ContrastiveState, alpha, stops, step_end, *,
                   model: DecodingModel, k: int, chunk: int):
     """Steps up to ``step_end`` (at most ``chunk``) of the exact window mode."""
     B, T = st.recent.shape
@@ -170,15 +167,15 @@ def _window_chunk(params, st: ContrastiveState, alpha, stops, stop_lens, step_en
         choice, token, lp = _choose(st, cand, prob, top_lp, h_cand, alpha)
         rows = jnp.arange(B) * k + choice
         outs = _store(outs, i, token, lp, st.done)
-        st = _record(st, choice, token, h_cand, logits[rows], stops, stop_lens)
+        st = _record(st, choice, token, h_cand, logits[rows], stops)
         return st._replace(recent=recent_k[rows]), outs
 
     steps = jnp.clip(step_end - st.step, 0, chunk)
     return jax.lax.fori_loop(0, steps, body, (st, _empty(chunk, B)))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "k", "N", "S", "capacity"))
-def _start(params, prompt, recent, length, *, model: DecodingModel, k: int, N: int, S: int, capacity: int):
+@functools.partial(jax.jit, static_argnames=("model", "k", "N", "capacity"))
+def _start(params, prompt, recent, length, *, model: DecodingModel, k: int, N: int, capacity: int):
     """The prompt's hidden states (all positions) and logits, and its cache repeated k times.
 
     The prompt goes in as one ``extend`` from an empty cache: every row's prompt (right-padded)
@@ -198,7 +195,7 @@ def _start(params, prompt, recent, length, *, model: DecodingModel, k: int, N: i
     P = tokens.shape[1]
     history = jnp.zeros((B, N, hidden.shape[-1]), hidden.dtype).at[:, :min(P, N)].set(_unit(hidden)[:, :N])
     st = ContrastiveState(logits=logits, history=history, filled=seen, recent=recent, length=length,
-                          done=jnp.zeros((B,), bool), tail=jnp.full((B, S), -1, jnp.int32), step=jnp.int32(0))
+                          done=jnp.zeros((B,), bool), stop_state=jnp.zeros((B,), jnp.int32), step=jnp.int32(0))
     if not cached:
         return st, None
     cache = model.truncate(cache, length)
@@ -219,7 +216,7 @@ def check_settings(k, alpha, V: int, B: int) -> tuple[int, np.ndarray]:
 
 
 def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, k: int = 4,
-                       alpha: float | Sequence[float] = 0.6, stops: Sequence[np.ndarray] = (),
+                       alpha: float | Sequence[float] = 0.6, stops=(),
                        chunk: int = DEFAULT_CHUNK,
                        on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None,
                        memory_budget: int | str | None = None) -> TokenResult:
@@ -230,7 +227,8 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
     :class:`~jaxdecode.decoding.sampling.TokenResult` whose ``sample_logprobs`` are 0 (the choice is
     deterministic) and whose ``model_logprobs`` are the unmodified model's. The cache holds ``k``
     copies of every row; a request whose copies do not fit ``memory_budget`` (see
-    :mod:`jaxdecode.decoding.budget`) is refused before anything is allocated.
+    :mod:`jaxdecode.decoding.budget`) is refused before anything is allocated. ``stops``: token
+    sequences, or a :class:`~jaxdecode.decoding.stops.StopAutomaton`, as for sampling.
     """
     model = model.for_beams()  # the cache of k copies per row is reordered at every step
     batch = make_batch(prompts, n, model.V, model.T)
@@ -242,8 +240,8 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
         return TokenResult(e, e.astype(np.float32), e.astype(np.float32), np.zeros(B, np.int32), np.zeros(B, bool))
     alpha = jnp.asarray(np.concatenate([alpha_b, np.zeros(Bb - B, np.float32)]))
     Pmax = batch.Pmax
-    stop_arr, stop_lens = encode_stops(stops)
-    S = stop_arr.shape[1] if stop_arr is not None else 1
+    stops = as_automaton(stops, model.V)
+    stop_dev = None if stops is None else stops.device()
     N = round_up(min(Pmax, T) + n, HISTORY_BUCKET)
     cached = Pmax <= T
     n_cache = min(n, T - Pmax) if cached else 0
@@ -255,8 +253,8 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
     params = model.prepare(params, Bb * k)
     prompt = batch.prompt[:, :min(batch.Pb, T)] if cached else batch.prompt[:, :0]
     st, cache = _start(params, jnp.asarray(prompt), jnp.asarray(batch.recent), jnp.asarray(batch.length),
-                       model=model, k=k, N=N, S=S, capacity=capacity)
-    common = {"alpha": alpha, "stops": stop_arr, "stop_lens": stop_lens}
+                       model=model, k=k, N=N, capacity=capacity)
+    common = {"alpha": alpha, "stops": stop_dev}
 
     outs, taken = [], 0
     while taken < n:
@@ -274,7 +272,7 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
         taken += valid
         if on_chunk is not None:
             on_chunk(out.token, out.emitted)
-        if stop_arr is not None and bool(np.all(np.asarray(st.done)[:B])):
+        if stop_dev is not None and bool(np.all(np.asarray(st.done)[:B])):
             break
 
     cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
@@ -291,7 +289,7 @@ def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int 
     (``sample_logprobs`` are 0: the choice is deterministic). ``alpha`` may give one value per
     prompt; they share one compiled program."""
     prompts, rows = encode_prompts(lm, prompts, 1)
-    res = contrastive_tokens(lm.decoder, lm.params, rows, n, k, alpha, stops=encode_stop_strings(lm, stop),
+    res = contrastive_tokens(lm.decoder, lm.params, rows, n, k, alpha, stops=stop_automaton(lm, stop),
                              on_chunk=text_streamer(lm, on_text), memory_budget=memory_budget)
     out = []
     for r, prompt in enumerate(prompts):

@@ -35,9 +35,7 @@ from jaxdecode.decoding.common import (
     batch_bucket,
     check_int,
     encode_prompts,
-    encode_stop_strings,
     finish_text,
-    encode_stops,
     make_batch,
     pad_rule,
     push_recent,
@@ -46,6 +44,7 @@ from jaxdecode.decoding.common import (
     text_streamer,
 )
 from jaxdecode.decoding import budget as budget_lib
+from jaxdecode.decoding.stops import as_automaton, stop_automaton
 from jaxdecode import constraints as C
 from jaxdecode.decoding.placement import (
     AXIS,
@@ -77,7 +76,7 @@ from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
 )
 
 __all__ = ["Generation", "SamplingState", "StepOutput", "TokenResult", "generate", "sample_tokens", "sharded_generate",
-           "PROMPT_BUCKET", "SPAN_BUCKET", "batch_bucket", "round_up", "pad_rule", "encode_stops", "push_recent"]
+           "PROMPT_BUCKET", "SPAN_BUCKET", "batch_bucket", "round_up", "pad_rule", "push_recent"]
 
 
 def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, key: jax.Array,
@@ -103,7 +102,8 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
 
     ``rule``: a :mod:`jaxdecode.rules` rule (or chain) applied before choosing; ``greedy`` takes
     the argmax of the processed logits instead of sampling. ``row_ids`` (default ``0..B-1``) name
-    the rows for the PRNG. ``stops``: token sequences that end a row once generated.
+    the rows for the PRNG. ``stops``: token sequences that end a row once generated, or a
+    :class:`~jaxdecode.decoding.stops.StopAutomaton` (stop strings however tokenized, end tokens).
     ``on_chunk(tokens [B, c], emitted [B, c])`` is called after every chunk (for streaming);
     ``chunk`` is the number of steps between host round trips (default 64 up to 4 rows, else 32;
     up to 4 rows with neither ``on_chunk`` nor ``stops``, the request's length rounded up to a
@@ -122,6 +122,7 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
         raise ValueError(f"{key.shape[0]} keys for {B} prompts: give one key, or one per prompt")
     if key.ndim not in (1, 2):
         raise ValueError(f"key must be one PRNG key or one per prompt, got shape {key.shape}")
+    stops = as_automaton(stops, model.V)  # once for every batch
     longest = max(len(r) for r in rows)
     heads = getattr(getattr(model, "cfg", None), "heads", 1)
     capacity = round_up(min(model.T, longest + n) + SMALL_BATCH_CHUNK, SPAN_BUCKET)
@@ -204,6 +205,7 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
     its programs run by ``placement`` (default: one device, or split over ``mesh``)."""
     if placement is None:
         placement = ONE_DEVICE if mesh is None else Placement(mesh)
+    stops = as_automaton(stops, model.V)
     batch = pad_batch(make_batch(prompts, n, model.V, model.T, row_ids), placement.ways)
     B, Bb, T = batch.B, batch.Bb, model.T
     local = Bb // placement.ways  # the rows of each device
@@ -225,7 +227,7 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
     whole = model.reads_only_filled
     if chunk is None:
         chunk = SMALL_BATCH_CHUNK if B <= 4 else DEFAULT_CHUNK
-        if B <= 4 and on_chunk is None and not stops and con is None and whole:
+        if B <= 4 and on_chunk is None and stops is None and con is None and whole:
             # nothing to stream or to check between chunks, and a few rows, where each host round
             # trip costs about half a millisecond: the request in one chunk (a power of two, so
             # one program per size bucket of n)
@@ -233,8 +235,7 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
     chunk = min(chunk, batch_bucket(n))  # short requests get a smaller buffer
     Pmax, Pb = batch.Pmax, batch.Pb
     rule_b = placement.rows(pad_rule(rule, B, Bb))
-    stop_arr, stop_lens = placement.replicated(encode_stops(stops))
-    S = stop_arr.shape[1] if stop_arr is not None else 1
+    stop_dev = None if stops is None else placement.replicated(stops.device())
     prompt, length = placement.put(batch.prompt), placement.put(batch.length)
     recent, row_ids_b = placement.put(batch.recent), placement.put(batch.row_ids)
     max_new = round_up(n, 256)
@@ -291,15 +292,15 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
         n_cache = 0
     state = SamplingState(
         logits=logits, recent=recent, length=length, rule_state=rule_state,
-        done=placement.put(np.zeros((Bb,), bool)), tail=placement.put(np.full((Bb, S), -1, np.int32)),
+        done=placement.put(np.zeros((Bb,), bool)), stop_state=placement.put(np.zeros((Bb,), np.int32)),
         step=placement.put(np.int32(0), None), cstate=cstate)
     state_axes, state_specs = None, None
     if placement.split:
-        state_axes = _axes_list(SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, tail=0,
+        state_axes = _axes_list(SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, stop_state=0,
                                               step=None, cstate=None if cstate is None else 0), state)
         state_specs = _spec_tree(placement, state_axes, state)
-    common = (rule_b, key, row_ids_b, stop_arr, stop_lens)
-    common_axes = (0, key_axis, 0, None, None)
+    common = (rule_b, key, row_ids_b, stop_dev)
+    common_axes = (0, key_axis, 0, None)
 
     outs, taken = [], 0
     while taken < n:
@@ -326,7 +327,7 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
         taken += valid
         if on_chunk is not None:
             on_chunk(out.token, out.emitted)
-        if (stop_arr is not None or con is not None) and bool(np.all(np.asarray(done)[:B])):
+        if (stop_dev is not None or con is not None) and bool(np.all(np.asarray(done)[:B])):
             break  # every row has stopped
 
     cat = lambda i: np.concatenate([o[i] for o in outs], axis=1)
@@ -372,11 +373,11 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
     :func:`sample_tokens`).
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
-    stop_tokens = encode_stop_strings(lm, stop)
+    stops = stop_automaton(lm, stop)
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
 
     constraint = C.per_sample(constraint, len(prompts), num_samples)
-    res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stop_tokens,
+    res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stops,
                         row_ids=row_ids, chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
                         memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
     out = []

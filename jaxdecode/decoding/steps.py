@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import constraints as C
-from jaxdecode.decoding.common import pick_tokens, push_recent, step_keys, stop_hit
+from jaxdecode.decoding.common import pick_tokens, push_recent, step_keys
+from jaxdecode.decoding.stops import advance
 from jaxdecode.models.base import DecodingModel
 
 DEFAULT_CHUNK = 32
@@ -29,8 +30,8 @@ class SamplingState(NamedTuple):
     recent: jax.Array  # [B, T] the last T tokens of each row, left-aligned
     length: jax.Array  # [B] tokens so far (prompt + generated), may exceed T
     rule_state: Any  # the rule chain's state
-    done: jax.Array  # [B] bool, row has produced a stop string
-    tail: jax.Array  # [B, S] the last S generated tokens (for stop strings), -1 = none yet
+    done: jax.Array  # [B] bool, row has produced a stop string or an end token (or stopped its pattern)
+    stop_state: jax.Array  # [B] int32 each row's state in the stop automaton (:mod:`.stops`)
     step: jax.Array  # [] int32, steps taken
     cstate: Any = None  # [B] int32 each row's automaton state (constrained generation), else None
 
@@ -80,16 +81,13 @@ def _choose(logits, rule, rule_state, key, row_ids, step, greedy: bool, con=None
     return token, model_lp, sample_lp, rule_state, stop, cstate
 
 
-def _advance(st: SamplingState, out, stops, stop_lens, T, push: bool = True):
-    """The state's recent window (unchanged when ``push`` is False), stop tail and done flags
-    after ``out``'s token."""
+def _advance(st: SamplingState, out, stops, T, push: bool = True):
+    """The state's recent window (unchanged when ``push`` is False), stop automaton state and
+    done flags after ``out``'s token (``stops``: a :class:`~jaxdecode.decoding.stops.StopTable` or None)."""
     token, stop = out[0], out[4]
     recent = push_recent(st.recent, st.length, token, T) if push else st.recent
-    tail = jnp.concatenate([st.tail[:, 1:], token[:, None]], axis=1)
-    done = st.done | stop
-    if stops is not None:
-        done = done | stop_hit(tail, stops, stop_lens)
-    return recent, tail, done
+    stop_state, hit = advance(stops, st.stop_state, token)
+    return recent, stop_state, st.done | stop | hit
 
 
 def _empty_outputs(chunk: int, B: int) -> StepOutput:
@@ -98,7 +96,7 @@ def _empty_outputs(chunk: int, B: int) -> StepOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"), donate_argnames=("cache",))
-def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, stop_lens, step_end, con=None,
+def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, step_end, con=None,
                  budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) through the model's cache (see ``chunk_begin``
     in :mod:`jaxdecode.models.base`).
@@ -116,9 +114,9 @@ def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops,
         token, mlp, slp, rule_state, stop, cstate = out
         # the recent window is written once after the loop (nothing in it reads the window, and
         # a step that writes it also copies it)
-        recent, tail, done = _advance(st, out, stops, stop_lens, model.T, push=False)
+        recent, stop_state, done = _advance(st, out, stops, model.T, push=False)
         logits, _, run = model.chunk_step(params, cache, run, i, token)
-        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1, cstate)
+        new = SamplingState(logits, recent, st.length + 1, rule_state, done, stop_state, st.step + 1, cstate)
         out = StepOutput(token, mlp, slp, ~st.done & ~stop)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs, out)
         return new, run, outs
@@ -136,7 +134,7 @@ def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops,
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"))
-def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_lens, step_end, con=None,
+def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, step_end, con=None,
                   budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) of the exact window mode: the model's
     prediction from each row's last T tokens."""
@@ -146,9 +144,9 @@ def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, stop_
         st, outs = carry
         out = _choose(st.logits, rule, st.rule_state, key, row_ids, st.step, greedy, con, st.cstate, budget)
         token, mlp, slp, rule_state, stop, cstate = out
-        recent, tail, done = _advance(st, out, stops, stop_lens, model.T)
+        recent, stop_state, done = _advance(st, out, stops, model.T)
         logits, _ = model.window(params, recent, st.length + 1)
-        new = SamplingState(logits, recent, st.length + 1, rule_state, done, tail, st.step + 1, cstate)
+        new = SamplingState(logits, recent, st.length + 1, rule_state, done, stop_state, st.step + 1, cstate)
         outs = jax.tree_util.tree_map(lambda buf, x: buf.at[i].set(x), outs,
                                       StepOutput(token, mlp, slp, ~st.done & ~stop))
         return new, outs

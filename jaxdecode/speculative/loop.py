@@ -27,7 +27,6 @@ from jaxdecode.decoding.common import (
     batch_bucket,
     check_int,
     encode_prompts,
-    encode_stop_strings,
     finish_text,
     make_batch,
     pad_rule,
@@ -35,6 +34,7 @@ from jaxdecode.decoding.common import (
     sample_keys,
     text_streamer,
 )
+from jaxdecode.decoding.stops import as_automaton, stop_automaton
 from jaxdecode.models.base import DecodingModel
 from jaxdecode.rules import processed_logprobs
 from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
@@ -63,6 +63,8 @@ class SpecState(NamedTuple):
     examined: jax.Array  # [B] int32 proposals that met the acceptance test
     accepted: jax.Array  # [B] int32 proposals accepted
     iteration: jax.Array  # [] int32
+    stop_state: jax.Array  # [B] int32 each row's state in the stop automaton (:mod:`jaxdecode.decoding.stops`)
+    stop_hit: jax.Array  # [B] bool: the row produced a stop string or an end token (its count ends there)
     cstate: Any = None  # [B] int32 automaton state after the context (constrained generation)
     stopped: Any = None  # [B] bool: the row stopped where its pattern allowed it (constrained)
 
@@ -91,7 +93,7 @@ def _processor(rule, B: int, V: int):
 
 @functools.partial(jax.jit, static_argnames=("model", "gamma", "span", "greedy"),
                    donate_argnames=("state",))
-def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter_end, con=None, *,
+def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter_end, con=None, stops=None, *,
              model: DecodingModel, gamma: int, span: int, greedy: bool) -> SpecState:
     """Iterate while some row is unfinished, every unfinished row fits in ``span`` and the
     iteration is below ``iter_end`` (a host round trip for streaming and stop strings)."""
@@ -121,7 +123,8 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 1, False), table)
 
     def live(st):
-        return st.count < n if st.stopped is None else (st.count < n) & ~st.stopped
+        on = (st.count < n) & ~st.stop_hit
+        return on if st.stopped is None else on & ~st.stopped
 
     def cond(st):
         active = live(st)
@@ -136,7 +139,8 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
         logits, _, cache = model.extend(params, st.cache, fed, span)  # [B, gamma+1, V]
         if con is not None:
-            return _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache)
+            return _stop_strings(st, _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache),
+                                 active)
         processed = process_all(logits)
         sample_lp = _logprobs(processed)
         if greedy:
@@ -157,7 +161,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
         dstate = draft.commit(dstate, drafts, n_acc, nxt, active)
         on = active.astype(jnp.int32)
-        return SpecState(
+        return _stop_strings(st, SpecState(
             cache=cache,
             pending=jnp.where(active, nxt, st.pending),
             context=st.context + on * (n_acc + 1),
@@ -167,7 +171,25 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
             passes=st.passes + on,
             examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
             accepted=st.accepted + on * n_acc,
-            iteration=st.iteration + 1)
+            iteration=st.iteration + 1, stop_state=st.stop_state, stop_hit=st.stop_hit), active)
+
+    def _stop_strings(st, new, active):
+        """``new`` with each active row's tokens of this pass walked through the stop automaton: a
+        row whose tokens stop it keeps them up to that one (its count ends there) and is done."""
+        if stops is None:
+            return new
+        made = new.count - st.count  # tokens this pass produced (0 for inactive rows)
+        at = st.count[:, None] + jnp.arange(gamma + 1)[None, :]  # [B, gamma+1]
+        toks = jnp.take_along_axis(new.tokens, jnp.minimum(at, new.tokens.shape[1] - 1), axis=1)
+        _, states = jax.lax.scan(lambda s, t: (stops.table[s, t], stops.table[s, t]), st.stop_state, toks.T)
+        states = states.T  # [B, gamma+1]: the state after each new token
+        valid = (jnp.arange(gamma + 1)[None, :] < made[:, None]) & (at < n) & active[:, None]
+        hit = stops.accept[states] & valid
+        stopped = jnp.any(hit, axis=1)
+        last = jnp.where(stopped, jnp.argmax(hit, axis=1), jnp.maximum(made - 1, 0))
+        state = jnp.where(made > 0, jnp.take_along_axis(states, last[:, None], axis=1)[:, 0], st.stop_state)
+        return new._replace(count=jnp.where(stopped, st.count + last + 1, new.count), stop_state=state,
+                            stop_hit=st.stop_hit | stopped)
 
     def _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache):
         """The iteration under a constraint: the target's distribution at each position is the
@@ -205,7 +227,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
             passes=st.passes + on,
             examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
             accepted=st.accepted + on * n_acc,
-            iteration=st.iteration + 1,
+            iteration=st.iteration + 1, stop_state=st.stop_state, stop_hit=st.stop_hit,
             cstate=jnp.where(active, after, st.cstate),
             stopped=st.stopped | (active & stop))
 
@@ -227,7 +249,8 @@ def _start(params, draft: Draft, prompt, length, count, *, model, capacity, widt
         tokens=jnp.zeros((B, N), jnp.int32),
         model_logprobs=jnp.zeros((B, N), jnp.float32),
         sample_logprobs=jnp.zeros((B, N), jnp.float32),
-        count=count, passes=zeros, examined=zeros, accepted=zeros, iteration=jnp.int32(0))
+        count=count, passes=zeros, examined=zeros, accepted=zeros, iteration=jnp.int32(0),
+        stop_state=zeros, stop_hit=jnp.zeros((B,), bool))
 
 
 @dataclasses.dataclass
@@ -304,7 +327,7 @@ def check_request(model: DecodingModel, max_prompt: int, n: int, gamma: int) -> 
             f"is exact only within the window: shorten the request or use plain sampling")
 
 
-STREAM_ITERATIONS = 16  # target passes between host round trips when streaming or checking stops
+STREAM_ITERATIONS = 16  # target passes between host round trips when streaming
 NO_LIMIT = np.int32(2**31 - 1)
 
 
@@ -319,10 +342,12 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
 
     ``rule`` (stateless) processes both the target's and the draft's logits; the output has the
     processed target's distribution. ``row_ids`` (default ``0..B-1``) name the rows for the PRNG.
-    ``stops``: token sequences that end a row once generated (the row's text is cut after the
-    first one; its other tokens are exactly those of the run without stops). ``on_chunk(tokens
-    [B, c], emitted [B, c])`` streams new tokens every few target passes. With either, the loop
-    returns to the host every ``STREAM_ITERATIONS`` passes; the tokens do not change.
+    ``stops``: token sequences that end a row once generated, or a
+    :class:`~jaxdecode.decoding.stops.StopAutomaton` (stop strings however tokenized, end tokens):
+    each pass walks a row's new tokens through it on the device, and a row that stops keeps its
+    tokens up to the one that stopped it (the others are exactly those of the run without stops).
+    ``on_chunk(tokens [B, c], emitted [B, c])`` streams new tokens every ``STREAM_ITERATIONS``
+    target passes (a host round trip); the tokens do not change.
     ``constraint``: as for :func:`jaxdecode.decoding.sampling.sample_tokens`; the output then has the
     distribution of constrained plain sampling (stops included), whatever the draft proposes.
     A request whose rows do not fit ``memory_budget`` (see :mod:`jaxdecode.decoding.budget`) is
@@ -334,9 +359,7 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     _stateless(rule, model.V)
     check_request(model, Pmax, n, gamma)
     draft.check(model, Pmax + n + gamma + 1)
-    stops = [np.asarray(x, np.int32).reshape(-1) for x in stops]
-    if any(len(x) == 0 for x in stops):
-        raise ValueError("a stop string must not be empty")
+    stops = as_automaton(stops, model.V)
     if n == 0:
         e = np.zeros((B, 0), np.int32)
         zero = SpeculativeStats(gamma, 0, 0, 0, 0, 0)
@@ -375,13 +398,14 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
         state = state._replace(cstate=cstate, stopped=jnp.zeros((Bb,), bool))
     n_j = np.int32(n)  # numpy: a jnp scalar would cost a dispatch of its own
     ids_j = row_ids_b
-    watch = bool(stops) or on_chunk is not None
-    sent = np.zeros(B, np.int32)  # tokens of each row streamed / checked so far
-    stop_at = np.full(B, -1, np.int32)  # where a row's first stop string ends, -1 = none yet
+    stop_dev = None if stops is None else stops.device()
+    sent = np.zeros(B, np.int32)  # tokens of each row streamed so far
     while True:
-        count_h, context_h, iteration, stopped_h = jax.device_get(
-            (state.count, state.context, state.iteration, state.stopped))
-        active = count_h < n if stopped_h is None else (count_h < n) & ~stopped_h
+        count_h, context_h, iteration, stopped_h, hit_h = jax.device_get(
+            (state.count, state.context, state.iteration, state.stopped, state.stop_hit))
+        active = (count_h < n) & ~hit_h
+        if stopped_h is not None:
+            active &= ~stopped_h
         if not active.any():
             break
         if model.reads_only_filled:
@@ -390,60 +414,40 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
             span = T
         else:  # finished rows may attend to garbage, which is never read back
             span = min(T, round_up(int(context_h[active].max()) + gamma, SPAN_BUCKET))
-        iter_end = np.int32(iteration + STREAM_ITERATIONS) if watch else NO_LIMIT
-        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, iter_end, con, model=model,
+        iter_end = np.int32(iteration + STREAM_ITERATIONS) if on_chunk is not None else NO_LIMIT
+        state = _segment(params, draft, state, rule_b, key, ids_j, n_j, iter_end, con, stop_dev, model=model,
                          gamma=gamma, span=span, greedy=greedy)
-        if watch:
-            state = _watch(state, B, n, stops, sent, stop_at, on_chunk)
+        if on_chunk is not None:
+            _stream(state, B, n, sent, on_chunk)
 
     # only what is returned comes back to the host (not the cache); cut on the host, since a
     # slice on the device would compile once per (B, n)
-    tokens, mlp, slp, passes, examined, accepted, count, con_stop = jax.device_get(
+    tokens, mlp, slp, passes, examined, accepted, count, con_stop, hit = jax.device_get(
         (state.tokens, state.model_logprobs, state.sample_logprobs, state.passes, state.examined,
-         state.accepted, state.count, state.stopped))
+         state.accepted, state.count, state.stopped, state.stop_hit))
     tokens, mlp, slp = tokens[:B, :n], mlp[:B, :n], slp[:B, :n]
-    counts = np.where(stop_at >= 0, stop_at, np.minimum(count[:B], n)).astype(np.int32)
-    if con_stop is not None:
-        stop_at = np.where((stop_at < 0) & con_stop[:B], counts, stop_at)
+    counts = np.minimum(count[:B], n).astype(np.int32)  # a stopped row's count ends at its stop
+    stopped = hit[:B] if con_stop is None else hit[:B] | con_stop[:B]
     stats = [SpeculativeStats(gamma, int(passes[b]), gamma * int(passes[b]), int(examined[b]),
-                              int(accepted[b]), int(min(count[b], counts[b]) if stop_at[b] >= 0 else count[b]))
-             for b in range(B)]
+                              int(accepted[b]), int(count[b])) for b in range(B)]
     return SpeculativeResult(np.asarray(tokens, np.int32), np.asarray(mlp, np.float32),
-                             np.asarray(slp, np.float32), stats, counts, stop_at >= 0)
+                             np.asarray(slp, np.float32), stats, counts, stopped)
 
 
-def _watch(state: SpecState, B: int, n: int, stops, sent, stop_at, on_chunk) -> SpecState:
-    """After a segment: stream each row's new tokens, find stop strings in them (also across
-    segments), and finish the rows that produced one (``sent``, ``stop_at`` updated in place)."""
+def _stream(state: SpecState, B: int, n: int, sent, on_chunk) -> None:
+    """After a segment: hand each row's new tokens to ``on_chunk`` (``sent`` updated in place)."""
     count, tokens = jax.device_get((state.count, state.tokens))
     upto = np.minimum(count[:B], n)
+    width = int(max(1, (upto - sent).max()))
+    new = np.zeros((B, width), np.int32)
+    emitted = np.zeros((B, width), bool)
     for b in range(B):
-        if stop_at[b] >= 0:
-            upto[b] = sent[b]
-            continue
-        for x in stops:  # a stop may straddle the previous segment's end
-            seq = tokens[b, :upto[b]]
-            for end in range(max(len(x), sent[b] + 1), upto[b] + 1):
-                if np.array_equal(seq[end - len(x):end], x) and (stop_at[b] < 0 or end < stop_at[b]):
-                    stop_at[b] = end
-                    break
-        if stop_at[b] >= 0:
-            upto[b] = stop_at[b]
-    if on_chunk is not None:
-        width = int(max(1, (upto - sent).max()))
-        new = np.zeros((B, width), np.int32)
-        emitted = np.zeros((B, width), bool)
-        for b in range(B):
-            k = upto[b] - sent[b]
-            new[b, :k] = tokens[b, sent[b]:upto[b]]
-            emitted[b, :k] = True
-        if emitted.any():
-            on_chunk(new, emitted)
+        k = upto[b] - sent[b]
+        new[b, :k] = tokens[b, sent[b]:upto[b]]
+        emitted[b, :k] = True
+    if emitted.any():
+        on_chunk(new, emitted)
     sent[:] = np.maximum(sent, upto)
-    done = np.flatnonzero(stop_at >= 0)
-    if len(done):  # a stopped row is finished: the loop leaves it alone from now on
-        state = state._replace(count=state.count.at[jnp.asarray(done)].max(n))
-    return state
 
 
 @dataclasses.dataclass
@@ -469,7 +473,7 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
     ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt.
     """
     prompts, rows = encode_prompts(lm, prompts, num_samples)
-    stop_tokens = encode_stop_strings(lm, stop)
+    stop_tokens = stop_automaton(lm, stop)
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
     res = speculative_tokens(lm.decoder, lm.params, rows, n, keys, row_ids=row_ids, draft=draft, gamma=gamma,
                              rule=rule, greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
