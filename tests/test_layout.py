@@ -1,8 +1,7 @@
 """The package's layers: a folder per layer, each importing only the layers below it, no import
-cycle, short modules, and old module paths that still import."""
+cycle, and short modules."""
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -117,13 +116,6 @@ def test_folders_and_short_modules():
     assert len(top) <= 6, top
     long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
-
-
-@pytest.mark.parametrize("old", ["jaxdecode.sampling", "jaxdecode.beam", "jaxdecode.model", "jaxdecode.checkpoint",
-                                 "jaxdecode.studies.common", "jaxdecode.studies.decoders"])
-def test_old_module_paths_import_the_moved_module(old):
-    new = {"jaxdecode.studies.decoders": "jaxdecode.eval.studies.decoders"}.get(old) or jaxdecode.MOVED[old]
-    assert importlib.import_module(old) is importlib.import_module(new)
 
 
 def test_the_registries_are_one_type_and_take_a_users_entry():

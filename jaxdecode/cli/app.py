@@ -20,6 +20,7 @@ from jaxdecode.cli.common import (
     _encode,
     _unescape,
     _rule_specs,
+    _cli_rule,
     _settings,
     _load,
     _read_prompt,
@@ -34,6 +35,10 @@ from jaxdecode.cli.common import (
     _stops,
 )
 from jaxdecode.cli.checkpoint import cmd_convert, cmd_eval, cmd_info, cmd_train
+
+
+MAX_NEW_TOKENS = 10_000_000  # -n: beyond this a request is a typo, not a study
+MAX_SAMPLES = 1_000_000  # --num-samples
 
 
 def _check_combinations(args):
@@ -53,6 +58,15 @@ def _check_combinations(args):
             raise UsageError("--stream does not apply to --beam: a beam's text is final only when the search ends")
         if args.smc is not None:
             raise UsageError("--stream does not apply to --smc: the estimate is known only at the end")
+    if args.greedy:
+        truncation = [spec.flag for spec in _rule_specs() if spec.kind in ("truncation", "temperature")
+                      and spec.name != "temperature" and getattr(args, spec.name) is not None]
+        if truncation:
+            raise UsageError(f"--greedy takes the most probable token, which {', '.join(truncation)} would not "
+                             f"change: drop one or the other")
+        if args.num_samples != 1:
+            raise UsageError(f"--greedy gives one answer: --num-samples {args.num_samples} would print it "
+                             f"{args.num_samples} times")
     if args.greedy and args.beam is not None:
         raise UsageError("--greedy does not combine with --beam (beam search is deterministic; --beam 1 is "
                          "greedy search)")
@@ -74,10 +88,10 @@ def cmd_generate(args):
     from jaxdecode.decoding.sampling import generate
 
     prompt = _read_prompt(args)
-    if args.n < 0:
-        raise UsageError(f"-n must be >= 0, got {args.n}")
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not 0 <= args.n <= MAX_NEW_TOKENS:
+        raise UsageError(f"-n must be in 0..{MAX_NEW_TOKENS:,}, got {args.n}")
+    if not 1 <= args.num_samples <= MAX_SAMPLES:
+        raise UsageError(f"--num-samples must be in 1..{MAX_SAMPLES:,}, got {args.num_samples}")
     _check_combinations(args)
     settings = _settings(args)
     for name, value in settings.items():
@@ -85,7 +99,7 @@ def cmd_generate(args):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
-    rule = make_rule(**settings)  # validates before anything is loaded or traced
+    rule = _cli_rule(settings)  # validates before anything is loaded or traced
     from jaxdecode.cli import generate as G
 
     if args.contrastive is not None:
@@ -227,17 +241,36 @@ def cmd_score(args):
 
 # ----------------------------------------------------------------------------- parser
 
+def _checkpoint_argument(s) -> None:
+    """The checkpoint as ``--ckpt FOLDER``, as every command takes it, or as a positional folder."""
+    s.add_argument("folder", nargs="?", default=None, help="checkpoint folder (the same as --ckpt)")
+    s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
+    s.set_defaults(_merge_ckpt=True)
+
+
+def _merge_checkpoint(args) -> None:
+    if getattr(args, "_merge_ckpt", False):
+        if args.folder is not None and args.ckpt is not None and args.folder != args.ckpt:
+            raise UsageError(f"two checkpoints given: {args.folder} and --ckpt {args.ckpt}")
+        args.ckpt = args.ckpt or args.folder
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxdecode.speculative import DRAFTS
 
-    p = _Parser(prog="jaxdecode", description=__doc__)
+    from importlib.metadata import version
+
+    p = _Parser(prog="jaxdecode", description="Decode text from a language model: generate, search, score, "
+                "serve. 'jaxdecode COMMAND --help' describes each command.")
+    p.add_argument("--version", action="version", version=f"jaxdecode {version('jaxdecode')}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("generate", help="generate text after a prompt")
     s.add_argument("prompt", help=r"the prompt; \n and \t are unescaped")
     s.add_argument("-n", type=int, default=300,
                    help="tokens to generate (default 300; for the character model a token is a character)")
-    s.add_argument("--num-samples", type=int, default=1)
+    s.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="samples per prompt, each with its own random stream (default 1)")
     s.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
                    help="run the samples in batches that fit SIZE bytes (e.g. 2G; default: "
                         "$JAXDECODE_MEMORY_BUDGET, else from the device's memory)")
@@ -250,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face model's parameter and compute dtype (default float32; bfloat16 for "
                         "accelerators)")
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
-    s.add_argument("--greedy", action="store_true", help="always take the most probable character")
+    s.add_argument("--greedy", action="store_true", help="always take the most probable token")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     s.add_argument("--stream", action="store_true",
                    help="stream text even when stdout is not a terminal (one sample; not with --json, "
@@ -328,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_study)
 
     s = sub.add_parser("info", help="describe a checkpoint folder")
-    s.add_argument("ckpt", nargs="?", default=None, help="checkpoint folder (default: the shipped model)")
+    _checkpoint_argument(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 
@@ -357,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("eval", help="held-out loss of a checkpoint, or the model's score of a text")
-    s.add_argument("ckpt", nargs="?", default=None)
-    s.add_argument("--data", default=None)
+    _checkpoint_argument(s)
+    s.add_argument("--data", default=None, help="corpus path (default: $JAXDECODE_DATA)")
     s.add_argument("--windows", type=int, default=32, help="held-out windows of T characters")
     s.add_argument("--text", default=None, help="score this text (mean log-probability per character)")
     s.add_argument("--prompt", default=None, help="condition --text on this prompt")
@@ -397,6 +430,7 @@ def main(argv=None) -> int:
     from jaxdecode.io.data import CorpusError
 
     try:
+        _merge_checkpoint(args)
         args.func(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
     except (UsageError, CheckpointError, CorpusError, ValueError, RuntimeError, FileExistsError,

@@ -33,12 +33,15 @@ def _known_options(parser) -> set[str]:
 
 
 def _argument_hint(parser, argv) -> str:
-    """What to add to an argparse error: where the help is, and, when a word starts with '-' but
-    is no option (a prompt such as "-- Enter ROMEO"), how to pass it."""
+    """What to add to an argparse error: where the help is; for a word that starts with '-' but is
+    no option, the option meant when one is close (``--top_p``: ``--top-p``), else how to pass a
+    text that starts with '-' (a prompt such as "-- Enter ROMEO")."""
+    import difflib
+
     command = next((a for a in argv if not a.startswith("-")), None)
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     where = f"jaxdecode {command}" if sub is not None and command in sub.choices else "jaxdecode"
-    known = _known_options(parser)
+    known = _known_options(sub.choices[command] if where != "jaxdecode" else parser)
 
     def is_option(word):
         head = word.split("=", 1)[0]
@@ -53,6 +56,10 @@ def _argument_hint(parser, argv) -> str:
                 continue  # a negative number
             except ValueError:
                 pass
+            head = word.split("=", 1)[0]
+            close = difflib.get_close_matches(head.replace("_", "-"), sorted(known), n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}? see: {where} --help)"
             return f" (a text that starts with '-' goes after '--', as in: {where} -- {word!r})"
     return f" (see: {where} --help)"
 
@@ -161,6 +168,22 @@ def _rule_specs():
     return sorted(REGISTRY, key=lambda spec: _FLAG_KINDS.index(spec.kind))
 
 
+def _cli_rule(settings: dict):
+    """:func:`jaxdecode.make_rule` of the rule flags, its errors naming the flags (``--top-p must
+    lie in (0, 1], got 2``) rather than the Python parameters."""
+    import re
+
+    from jaxdecode.rules import RuleError, make_rule
+
+    try:
+        return make_rule(**settings)
+    except RuleError as e:
+        m = re.match(r"^(\w+): \w+ (must .*)$", str(e))
+        if m and m.group(1) in settings:
+            raise UsageError(f"--{m.group(1).replace('_', '-')} {m.group(2)}") from None
+        raise UsageError(str(e)) from None
+
+
 def _settings(args) -> dict:
     from jaxdecode.rules import REGISTRY
 
@@ -171,7 +194,11 @@ def _settings(args) -> dict:
 def _load(args):
     from jaxdecode.models import checkpoint
 
-    return checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32")
+    lm = checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32")
+    if getattr(args, "dtype", None) not in (None, "float32") and not getattr(lm.vocab, "subword", False):
+        raise UsageError(f"--dtype {args.dtype} applies to Hugging Face checkpoints; the character model runs "
+                         f"in float32")
+    return lm
 
 
 def _read_prompt(args) -> str:

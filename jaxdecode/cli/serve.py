@@ -43,7 +43,7 @@ def add_serve_bench(sub, seed_type) -> None:
     s.add_argument("--slots", type=int, default=8, metavar="S", help="decode slots (default 8)")
     s.add_argument("--shared-prefix", type=int, default=0, metavar="CHARS",
                    help="the first CHARS characters of the held-out text in front of every prompt (default 0)")
-    s.add_argument("--n", type=int, default=64, metavar="CHARS",
+    s.add_argument("-n", "--n", dest="n", type=int, default=64, metavar="CHARS",
                    help="the most characters a request generates; each draws its length from n/4 to n (default 64)")
     s.add_argument("--simulate", action="store_true",
                    help="a virtual clock: each engine step costs what the step-time model says")
