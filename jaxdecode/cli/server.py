@@ -99,6 +99,9 @@ def _uvicorn_server():
         def handle_exit(self, sig, frame):
             self.jd.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has shut down, so that the process dies of it;
+            # a server that stopped cleanly on request exits with status 0 instead
+            getattr(self, "_captured_signals", []).clear()
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

@@ -37,6 +37,20 @@ running layout waits (first in, first out: the rows behind it wait too) until th
 drained. ``layout=`` pins one layout instead (a request that does not fit it is refused). Greedy
 and sampled rows share any batch: each row has its own flag.
 
+**Constrained rows** (``Request.constraint``, a compiled regex, choice or JSON schema): a row
+chooses as the sampling loop does under a :class:`~jaxdecode.constraints.Constraint` (the tokens
+the pattern allows, the stop decision in a final state drawn from the step key's ``STOP_STREAM``,
+an end token that ends the text), so its text is ``generate``'s with that constraint. The
+executor stacks the constraints of the rows in the slots into one table
+(:func:`~jaxdecode.constraints.stack`: state 0 free, for unconstrained rows; rows padded to a power
+of two), stacked again and sent when an admitted row brings a constraint it lacks (each new table
+size compiles the decode programs once; :meth:`warm_up` covers the sizes its requests can make).
+While no row in the slots has one, the calls run the unconstrained programs. Each slot's state in
+its automaton stays on the device (reset at the row's first step) and advances inside the call,
+so multi-step calls and ``overlap`` stay on with constrained rows: a row its constraint ends (a
+stop decision, or no token allowed) leaves as a row that meets a stop string does (the tokens
+after it are dropped; under overlap it is seen one call late), with ``generate``'s finish reason.
+
 **Window.** Every row stays within the model window: a request whose prompt plus ``n`` exceeds
 ``T`` is refused with an error (:func:`jaxdecode.generate` serves such requests in its exact window
 mode, a full forward per step).
@@ -78,14 +92,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from jaxdecode.decoding.common import (
-    Generation, check_int, encode_stop_strings, finish_text, sample_keys, stop_string_list)
+from jaxdecode.decoding.common import Generation, check_int, finish_text, stop_string_list
 from jaxdecode.serving.blocks import BlockAllocator
 from jaxdecode.serving.paging import PagedRows, _admitted
 from jaxdecode.serving.records import (  # noqa: F401
@@ -93,12 +105,13 @@ from jaxdecode.serving.records import (  # noqa: F401
 from jaxdecode.models.base import KV_DTYPES
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
-    TOP_LOGPROBS, Request, _Row, _embed, _kind, _kinds_text, _row_settings, best_layout, neutral_rule, rule_parts)
-from jaxdecode.serving.stream import RequestStream, stop_watch
+    TOP_LOGPROBS, Request, _embed, _kind, best_layout, make_rows, neutral_rule, rule_parts)
+from jaxdecode.serving.stream import RequestStream
 from jaxdecode.serving.warmup import warm_up
 
-__all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor", "RealClock",
-           "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts", "percentiles"]
+__all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor",
+           "RealClock", "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts",
+           "percentiles"]
 
 POLICIES = ("continuous", "static")
 CACHES = ("dense", "paged")
@@ -143,7 +156,8 @@ class Engine(PagedRows):
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
     """
 
-    def __init__(self, lm, slots: int, *, policy: str = "continuous", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    def __init__(self, lm, slots: int, *, policy: str = "continuous",
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
                  block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
                  decode_steps: int = 1, kv_dtype: str = "float32", prefill_budget: int | None = None,
@@ -153,7 +167,8 @@ class Engine(PagedRows):
         if self.admit_batch > self.S:
             raise ValueError(f"admit_batch must be at most the slots ({self.S}), got {admit_batch}")
         self.decode_steps = check_int("decode_steps", decode_steps, 1)
-        self.prefill_budget = None if prefill_budget is None else check_int("prefill_budget", prefill_budget, 1)
+        self.prefill_budget = (None if prefill_budget is None
+                               else check_int("prefill_budget", prefill_budget, 1))
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if cache not in CACHES:
@@ -214,65 +229,9 @@ class Engine(PagedRows):
         return self._queue([self._make_rows(request, len(self.requests))], [request])[0]
 
     def _make_rows(self, r: Request, i: int) -> list:
-        """The rows of request ``i`` (checked; nothing is queued)."""
-        if not isinstance(r, Request):
-            raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
-        n = check_int(f"request {i}: the number of new tokens n", r.n, 0)
-        N = check_int(f"request {i}: num_samples", r.num_samples, 1)
-        if not isinstance(r.greedy, (bool, np.bool_)):
-            raise ValueError(f"request {i}: greedy must be True or False, got {r.greedy!r}")
-        if isinstance(r.arrival, bool) or not isinstance(r.arrival, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(r.arrival) or r.arrival < 0:
-            raise ValueError(f"request {i}: arrival must be a finite time >= 0 seconds, got {r.arrival!r}")
-        if r.constraint is not None:
-            raise ValueError(f"request {i}: constrained requests (regex, choice, JSON schema) are not served "
-                             f"by the engine yet; jaxdecode.generate runs them")
-        top_k = check_int(f"request {i}: top_logprobs", r.top_logprobs, 0)
-        if top_k > TOP_LOGPROBS:
-            raise ValueError(f"request {i}: top_logprobs must be at most {TOP_LOGPROBS}, got {top_k}")
-        try:
-            prompt = self._prompt_tokens(r.prompt)
-            stops = encode_stop_strings(self.lm, r.stop)
-            if r.ignore_eos:
-                stops = stops[:len(stops) - len(getattr(self.lm, "end_stops", []))]
-            keys, row_ids = sample_keys(1, N, r.seed)
-            parts = rule_parts(r.rule)
-        except ValueError as e:
-            raise ValueError(f"request {i}: {e}") from None
-        if len(prompt) + n > self.T:
-            raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
-                             f"the model window T = {self.T}; the engine keeps every row within the window "
-                             f"(jaxdecode.generate serves longer requests in its exact window mode)")
-        if self.paged and n > 0:
-            need = self.allocator.blocks_for(len(prompt) + n - 1)
-            if need > self.allocator.num_blocks:
-                raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) needs {need} blocks of "
-                                 f"{self.allocator.block_size} positions per sample, more than the whole pool of "
-                                 f"{self.allocator.num_blocks} blocks: it could never be served")
-        if self._pinned and _embed(parts, self._layout, self.V) is None:
-            raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's "
-                             f"layout ({_kinds_text(self._layout)}): it must be the layout with parts left out, "
-                             f"and only parts with a neutral setting may be left out")
-        keys = np.asarray(keys, np.uint32)
-        texts = stop_string_list(r.stop)
-        return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i),
-                     top_k=top_k, watch=stop_watch(self.lm, texts)) for j in row_ids]
-
-    def _prompt_tokens(self, prompt) -> np.ndarray:
-        """A prompt's tokens: a non-empty string encoded, or token ids checked."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt must be a non-empty string")
-            tokens = self.lm.vocab.encode(prompt)
-            if len(tokens) == 0:
-                raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
-            return tokens
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError("the prompt must be a non-empty string or a non-empty list of token ids")
-        if ids.min() < 0 or ids.max() >= self.V:
-            raise ValueError(f"prompt token ids must lie in [0, {self.V}), got min {ids.min()} max {ids.max()}")
-        return ids.astype(np.int32)
+        """The rows of request ``i`` (checked; nothing is queued):
+        :func:`~jaxdecode.serving.requests.make_rows`."""
+        return make_rows(self, r, i)
 
     def warm_up(self, requests: Sequence[Request]) -> int:
         """Compile, without running them, the programs serving ``requests`` can take, whatever their
@@ -319,7 +278,8 @@ class Engine(PagedRows):
         free = [s for s in range(self.S) if self._slots[s] is None]
         if not free or not self._waiting:
             return
-        if self.policy == "static" and (len(free) < self.S or (len(self._waiting) < self.S and self._pending)):
+        if self.policy == "static" and (len(free) < self.S
+                                        or (len(self._waiting) < self.S and self._pending)):
             return  # a batch runs to completion; a new one starts full (or with the last rows)
         if not self._admits_now(len(free)):
             return  # too few free slots yet for the rows in line (admit_batch)
@@ -341,6 +301,8 @@ class Engine(PagedRows):
             entries.append((row.slot, row, rules))
         if entries:
             self.executor.admit(entries)
+            if hasattr(self.executor, "constrain"):  # the constraints of the rows in the slots now
+                self.executor.constrain([None if r is None else r.constraint for r in self._slots])
 
     def _choose_layout(self):
         """For an empty engine: of the chains of the first rows in line that the first row fits,
@@ -423,7 +385,9 @@ class Engine(PagedRows):
         stop string or their ``n``, and record the call's steps."""
         k, stepped, done = call.k, [], []
         if call.rows:
-            tokens, mlp, slp = (np.asarray(a)[None] if call.single else np.asarray(a) for a in call.out)
+            tokens, mlp, slp, *ends = (np.asarray(a)[None] if call.single else np.asarray(a)
+                                       for a in call.out)
+            ends = ends[0] if ends else None  # [k, S]: a constrained row's constraint ended it at that step
             top = None if call.top is None else [np.asarray(a) for a in call.top]
         for s, row in call.rows:
             row.pending -= k
@@ -431,15 +395,18 @@ class Engine(PagedRows):
                 continue  # it met a stop string in an earlier call: these tokens lie past its end
             stepped.append(row)
             for j in range(k):  # a row that ends inside a multi-step call drops the tokens after it
-                row.tokens.append(int(tokens[j, s]))
-                row.mlp.append(float(mlp[j, s]))
-                row.slp.append(float(slp[j, s]))
-                if row.top_k:
-                    row.top.append((top[1][s], top[0][s]))
-                hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
-                          for stop in row.stops)
-                # a subword row's text can hold a stop string however the model spelled it
-                hit = (row.watch is not None and row.watch.push(row.tokens[-1])) or hit
+                if ends is not None and ends[j, s]:
+                    hit = True  # ended by its constraint before this token (as generate's stop decision)
+                else:
+                    row.tokens.append(int(tokens[j, s]))
+                    row.mlp.append(float(mlp[j, s]))
+                    row.slp.append(float(slp[j, s]))
+                    if row.top_k:
+                        row.top.append((top[1][s], top[0][s]))
+                    hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
+                              for stop in row.stops)
+                    # a subword row's text can hold a stop string however the model spelled it
+                    hit = (row.watch is not None and row.watch.push(row.tokens[-1])) or hit
                 if hit or len(row.tokens) == row.n:
                     row.finish, row.slot = ("stop" if hit else "length"), -1
                     if self._slots[s] is row:
@@ -535,7 +502,8 @@ class Engine(PagedRows):
         return list(self._rows[index])
 
     def stream(self, index: int, include_stop: bool = True) -> RequestStream:
-        """Request ``index``'s output as it is generated (:class:`~jaxdecode.serving.stream.RequestStream`)."""
+        """Request ``index``'s output as it is generated
+        (:class:`~jaxdecode.serving.stream.RequestStream`)."""
         return RequestStream(self, index, include_stop)
 
     def abort(self, index: int) -> None:
@@ -560,7 +528,7 @@ class Engine(PagedRows):
         request it ever served)."""
         if any(r.finish is None for r in self._rows[index]):
             raise ValueError(f"request {index} has not finished")
-        self._rows[index] = []
+        self._rows[index], self.requests[index] = [], None
 
     def rows_in_slots(self) -> list:
         """The rows in the slots now (read-only)."""
