@@ -103,16 +103,26 @@ def test_continuation_logprobs_equal_transformers(models, name):
 
 
 def test_bfloat16_compute_stays_close(models):
-    """dtype="bfloat16": parameters and matrix products in bfloat16 (for accelerators); the
-    greedy path of the float32 model keeps most of its top choices."""
+    """dtype="bfloat16": parameters and matrix products in bfloat16 (for accelerators), norms,
+    softmax and logits in float32. Against transformers' float32 logits (scale about 6) on the
+    three prompts, measured: at most 0.19 apart anywhere, 0.026 on average, and the same top
+    choice wherever float32's top two are more than 0.04 apart (one of 34 positions is closer,
+    and flips). The bounds leave some room: 0.25, 0.03, and every top choice whose margin is
+    over 0.1. (Attention scaled by 1/sqrt(head_dim + 1), or norms in bfloat16, fail them; both
+    passed the earlier 0.5 and 80% agreement.)"""
     lm16 = jaxdecode.load(FIXTURES / "llama", dtype="bfloat16")
     ex = expected("llama")
     assert lm16.params["embed"].dtype == jnp.bfloat16
-    ref = np.load(FIXTURES / "llama" / "logits_0.npy")
-    logits, _ = lm16.decoder.forward(lm16.params, jnp.asarray([ex["prompt_ids"][0]]))
-    assert logits.dtype == jnp.float32
-    agree = np.mean(np.argmax(np.asarray(logits[0]), -1) == np.argmax(ref, -1))
-    assert agree >= 0.8 and np.max(np.abs(np.asarray(logits[0]) - ref)) < 0.5
+    for i, ids in enumerate(ex["prompt_ids"]):
+        ref = np.load(FIXTURES / "llama" / f"logits_{i}.npy")
+        logits, _ = lm16.decoder.forward(lm16.params, jnp.asarray([ids]))
+        assert logits.dtype == jnp.float32
+        got = np.asarray(logits[0])
+        err = np.abs(got - ref)
+        assert err.max() < 0.25 and err.mean() < 0.03, (i, err.max(), err.mean())
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 0.1
+        assert np.array_equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), i
 
 
 # ----------------------------------------------------------------------------- every loop on a Llama
@@ -287,8 +297,24 @@ def test_contrastive_with_alpha_zero_is_greedy_through_the_end_token(models):
     for i, o in enumerate(outs):
         assert o.tokens.tolist() == ex[f"greedy_{i}"]
         assert o.finish_reason == ("eos" if ex[f"greedy_eos_{i}"] else "length")
-    cs = jaxdecode.contrastive_generate(lm, ex["prompts"][0], n=40, k=4, alpha=0.6)[0]
-    assert cs.finish_reason in ("eos", "length") and 0 < len(cs.tokens) <= 40
+    # alpha 0.6: the plain loop of the paper (tests/test_contrastive.py), up to the end token
+    from test_contrastive import reference_contrastive
+
+    fwd = jax.jit(lm.decoder.forward)
+
+    def full(tokens):  # the whole forward, right-padded to a power of two (causal: inert)
+        width = 1 << max(4, (len(tokens) - 1).bit_length())
+        logits, hidden = fwd(lm.params, jnp.asarray([list(tokens) + [0] * (width - len(tokens))]))
+        t = len(tokens)
+        return np.asarray(logits[0, :t], np.float64), np.asarray(hidden[0, :t], np.float64)
+
+    for prompt in ex["prompts"]:
+        cs = jaxdecode.contrastive_generate(lm, prompt, n=40, k=4, alpha=0.6)[0]
+        want = reference_contrastive(full, lm.vocab.encode(prompt).tolist(), 40, 4, 0.6)
+        end = next((i + 1 for i, t in enumerate(want) if t in lm.eos_ids), 40)
+        assert cs.tokens.tolist() == want[:end], prompt
+        assert cs.finish_reason == ("eos" if end < 40 or want[-1] in lm.eos_ids else "length")
+        assert cs.text == lm.vocab.decode(want[:end - 1] if cs.finish_reason == "eos" else want)
 
 
 def test_engine_serves_a_llama_like_generate(models):
@@ -338,17 +364,28 @@ def test_streamed_generation_equals_its_text(models):
 
 
 def test_stop_strings_are_matched_on_the_text(models):
-    """A stop string ends a row wherever it appears in the decoded text, whatever the tokens."""
+    """A stop string ends a row at the first token whose text completes it, whatever the tokens:
+    here a piece of text that a row spells with other tokens than its encoding, before the row's
+    end token. Every row is the run without the stop string, cut by the rule (tests/stop_rule.py):
+    tokens, text, reason and log-probabilities."""
+    from stop_rule import check_rule, reference
+
     lm = models("llama")
     outs = jaxdecode.generate(lm, "ROMEO:", n=60, num_samples=16, seed=1)
-    pieces = [o.text[3:5] for o in outs if len(o.text) > 6 and o.finish_reason == "length"]
-    stop = pieces[0]
+
+    def canonical(tokens, piece):
+        ids = lm.vocab.encode_piece(piece).tolist()
+        return any(tokens[i:i + len(ids)] == ids for i in range(len(tokens)))
+
+    stop = next(o.text[i:i + 2] for o in outs if o.finish_reason == "eos" for i in range(len(o.text) - 1)
+                if "\ufffd" not in o.text[i:i + 2] and not canonical(o.tokens.tolist(), o.text[i:i + 2]))
     stopped = jaxdecode.generate(lm, "ROMEO:", n=60, num_samples=16, seed=1, stop=stop)
     for full, o in zip(outs, stopped):
-        if o.finish_reason == "stop":
-            cut = full.text.find(stop) + len(stop)
-            assert o.text == full.text[:cut] and o.tokens.tolist() == full.tokens[:len(o.tokens)].tolist()
-    assert sum(o.finish_reason == "stop" for o in stopped) >= 1
+        assert (o.tokens.tolist(), o.text, o.finish_reason) == reference(lm, full.tokens.tolist(), [stop])
+        check_rule(lm, o.tokens, o.text, o.finish_reason, [stop])
+        assert len(o.model_logprobs) == len(o.sample_logprobs) == len(o.tokens)
+        np.testing.assert_array_equal(o.model_logprobs, full.model_logprobs[:len(o.tokens)])
+    assert sum(o.finish_reason == "stop" for o in stopped) >= 2
 
 
 def test_finish_text_leaves_the_character_model_as_it_was():
@@ -433,7 +470,8 @@ def test_command_line_on_a_hugging_face_folder(capsys):
     assert out["tokens"] == ex["greedy_0"] and out["finish_reason"] == "eos"
     assert main(["info", folder, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["end_tokens"] == ex["eos_token_id"] if isinstance(ex["eos_token_id"], list) else [ex["eos_token_id"]]
+    want = ex["eos_token_id"] if isinstance(ex["eos_token_id"], list) else [ex["eos_token_id"]]
+    assert info["end_tokens"] == want
     # bad input: one line, exit 2
     assert main(["generate", "x", "--ckpt", str(FIXTURES), "-n", "3"]) == 2
     err = capsys.readouterr().err

@@ -162,7 +162,8 @@ def _select(st: BeamState, rule, stops, alpha, max_len, active, T: int, con=None
     """Extend every live beam by every token and keep the best; returns (state, parent, token).
 
     ``stops`` the :class:`~jaxdecode.decoding.stops.StopTable` (or None) that ``st.stop_state``
-    walks: a candidate whose token stops its beam finishes (with that token). ``alpha`` [B] length-penalty exponents, ``max_len`` [] the number of steps of the search,
+    walks: a candidate whose token stops its beam finishes (with that token). ``alpha`` [B]
+    length-penalty exponents, ``max_len`` [] the number of steps of the search,
     ``con`` the :class:`~jaxdecode.constraints.Automaton` (or None) that ``st.cstate`` walks.
     """
     B, k = st.live_score.shape

@@ -195,7 +195,8 @@ def _start(params, prompt, recent, length, *, model: DecodingModel, k: int, N: i
     P = tokens.shape[1]
     history = jnp.zeros((B, N, hidden.shape[-1]), hidden.dtype).at[:, :min(P, N)].set(_unit(hidden)[:, :N])
     st = ContrastiveState(logits=logits, history=history, filled=seen, recent=recent, length=length,
-                          done=jnp.zeros((B,), bool), stop_state=jnp.zeros((B,), jnp.int32), step=jnp.int32(0))
+                          done=jnp.zeros((B,), bool), stop_state=jnp.zeros((B,), jnp.int32),
+                          step=jnp.int32(0))
     if not cached:
         return st, None
     cache = model.truncate(cache, length)

@@ -296,8 +296,9 @@ def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_i
         step=placement.put(np.int32(0), None), cstate=cstate)
     state_axes, state_specs = None, None
     if placement.split:
-        state_axes = _axes_list(SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, stop_state=0,
-                                              step=None, cstate=None if cstate is None else 0), state)
+        axes = SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, stop_state=0, step=None,
+                             cstate=None if cstate is None else 0)
+        state_axes = _axes_list(axes, state)
         state_specs = _spec_tree(placement, state_axes, state)
     common = (rule_b, key, row_ids_b, stop_dev)
     common_axes = (0, key_axis, 0, None)

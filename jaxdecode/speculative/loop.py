@@ -63,7 +63,7 @@ class SpecState(NamedTuple):
     examined: jax.Array  # [B] int32 proposals that met the acceptance test
     accepted: jax.Array  # [B] int32 proposals accepted
     iteration: jax.Array  # [] int32
-    stop_state: jax.Array  # [B] int32 each row's state in the stop automaton (:mod:`jaxdecode.decoding.stops`)
+    stop_state: jax.Array  # [B] int32 each row's state in the stop automaton (decoding.stops)
     stop_hit: jax.Array  # [B] bool: the row produced a stop string or an end token (its count ends there)
     cstate: Any = None  # [B] int32 automaton state after the context (constrained generation)
     stopped: Any = None  # [B] bool: the row stopped where its pattern allowed it (constrained)
@@ -139,8 +139,8 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
         logits, _, cache = model.extend(params, st.cache, fed, span)  # [B, gamma+1, V]
         if con is not None:
-            return _stop_strings(st, _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache),
-                                 active)
+            new = _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache)
+            return _stop_strings(st, new, active)
         processed = process_all(logits)
         sample_lp = _logprobs(processed)
         if greedy:

@@ -100,6 +100,21 @@ def _act(name: str, x):
     return jax.nn.gelu(x, approximate=True)  # gelu_new, gelu_pytorch_tanh, gelu_fast
 
 
+def check_room(length, S: int, C: int) -> None:
+    """Raise ValueError unless ``S`` new positions fit a cache of capacity ``C`` after each row's
+    ``length``: always from the static shapes, and from the lengths themselves where they are
+    known (outside a traced program). A write past the end would not fail on its own:
+    ``dynamic_update_slice`` moves it back inside, over the last positions."""
+    if S > C:
+        raise ValueError(f"extend: {S} new positions do not fit the cache's capacity of {C}")
+    if isinstance(length, jax.core.Tracer):
+        return
+    filled = int(np.max(np.asarray(length), initial=0))
+    if filled + S > C:
+        raise ValueError(f"extend: a row holds {filled} positions, and {S} more exceed the cache's "
+                         f"capacity of {C}")
+
+
 @dataclasses.dataclass(frozen=True)
 class HFDecoder(DecodingModel):
     """A Hugging Face decoder of shape ``cfg`` (hashable: a static argument of the loops' programs)."""
@@ -219,6 +234,7 @@ class HFDecoder(DecodingModel):
         tokens = jnp.asarray(tokens, jnp.int32)
         B, S = tokens.shape
         C = self.capacity(cache)
+        check_room(cache.length, S, C)
         span = C if span is None else min(span, C)
         pos = cache.length[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]  # [B, S]
         x = self._embed(params, tokens, pos)
