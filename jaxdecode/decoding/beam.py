@@ -6,9 +6,12 @@ log-probability. It starts from the prompt alone (one live beam, the others at `
 no end tokens and no length penalty it is exactly the book's ``beam``: per beam the top ``k``
 tokens, all candidates sorted, the best ``k`` kept, and ``k = 1`` is greedy decoding.
 
-End tokens and stop strings: a candidate that completes one leaves the beam for a pool of ``k``
-finished hypotheses, its score divided by the GNMT length penalty ``((5 + |y|) / 6) ** alpha``
-(Wu et al. 2016, |y| the generated length, end tokens included). A row stops searching once no
+End tokens and stop strings: a candidate that completes one (a stop string however tokenized:
+each beam carries its state in the stop automaton of :mod:`jaxdecode.decoding.stops`, so a
+hypothesis ends at the token whose bytes complete the string, and its score is that of its own
+tokens) leaves the beam for a pool of ``k`` finished hypotheses, its score divided by the GNMT
+length penalty ``((5 + |y|) / 6) ** alpha`` (Wu et al. 2016, |y| the generated length, end tokens
+included). A row stops searching once no
 live beam can beat its worst finished hypothesis: a live beam's final score is at most its score
 divided by the largest penalty it can still reach (at the maximum length for ``alpha > 0``, as in
 flax's ``examples/wmt/decode.py``). When the steps run out, the live beams compete with the pool.
@@ -28,7 +31,8 @@ the steps left (the mask applies to the logits before the rule; without a rule a
 model log-probability), and a beam in a final state may also *stop*: the candidate
 ``live_score + log(stop probability)`` (its tokens unchanged) joins the pool of finished
 hypotheses like one that completed an end token, with the length penalty of its current length.
-A stop string ends a constrained hypothesis only where its text is in the language. After ``n``
+A stop string ends a constrained hypothesis only where its text is in the language; elsewhere
+the candidate is dropped (its text would end there, outside the language). After ``n``
 steps every live beam is in a final state, so every hypothesis returned is in the language.
 
 :func:`mode_search` (in :mod:`jaxdecode.decoding.search`, re-exported here) finds the single most probable
