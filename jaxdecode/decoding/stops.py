@@ -202,7 +202,9 @@ def byte_stop_automaton(vocab, strings: Sequence[str], ends: Sequence[int] = ())
 
     encoded = [s.encode("utf-8") for s in stop_string_list(list(strings))]
     delta, done = aho_corasick(encoded, 256)
-    pieces = token_bytes(vocab)
+    pieces = per_vocab.get("token bytes")
+    if pieces is None:
+        pieces = per_vocab["token bytes"] = token_bytes(vocab)
     table = _lift(delta, done, pieces, b"".join(encoded))
     V = len(pieces)
     for e in ends:
@@ -210,8 +212,8 @@ def byte_stop_automaton(vocab, strings: Sequence[str], ends: Sequence[int] = ())
             raise ValueError(f"end token {e} lies outside the vocabulary of {V}")
         table[:, e] = done
     out = StopAutomaton(*_pad(table, done), strings=strings, ends=ends)
-    if len(per_vocab) >= 16:
-        per_vocab.pop(next(iter(per_vocab)))
+    if len(per_vocab) > 16:  # the token bytes and the 16 latest automata
+        per_vocab.pop(next(k for k in per_vocab if k != "token bytes"))
     per_vocab[key] = out
     return out
 
