@@ -13,9 +13,11 @@ import json
 import logging
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException as FastAPIHTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette.sse import AppStatus
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from jaxdecode.server.metrics import Metrics
@@ -24,6 +26,13 @@ from jaxdecode.server.runner import EngineRunner
 
 log = logging.getLogger("jaxdecode.server")
 MAX_BODY = 4 << 20  # bytes
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def _endpoint(path: str) -> str:
+    """The metrics' endpoint label: one of ENDPOINTS, or "other" (a label per unknown path would
+    let any client grow the metrics without bound)."""
+    return path if path in ENDPOINTS else "other"
 
 
 class Server:
@@ -65,23 +74,31 @@ def build_app(server: Server) -> FastAPI:
         yield
         server.runner.stop()
 
-    app = FastAPI(title="jaxdecode", lifespan=lifespan, max_body_size=MAX_BODY)
+    # sse-starlette ends every open stream when uvicorn is told to exit; a draining server lets the
+    # requests in flight finish instead (each ends within its max_tokens)
+    AppStatus.disable_automatic_graceful_drain()
+    # (not FastAPI's max_body_size: its 413 is plain text, and it replaces the app's own answer)
+    app = FastAPI(title="jaxdecode", lifespan=lifespan)
     app.state.server = server
+    # inside the gate below (the middleware added last is the outermost): the gate counts the 413s, and
+    # the error that the body's reader raises reaches the route directly, not out of the gate's task group
+    app.add_middleware(_BodyLimit, limit=MAX_BODY)
 
     @app.middleware("http")
     async def gate(request: HTTPRequest, call_next):
         if server.draining:
-            return _error(APIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
-        if server.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                return _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            response = _error(APIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
+        elif server.api_key and request.url.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
+            response = _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                        code="invalid_api_key"))
-        return await call_next(request)
+        else:
+            response = await call_next(request)
+        server.metrics.requests.labels(_endpoint(request.url.path), str(response.status_code)).inc()
+        return response
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
         return _error(e)
 
     @app.exception_handler(RequestValidationError)
@@ -100,14 +117,16 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         status = e.status_code
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed here",
-                   413: f"the request body is larger than the server's limit of {MAX_BODY} bytes"}.get(
-                       status, str(e.detail))
+        if status == 413:
+            return _error(_too_large())
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed here"}.get(
+            status, str(e.detail))
         return _error(APIError(status, message))
 
     @app.exception_handler(Exception)
     async def crashed(request, e: Exception):
         log.exception("unexpected error")
+        server.metrics.requests.labels(_endpoint(request.url.path), "500").inc()
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
     @app.get("/health")
@@ -134,3 +153,39 @@ def build_app(server: Server) -> FastAPI:
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _TooLarge(FastAPIHTTPException):  # (FastAPI passes its own kind on from a body it reads)
+    def __init__(self):
+        super().__init__(413)
+
+
+class _BodyLimit:
+    """A 413 in OpenAI's error format for a request body over ``limit`` bytes: at once when its
+    Content-Length says so, else (a chunked body) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await _error(_too_large())(scope, receive, send)
+        read = 0
+
+        async def limited():
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.limit:
+                    raise _TooLarge()  # answered by the app's handler of HTTPException (413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {MAX_BODY} bytes")

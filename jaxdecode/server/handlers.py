@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
@@ -52,6 +53,22 @@ def stops(body) -> list[str]:
     if any(not s for s in stop):
         raise APIError(400, "a stop string must not be empty", param="stop")
     return stop
+
+
+def writable_stops(stops: list[str], vocab) -> list[str]:
+    """The stop strings the model can write. One the vocabulary cannot encode (a character outside
+    a character model's vocabulary) can never appear in a text: it is dropped, which changes no
+    output, instead of refusing the request (OpenAI's API takes any stop string, and clients send
+    their usual ones, such as ``"<|im_end|>"`` or ``"###"``)."""
+    encode = getattr(vocab, "encode_piece", vocab.encode)
+    out = []
+    for s in stops:
+        try:
+            encode(s)
+        except ValueError:
+            continue
+        out.append(s)
+    return out
 
 
 def constraint(body, vocab):
@@ -119,7 +136,9 @@ class Job:
             accepted += 1
         if error is not None:
             self.abort()
-            raise APIError(400, str(error)) if isinstance(error, ValueError) else error
+            if isinstance(error, ValueError):  # the engine's message, without its internal request number
+                raise APIError(400, re.sub(r"^request \d+: ", "", str(error)))
+            raise APIError(500, f"the engine failed to take the request: {type(error).__name__}: {error}")
 
     async def deltas(self):
         """``(request k, [Delta])`` until every request finished."""

@@ -70,7 +70,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
     stop: Union[str, list[str], None] = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a signed 64-bit integer, as vLLM's
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: bool = False

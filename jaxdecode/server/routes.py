@@ -18,6 +18,7 @@ from jaxdecode.server.protocol import APIError, ChatRequest, CompletionRequest
 def _requests(server, body, prompts, n_new, top, stop, field) -> list[Request]:
     settings = H.sampling(body, server.V)
     constraint = H.constraint(body, server.lm.vocab)
+    stop = H.writable_stops(stop, server.lm.vocab)
     out = []
     for tokens in prompts:
         n = server.T - len(tokens) if n_new is None else n_new

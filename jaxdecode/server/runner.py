@@ -57,7 +57,9 @@ class EngineRunner:
         self._cv = threading.Condition()
         self._active: dict[int, _Active] = {}
         self._stopping = False
-        self.waiting = 0  # requests not yet in a slot (read by the event loop for admission control)
+        # read by the event loop (admission control); queued and running: written by the engine's thread
+        self.waiting = 0  # requests submitted that the engine's thread has not taken yet
+        self.queued = 0  # the engine's rows waiting for a slot (Engine.queued), as of the thread's last turn
         self.running = 0  # requests with a row in a slot
         self._thread = threading.Thread(target=self._loop, name="jaxdecode-engine", daemon=True)
 
@@ -100,25 +102,32 @@ class EngineRunner:
                     return
             for command in commands:
                 self._command(command)
-            if self._active:
-                try:
+            try:
+                if self._active:
                     engine.step()
-                except Exception as e:  # the device call failed: end every request, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(e)
-            self._hand_out()
+                self._hand_out()
+            except Exception as e:  # the device call (or the host's work on it) failed: end every request,
+                log.exception("engine step failed")  # keep serving (a dead thread would hang every request)
+                self._fail_all(e)
+                self._hand_out()
 
     def _command(self, command):
         if command[0] == "submit":
             _, request, handle, include_stop = command
-            self.waiting -= 1
             if handle.aborted:
+                self._taken()
                 return
             try:
                 index = self.engine.submit(request)
-            except ValueError as e:
+            except Exception as e:  # refused (a ValueError: the request's fault) or failed: that request only
+                if not isinstance(e, ValueError):
+                    log.exception("the engine failed to take a request")
+                self._taken()
                 handle.put(("error", e))
                 return
+            # counted as queued before it stops counting as waiting: the event loop always sees it in one
+            self.queued = self.engine.queued
+            self._taken()
             handle.index = index
             self._active[index] = _Active(handle, self.engine.stream(index, include_stop), time.perf_counter())
             if self.metrics is not None:
@@ -127,7 +136,14 @@ class EngineRunner:
         else:
             handle = command[1]
             if handle.index is not None and handle.index in self._active:
-                self.engine.abort(handle.index)
+                try:
+                    self.engine.abort(handle.index)
+                except Exception:  # (the request then runs to its end)
+                    log.exception("aborting a request failed")
+
+    def _taken(self):
+        with self._cv:  # (submit adds to it from the event loop's thread)
+            self.waiting -= 1
 
     def _hand_out(self):
         now = time.perf_counter()
@@ -151,6 +167,7 @@ class EngineRunner:
                 self.engine.forget(index)
                 del self._active[index]
         self.running = len({r.req for r in self.engine.rows_in_slots()})
+        self.queued = self.engine.queued
         if self.metrics is not None:
             self.metrics.observe(self)
 
