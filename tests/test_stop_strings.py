@@ -303,3 +303,18 @@ def test_automaton_shapes_are_bucketed_and_checked(lm):
     for bad in ("", "a\ufffd", "\ud800"):
         with pytest.raises(ValueError):
             stop_automaton(lm, bad)
+
+
+def test_include_stop_false_cuts_the_stop_string_that_ends_first():
+    """``include_stop=False`` (OpenAI's convention) drops exactly the stop string that ended the
+    sample, the longest of those ending at that point; the tokens still hold it."""
+    from jaxdecode.decoding.common import finish_text
+
+    lm = jaxdecode.load()
+    kept = jaxdecode.generate(lm, "ROMEO:\n", n=80, seed=0, stop=["\n\n", "the"])[0]
+    cut = jaxdecode.generate(lm, "ROMEO:\n", n=80, seed=0, stop=["\n\n", "the"], include_stop=False)[0]
+    assert kept.finish_reason == cut.finish_reason == "stop"
+    assert kept.text == cut.text + "the" and list(kept.tokens) == list(cut.tokens)
+    tokens = lm.vocab.encode("a cab")
+    assert finish_text(lm, tokens, True, ["ab", "b"], include_stop=False)[1] == "a c"
+    assert finish_text(lm, tokens, True, ["ab", "b"])[1] == "a cab"

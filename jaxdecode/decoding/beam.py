@@ -493,6 +493,7 @@ class BeamText:
 
 def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: int = 1,
                   length_penalty: float | Sequence[float] = 0.0, stop: str | Sequence[str] | None = None,
+                  include_stop: bool = True,
                   rule=None, chunk: int = DEFAULT_CHUNK, constraint=None,
                   memory_budget: int | str | None = None) -> list[list[BeamText]]:
     """Beam search of width ``k`` for ``n`` characters after each prompt with a loaded model.
@@ -510,7 +511,7 @@ def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: i
     alpha = _alpha_per_row(length_penalty, len(prompts), len(prompts))
 
     def text(i, h):
-        tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop)
+        tokens, text, _ = finish_text(lm, h.tokens, h.finished, stop, include_stop)
         score, logprob = h.score, h.logprob
         if len(tokens) < len(h.tokens):
             con = constraint[i] if isinstance(constraint, list) else constraint

@@ -259,13 +259,15 @@ def _first_stop(decode, tokens: np.ndarray, stops: list[str]) -> tuple[int, str]
     return hi, text
 
 
-def finish_text(lm, tokens: np.ndarray, stopped: bool, stop: str | Sequence[str] | None = None):
+def finish_text(lm, tokens: np.ndarray, stopped: bool, stop: str | Sequence[str] | None = None,
+                include_stop: bool = True):
     """A finished row: ``(tokens kept, text, finish_reason)``, whichever came first of a stop
     string and an end token. ``"stop"``: the text contains a stop string, however it was
     tokenized; the tokens kept are the fewest whose text contains it, and the text ends with it
     (it may end inside the last token). ``"eos"``: it generated an end token (kept in the tokens,
     not in the text). ``"length"``: it ran out of new tokens. ``stopped``: the loop ended the row
-    early (with neither in the tokens, a constrained stop: ``"stop"``)."""
+    early (with neither in the tokens, a constrained stop: ``"stop"``). ``include_stop=False``: the
+    stop string is cut from the text (OpenAI's convention; the tokens still hold it)."""
     tokens = np.asarray(tokens)
     eos = set(getattr(lm, "eos_ids", ()))
     end = next((i for i, t in enumerate(tokens.tolist()) if t in eos), None) if eos else None
@@ -275,8 +277,9 @@ def finish_text(lm, tokens: np.ndarray, stopped: bool, stop: str | Sequence[str]
         found = _first_stop(lm.vocab.decode, body, stops)
         if found is not None:
             k, text = found
-            cut = min(text.find(s) + len(s) for s in stops if s in text)
-            return tokens[:k], text[:cut], "stop"
+            # the stop string that ends first (the longest of those that end there)
+            cut, minus, _ = min((text.find(s) + len(s), -len(s), s) for s in stops if s in text)
+            return tokens[:k], text[:cut] if include_stop else text[:cut + minus], "stop"
     if end is not None:
         return tokens[:end + 1], lm.vocab.decode(body), "eos"
     return tokens, lm.vocab.decode(tokens), "stop" if stopped else "length"

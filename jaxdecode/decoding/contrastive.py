@@ -284,6 +284,7 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
 
 def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int = 4,
                          alpha: float | Sequence[float] = 0.6, *, stop: str | Sequence[str] | None = None,
+                         include_stop: bool = True,
                          on_text: Callable[[int, str], None] | None = None,
                          memory_budget: int | str | None = None) -> list[Generation]:
     """Contrastive search with a loaded model ``lm``: one :class:`Generation` per prompt
@@ -294,7 +295,7 @@ def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int 
                              on_chunk=text_streamer(lm, on_text), memory_budget=memory_budget)
     out = []
     for r, prompt in enumerate(prompts):
-        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
         c = len(toks)
         out.append(Generation(prompt=prompt, text=text, tokens=toks, model_logprobs=res.model_logprobs[r, :c],
                               sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))

@@ -353,7 +353,7 @@ def _axes_list(state_axes: SamplingState, state: SamplingState) -> list:
 
 def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
              key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
-             stop: str | Sequence[str] | None = None, chunk: int | None = None,
+             stop: str | Sequence[str] | None = None, include_stop: bool = True, chunk: int | None = None,
              on_text: Callable[[int, str], None] | None = None, constraint=None,
              memory_budget: int | str | None = None, max_rows: int | None = None,
              progress: bool | str = False, mesh=None) -> list[Generation]:
@@ -367,6 +367,9 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
     and the settings: never on the other prompts of the request, its position among them, or how
     the request is split into batches (``memory_budget``, ``max_rows``: see
     :func:`sample_tokens`). ``key`` (instead of ``seed``): one key for every prompt.
+
+    ``stop``: strings that end a sample once its text holds one, however the model spelled it in
+    tokens; the text keeps the stop string (``include_stop=False``: cut, as OpenAI's API does).
 
     ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
     :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
@@ -383,7 +386,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
                         memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
     out = []
     for r in range(len(rows)):
-        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
         c = len(toks)
         out.append(Generation(prompt=prompts[r // num_samples], text=text, tokens=toks,
                               model_logprobs=res.model_logprobs[r, :c],

@@ -460,7 +460,7 @@ class SpeculativeGeneration(Generation):
 def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
                          seed: int | Sequence[int] = 0, key: jax.Array | None = None, rule=None,
                          greedy: bool = False,
-                         num_samples: int = 1, stop: str | Sequence[str] | None = None,
+                         num_samples: int = 1, stop: str | Sequence[str] | None = None, include_stop: bool = True,
                          on_text: Callable[[int, str], None] | None = None,
                          constraint=None, memory_budget: int | str | None = None) -> list[SpeculativeGeneration]:
     """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
@@ -481,7 +481,7 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
                              memory_budget=memory_budget)
     out = []
     for r in range(len(rows)):
-        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop)
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
         c = len(toks)
         out.append(SpeculativeGeneration(
             prompt=prompts[r // num_samples], text=text, tokens=toks, model_logprobs=res.model_logprobs[r, :c],
