@@ -227,18 +227,16 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     A Hugging Face folder (a ``config.json`` with ``model_type`` llama, mistral, qwen2 or gpt2,
     safetensors weights, ``tokenizer.json``) loads through :func:`jaxdecode.models.hf.load_hf`
     with ``dtype`` (``"float32"`` or ``"bfloat16"``) and an optional smaller window
-    ``max_length``; it runs on the portable path whatever ``backend`` says."""
+    ``max_length``; it runs on the portable path whatever ``backend`` says. A folder that cannot
+    be loaded (a corrupt or mismatched file, NaN weights, a config.json that is neither kind's) is
+    refused with one :class:`CheckpointError` sentence naming the file and the problem."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    from jaxdecode.models.hf import HFError, is_hf_folder, load_hf
+    from jaxdecode.models.hf import HFError, load_hf
+    from jaxdecode.models.hf.config import no_model_type
 
     path = resolve(path)
-    if path.is_dir() and is_hf_folder(path):
-        try:
-            return load_hf(path, dtype=dtype, max_length=max_length)
-        except HFError as e:
-            raise CheckpointError(str(e)) from None
     if path.is_file():
         hint = ""
         if path.suffix == ".pt":
@@ -250,8 +248,6 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfile.is_file():
         raise CheckpointError(f"{path}: not a checkpoint folder, it has no {CONFIG_FILE}")
-    if not wfile.is_file():
-        raise CheckpointError(f"{path}: incomplete checkpoint folder, it has no {WEIGHTS_FILE}")
     try:
         meta = json.loads(cfile.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -260,6 +256,15 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
         raise CheckpointError(f"{cfile}: cannot be read ({e.strerror or e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{cfile}: expected a JSON object")
+    if "model_type" in meta and "chars" not in meta:  # a Hugging Face folder
+        try:
+            return load_hf(path, dtype=dtype, max_length=max_length)
+        except HFError as e:
+            raise CheckpointError(str(e)) from None
+    if "chars" not in meta and "V" not in meta:  # neither a Hugging Face nor a character model's
+        raise CheckpointError(no_model_type(cfile))
+    if not wfile.is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint folder, it has no {WEIGHTS_FILE}")
     cfg, vocab = config_from_dict(meta, str(cfile))
     try:
         state = load_file(str(wfile))
@@ -269,6 +274,19 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     # device arrays: immutable, so work derived from them (packed weights) can be reused
     params = jax.tree_util.tree_map(jnp.asarray, params)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
+
+
+def same_vocabulary(a, b) -> bool:
+    """Whether two vocabularies give every token id the same token, as a draft model must share
+    its target's: the same size and, id by id, the same bytes (``token_bytes``, a Hugging Face
+    tokenizer's) or the same characters (``chars``, a character or token vocabulary's)."""
+    if len(a) != len(b):
+        return False
+    if hasattr(a, "token_bytes") and hasattr(b, "token_bytes"):
+        return all(a.token_bytes(i) == b.token_bytes(i) for i in range(len(a)))
+    if not (hasattr(a, "chars") and hasattr(b, "chars")):
+        return a is b
+    return tuple(a.chars) == tuple(b.chars)
 
 
 def atomic_folder(target, overwrite: bool = True):

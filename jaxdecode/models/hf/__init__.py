@@ -43,15 +43,13 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
     folder = Path(folder)
     if dtype not in DTYPES:
         raise HFError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or max_length < 2):
         raise HFError(f"max_length must be an integer >= 2, got {max_length!r}")
     try:
         cfg, raw = read_config(folder)
-        eos = end_tokens(folder, raw)
         vocab = HFTokenizer(folder / "tokenizer.json", cfg.V)
-        bad = [e for e in eos if not 0 <= e < cfg.V]
-        if bad:
-            raise ConfigError(f"{folder}: eos_token_id {bad[0]} lies outside the vocabulary of {cfg.V}")
+        eos = end_tokens(folder, raw, cfg.V, vocab.size)
         params = read_params(folder, cfg, getattr(jnp, dtype))
     except (ConfigError, TokenizerError, WeightsError) as e:
         raise HFError(str(e)) from None

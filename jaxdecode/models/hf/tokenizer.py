@@ -20,7 +20,7 @@ class TokenizerError(ValueError):
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable stand-in character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -38,7 +38,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:  # pragma: no cover - a dependency
-            raise TokenizerError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
+            raise TokenizerError("reading tokenizer.json needs the tokenizers package: "
+                                 "pip install tokenizers") from None
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"{path.parent}: no tokenizer.json (the folder needs its tokenizer)")
@@ -50,7 +51,8 @@ class HFTokenizer:
         self.size = self.tok.get_vocab_size(with_added_tokens=True)
         self.V = self.size if V is None else V
         if self.size > self.V:
-            raise TokenizerError(f"{path}: the tokenizer has {self.size} tokens but the model only {self.V}")
+            raise TokenizerError(f"{path}: the tokenizer has {self.size} tokens, more than the model's "
+                                 f"{self.V} (vocab_size in config.json: the embedding has a row per token)")
         self._bytes: list[bytes] | None = None
         added = self.tok.get_added_tokens_decoder()
         self.special = {i for i, t in added.items() if t.special}

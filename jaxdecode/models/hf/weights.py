@@ -1,13 +1,14 @@
 """Reading a Hugging Face folder's safetensors into the decoder's parameter tree.
 
 Loading is a table from checkpoint tensor names to parameter paths (:func:`tensor_table`), checked
-both ways: a missing tensor, a tensor of the wrong shape, a shard the index names but the folder
-lacks, or a weight the table does not know is one :class:`WeightsError` line naming it. Buffers
-that are not weights (GPT-2's ``attn.bias``/``attn.masked_bias`` masks, rotary ``inv_freq``) and
-an output matrix stored beside a tied embedding are skipped.
+both ways: a missing tensor, a tensor of the wrong shape or an integer dtype, a shard the index
+names but the folder lacks (or that lacks a tensor the index puts in it), a weight the table does
+not know, a corrupt file, NaN or infinite values, is one :class:`WeightsError` line naming the
+file and the tensor. Buffers that are not weights (GPT-2's ``attn.bias``/``attn.masked_bias``
+masks, rotary ``inv_freq``) and an output matrix stored beside a tied embedding are skipped.
 
-The parameter tree (``layers`` a tuple of ``L`` dicts: each layer's matrices are separate buffers, which
-a decode step reads in place)::
+The parameter tree (``layers`` a tuple of ``L`` dicts: each layer's matrices are separate buffers,
+which a decode step reads in place)::
 
     embed [V, d]; pos [T, d] (learned positions only); norm_w [d], norm_b [d] (LayerNorm only);
     head [d, V] (untied only)
@@ -54,10 +55,13 @@ def tensor_table(cfg: HFConfig) -> dict[str, tuple[str, int | None, str | None, 
                 h + "ln_1.weight": ("norm1_w", i, None, (d,)), h + "ln_1.bias": ("norm1_b", i, None, (d,)),
                 h + "attn.c_attn.weight": ("wqkv", i, "qkv", (d, 3 * d)),
                 h + "attn.c_attn.bias": ("bqkv", i, "qkv", (3 * d,)),
-                h + "attn.c_proj.weight": ("wo", i, None, (d, d)), h + "attn.c_proj.bias": ("bo", i, None, (d,)),
+                h + "attn.c_proj.weight": ("wo", i, None, (d, d)),
+                h + "attn.c_proj.bias": ("bo", i, None, (d,)),
                 h + "ln_2.weight": ("norm2_w", i, None, (d,)), h + "ln_2.bias": ("norm2_b", i, None, (d,)),
-                h + "mlp.c_fc.weight": ("w_up", i, None, (d, F)), h + "mlp.c_fc.bias": ("b_up", i, None, (F,)),
-                h + "mlp.c_proj.weight": ("w_down", i, None, (F, d)), h + "mlp.c_proj.bias": ("b_down", i, None, (d,)),
+                h + "mlp.c_fc.weight": ("w_up", i, None, (d, F)),
+                h + "mlp.c_fc.bias": ("b_up", i, None, (F,)),
+                h + "mlp.c_proj.weight": ("w_down", i, None, (F, d)),
+                h + "mlp.c_proj.bias": ("b_down", i, None, (d,)),
             }
         return table
     table["model.embed_tokens.weight"] = ("embed", None, None, (cfg.V, d))
@@ -90,32 +94,51 @@ def tensor_table(cfg: HFConfig) -> dict[str, tuple[str, int | None, str | None, 
     return table
 
 
-def shard_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it, for ``model.safetensors`` or a sharded index."""
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def shard_files(folder: Path) -> tuple[dict[str, Path], Path]:
+    """Tensor name -> the file holding it, for ``model.safetensors`` or a sharded index; and the
+    file that lists the tensors (the index, or the single file)."""
+    single = folder / SINGLE_FILE
+    index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
-            raise WeightsError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+            raw = json.loads(index.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{index}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise WeightsError(f"{index}: cannot be read ({e.strerror or e})") from None
+        if not isinstance(raw, dict) or "weight_map" not in raw:
+            raise WeightsError(f"{index}: has no weight_map (the map from tensor names to shard files)")
+        weight_map = raw["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise WeightsError(f"{index}: the weight_map must map tensor names to shard file names")
         files = {}
         for name, file in weight_map.items():
             path = folder / file
-            if not path.is_file():
+            if Path(file).name != file or not path.is_file():
                 raise WeightsError(f"{index} names the shard {file}, which the folder does not have")
             files[name] = path
-        return files
+        return files, index
     if single.is_file():
         from safetensors import safe_open
 
         try:
             with safe_open(str(single), framework="numpy") as f:
-                return {name: single for name in f.keys()}
+                return {name: single for name in f.keys()}, single
         except Exception as e:  # safetensors raises several types for a corrupt header
-            raise WeightsError(f"{single}: corrupt or truncated safetensors file ({e})") from None
-    raise WeightsError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+            raise WeightsError(f"{single}: corrupt or truncated safetensors file ({_short(e)})") from None
+    raise WeightsError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} "
                        "(only safetensors weights are read; convert .bin files first)")
+
+
+def _short(e: Exception) -> str:
+    """A library's error without its boilerplate prefix."""
+    return str(e).removeprefix("Error while deserializing header: ")
 
 
 def _canonical(name: str, cfg: HFConfig) -> str:
@@ -124,14 +147,18 @@ def _canonical(name: str, cfg: HFConfig) -> str:
     return name
 
 
-def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
-    """The parameter tree of ``folder``'s weights as ``dtype`` device arrays (float32 storage,
-    bfloat16 or float16 are read alike)."""
-    import jax.numpy as jnp
-    from safetensors import safe_open
+def _check_layers(files: dict[str, Path], source: Path, cfg: HFConfig) -> None:
+    """Refuse a config with more layers than the weights hold before building a table per layer
+    (a ``num_hidden_layers`` of a billion would otherwise take minutes to be refused)."""
+    held = {int(m.group(1)) for name in files if (m := LAYER.search(name))}
+    if cfg.L > len(held):
+        key = "n_layer" if cfg.model_type == "gpt2" else "num_hidden_layers"
+        raise WeightsError(f"{source}: the weights hold {len(held)} layers, "
+                           f"but config.json's {key} is {cfg.L}")
 
-    files = shard_files(folder)
-    table = tensor_table(cfg)
+
+def _match_table(files: dict[str, Path], source: Path, cfg: HFConfig, table: dict) -> dict:
+    """Checkpoint name (canonical) -> ``(stored name, file)``, every table entry found once."""
     found: dict[str, tuple[str, Path]] = {}
     for name, path in files.items():
         canon = _canonical(name, cfg)
@@ -140,12 +167,56 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
         elif IGNORED.search(canon) or canon == "lm_head.weight" and cfg.tied:
             continue
         else:
-            raise WeightsError(f"{folder}: unexpected tensor {name!r} for a {cfg.model_type} of this config "
-                               f"(is config.json from another model?)")
+            raise WeightsError(f"{path}: unexpected tensor {name!r} for a {cfg.model_type} of this "
+                               "config.json (is config.json from another model?)")
     missing = [n for n in table if n not in found]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise WeightsError(f"{folder}: the weights lack {', '.join(missing[:3])}{more}")
+        raise WeightsError(f"{source}: the weights lack {', '.join(missing[:3])}{more}, which a "
+                           f"{cfg.model_type} of this config.json needs")
+    return found
+
+
+def _checked(f, held: set, name: str, path: Path, shape: tuple, index: Path | None, dtype) -> np.ndarray:
+    """Tensor ``name`` of the open file ``f`` as float32, refused in one line when the index lists
+    it but the shard lacks it, or its dtype, shape or values are wrong."""
+    import jax.numpy as jnp
+
+    if index is not None and name not in held:
+        raise WeightsError(f"{index} puts tensor {name!r} in {path.name}, which does not hold it")
+    sl = f.get_slice(name)
+    if sl.get_dtype() not in FLOAT_DTYPES:
+        raise WeightsError(f"{path}: tensor {name!r} is stored as {sl.get_dtype()}; "
+                           f"expected one of {', '.join(FLOAT_DTYPES)}")
+    if tuple(sl.get_shape()) != shape:
+        raise WeightsError(f"{path}: tensor {name!r} has shape {tuple(sl.get_shape())}, "
+                           f"the config implies {shape}")
+    a = np.asarray(f.get_tensor(name), np.float32)
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise WeightsError(f"{path}: tensor {name!r} holds NaN or infinite values ({int(bad.sum())} of "
+                           f"{a.size}, the first at index {first}: {a[first]})")
+    top = float(np.abs(a).max(initial=0.0))
+    limit = float(jnp.finfo(dtype).max)
+    if top > limit:
+        raise WeightsError(f"{path}: tensor {name!r} holds values up to {top:.4g}, beyond the range of "
+                           f"{np.dtype(dtype).name} (load it as float32 or bfloat16)")
+    return a
+
+
+def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
+    """The parameter tree of ``folder``'s weights as ``dtype`` device arrays (float32 storage,
+    bfloat16 or float16 are read alike). Every tensor is checked before use: its dtype, shape, and
+    values (NaN, infinities, and values that ``dtype`` cannot hold are refused, naming the tensor)."""
+    import jax.numpy as jnp
+    from safetensors import safe_open
+
+    files, source = shard_files(folder)
+    index = source if source.name == INDEX_FILE else None
+    _check_layers(files, source, cfg)
+    table = tensor_table(cfg)
+    found = _match_table(files, source, cfg, table)
 
     flat: dict[str, object] = {}
     layers: dict[str, list] = {}
@@ -155,20 +226,14 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
     for path, names in by_file.items():
         try:
             with safe_open(str(path), framework="numpy") as f:
+                held = set(f.keys())
                 for canon in names:
                     param, layer, how, shape = table[canon]
-                    sl = f.get_slice(found[canon][0])
-                    if sl.get_dtype() not in FLOAT_DTYPES:
-                        raise WeightsError(f"{path}: tensor {found[canon][0]!r} is stored as {sl.get_dtype()}; "
-                                           f"expected one of {', '.join(FLOAT_DTYPES)}")
-                    if tuple(sl.get_shape()) != shape:
-                        raise WeightsError(f"{path}: tensor {found[canon][0]!r} has shape {tuple(sl.get_shape())}, "
-                                           f"the config implies {shape}")
-                    a = np.asarray(f.get_tensor(found[canon][0]), np.float32)
+                    a = _checked(f, held, found[canon][0], path, shape, index, dtype)
                     if how == "T":
                         a = a.T
                     parts = np.split(a, 3, axis=-1) if how == "qkv" else [a]
-                    names_out = [param[0] + s + param[4:] for s in ("q", "k", "v")] if how == "qkv" else [param]
+                    names_out = [param[0] + s + param[4:] for s in "qkv"] if how == "qkv" else [param]
                     for pname, part in zip(names_out, parts):
                         if layer is None:
                             flat[pname] = jnp.asarray(part, dtype)
@@ -177,6 +242,6 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
         except WeightsError:
             raise
         except Exception as e:
-            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
     flat["layers"] = tuple({k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.L))
     return flat
