@@ -473,7 +473,8 @@ class Engine(PagedRows):
         if self.paged:
             self._reset_cache_stats()
         while not self.idle:
-            if self.step() is None and self._inflight is None:  # nothing to run until the next arrival
+            # nothing to run until the next arrival (or nothing left: requests with n = 0 only)
+            if self.step() is None and self._inflight is None and not self.idle:
                 if not self._pending:
                     raise RuntimeError("the engine stalled with requests queued and no slot busy")
                 self.clock.wait_until(self._pending[0][0])

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import constraints as C
 from jaxdecode.models.base import copy_blocks
-from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, pick_tokens, round_up, step_keys
+from jaxdecode.decoding.common import (
+    PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, pick_tokens, round_up, step_keys)
 from jaxdecode.rules import Chain, processed_logprobs
 from jaxdecode.serving.requests import neutral_rule
 
@@ -20,17 +22,41 @@ from jaxdecode.serving.requests import neutral_rule
 # ----------------------------------------------------------------------------- one decode step
 
 
-def _select(logits, rule, rule_state, keys, row_ids, steps, greedy):
+def _select(logits, rule, rule_state, keys, row_ids, steps, greedy, cons=None, cstate=None):
     """One token per row, each at its own step: the sampling loop's choice (the same keys and
-    :func:`~jaxdecode.decoding.common.pick_tokens`) with a step and a greedy flag per row."""
-    processed = logits if rule is None else rule.apply(logits, rule_state)
-    token = pick_tokens(processed, step_keys(keys, row_ids, steps), greedy)
+    :func:`~jaxdecode.decoding.common.pick_tokens`) with a step and a greedy flag per row.
+
+    ``cons``: None (no constrained row), or ``(automaton, offsets, budgets)``: the rows'
+    constraints stacked (:func:`~jaxdecode.constraints.stack`, state 0 free), each slot's first
+    state in it and its ``n``; ``cstate`` ``[S]``: each slot's state relative to its offset (reset
+    at step 0). As the sampling loop's step under a constraint: the allowed tokens masked, then
+    in a final state the stop decision (greedy: stopping is likelier than the best allowed token;
+    sampled: a uniform draw from the step key's ``STOP_STREAM`` below the stop probability).
+    Returns ``(token, model_lp, sample_lp, stop, rule_state, cstate)``, ``stop`` None without
+    ``cons``."""
+    keys = step_keys(keys, row_ids, steps)
+    masked, stop = logits, None
+    if cons is not None:
+        auto, offset, budget = cons
+        cstate = jnp.where(steps == 0, 0, cstate)
+        ok, nxt = C.allowed(auto, offset + cstate, budget - steps)
+        p_stop = C.stop_probability(auto, offset + cstate, logits, ok)
+        masked = C.mask(logits, ok)
+    processed = masked if rule is None else rule.apply(masked, rule_state)
+    token = pick_tokens(processed, keys, greedy)
     take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0]
     model_lp = take(jax.nn.log_softmax(logits, axis=-1))
     sample_lp = take(processed_logprobs(processed))
+    if cons is not None:
+        best = jnp.max(jnp.where(ok, jax.nn.softmax(logits, axis=-1), 0.0), axis=-1)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, C.STOP_STREAM)))(keys)
+        stop = jnp.where(greedy, p_stop > best, u < p_stop)
+        sample_lp = sample_lp + jnp.log1p(-jnp.minimum(p_stop, 1.0))
+        after = take(nxt)
+        cstate = jnp.where(stop | (after < 0), cstate, after - offset)
     if rule is not None:
         rule_state = rule.update(rule_state, token)
-    return token, model_lp, sample_lp, rule_state
+    return token, model_lp, sample_lp, stop, rule_state, cstate
 
 
 def _rows_where(mask, new, old):
@@ -41,39 +67,49 @@ def _rows_where(mask, new, old):
     return jax.tree_util.tree_map(pick, new, old)
 
 
-def _decode_step(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
-            model, span):
+def _decode_step(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
+                 cons, cstate, *, model, span):
     """Choose a token in every slot and append it. ``lengths``: each slot's cache length (0 for a
     free slot); only ``decoding`` slots advance (a slot still reading its prompt keeps its cache
-    length and rule state: the position written for it is overwritten by its next piece)."""
+    length, rule state and automaton state: the position written for it is overwritten by its
+    next piece). ``cons``, ``cstate``: the constraints (:func:`_select`)."""
     cache = model.truncate(cache, lengths)
-    token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
-    if rule_state is not None:
-        rule_state = _rows_where(decoding, new_state, rule_state)
+    token, mlp, slp, stop, rule_state, cstate = _advance_rows(
+        decoding, rule_state, cstate,
+        *_select(logits, rule, rule_state, keys, row_ids, steps, greedy, cons, cstate))
     out, _, cache = model.extend(params, cache, token[:, None], span)
     cache = model.truncate(cache, lengths + decoding.astype(jnp.int32))
-    return token, mlp, slp, out[:, 0], cache, rule_state
+    return token, mlp, slp, stop, out[:, 0], cache, rule_state, cstate
+
+
+def _advance_rows(decoding, rule_state, cstate, token, mlp, slp, stop, new_rule_state, new_cstate):
+    """:func:`_select`'s outputs with the rule and automaton states advanced in the ``decoding``
+    slots only."""
+    if rule_state is not None:
+        new_rule_state = _rows_where(decoding, new_rule_state, rule_state)
+    return token, mlp, slp, stop, new_rule_state, jnp.where(decoding, new_cstate, cstate)
 
 
 _decode = jax.jit(_decode_step, static_argnames=("model", "span"), donate_argnames=("cache", "rule_state"))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "span", "k"), donate_argnames=("cache", "rule_state"))
-def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, *,
-                 model, span, k):
+def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
+                 cons, cstate, *, model, span, k):
     """``k`` decode steps in one call (:func:`_decode`'s step in a loop): every ``decoding`` slot
-    chooses and appends ``k`` tokens. Returns the tokens and log-probabilities ``[k, S]``."""
+    chooses and appends ``k`` tokens. Returns the tokens, log-probabilities and (with ``cons``)
+    the constraints' stop decisions ``[k, S]``."""
     def one(carry, _):
-        cache, logits, rule_state, steps, lengths = carry
-        token, mlp, slp, logits, cache, rule_state = _decode_step(
-            params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
-            model=model, span=span)
+        cache, logits, rule_state, cstate, steps, lengths = carry
+        token, mlp, slp, stop, logits, cache, rule_state, cstate = _decode_step(
+            params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, cons,
+            cstate, model=model, span=span)
         grown = decoding.astype(jnp.int32)
-        return (cache, logits, rule_state, steps + grown, lengths + grown), (token, mlp, slp)
+        return (cache, logits, rule_state, cstate, steps + grown, lengths + grown), (token, mlp, slp, stop)
 
-    (cache, logits, rule_state, _, _), (token, mlp, slp) = jax.lax.scan(
-        one, (cache, logits, rule_state, steps, lengths), None, length=k)
-    return token, mlp, slp, logits, cache, rule_state
+    (cache, logits, rule_state, cstate, _, _), (token, mlp, slp, stop) = jax.lax.scan(
+        one, (cache, logits, rule_state, cstate, steps, lengths), None, length=k)
+    return token, mlp, slp, stop, logits, cache, rule_state, cstate
 
 
 def _scatter_rows(big, small, src, dst):
@@ -144,7 +180,8 @@ class ModelExecutor:
         for leaf in jax.tree_util.tree_leaves(self.cache):
             if leaf.ndim == 0 or leaf.shape[0] != slots:
                 raise ValueError(f"the engine needs a cache whose leaves are batch-first; "
-                                 f"{type(self.model).__name__} has a leaf of shape {leaf.shape} for {slots} rows")
+                                 f"{type(self.model).__name__} has a leaf of shape {leaf.shape} "
+                                 f"for {slots} rows")
         self._init_slots(slots)
 
     def _init_slots(self, slots: int):
@@ -159,6 +196,12 @@ class ModelExecutor:
         self._settings: list = []  # per layout part: one [slots] array per leaf
         self.rule_state = None
         self._on_device = None  # _slot_inputs() as device arrays, until a row is admitted
+        # constraints: the stacked automaton (None: no row in the slots has one), each constraint's
+        # offset in it (by id; the object kept so that its id stays its own), each slot's offset and
+        # n (host), and each slot's state relative to its offset (device; reset at the row's step 0)
+        self._auto, self._offset_of = None, {}
+        self.coffset, self.budget = np.zeros((slots,), np.int32), np.zeros((slots,), np.int32)
+        self.cstate = jnp.asarray(np.zeros((slots,), np.int32))
 
     def set_layout(self, layout: tuple):
         """Start a new rule layout (every slot is free)."""
@@ -183,18 +226,41 @@ class ModelExecutor:
                            for td, leaves in zip(self._treedefs, self._settings)))
 
     def _slot_inputs(self):
-        """Every slot's rule settings, key, row id and greedy flag as device arrays: sent once after
-        the rows change, not with every decode call (each host array a call takes is a transfer)."""
+        """Every slot's rule settings, key, row id, greedy flag and constraint inputs (:func:`_select`'s
+        ``cons``) as device arrays: sent once after the rows change, not with every decode call
+        (each host array a call takes is a transfer; the automaton is on the device already)."""
         if self._on_device is None:
+            cons = None if self._auto is None else (self._auto, self.coffset.copy(), self.budget.copy())
             self._on_device = jax.device_put((self._rule(), self.keys.copy(), self.row_ids.copy(),
-                                              self.greedy.copy()))
+                                              self.greedy.copy(), cons))
         return self._on_device
+
+    def constrain(self, constraints, rows: int = 0):
+        """After an admission: ``constraints`` ``[S]``, the constraint of the row in each slot (None:
+        free, or unconstrained). The automaton is stacked again (and sent) only when one of them
+        is not in it (so a table may keep a finished row's constraint until then), and dropped when
+        none is left; its row count is a power of two, at least ``rows`` (the warm-up's sizes)."""
+        live = list({id(c): c for c in constraints if c is not None}.values())
+        if not live:
+            self._auto, self._offset_of = None, {}
+        elif rows or any(id(c) not in self._offset_of for c in live):
+            auto, starts = C.stack(live, self.V)
+            if rows > auto.table.shape[0]:  # padded with states no row reaches
+                pad = lambda a, v: np.concatenate(
+                    [np.asarray(a), np.full((rows - len(a),) + a.shape[1:], v, a.dtype)])
+                auto = auto._replace(table=pad(auto.table, -1), final=pad(auto.final, False),
+                                     dist=pad(auto.dist, C.INF), leftover=pad(auto.leftover, True))
+                auto = C.Automaton(*(jnp.asarray(a) for a in auto))
+            self._auto, self._offset_of = auto, {id(c): (c, int(o)) for c, o in zip(live, starts)}
+        self.coffset[:] = [0 if c is None else self._offset_of[id(c)][1] for c in constraints]
+        self._on_device = None
 
     def admit(self, entries):
         """``entries``: ``(slot, row, rules)`` with ``rules`` the row's rule for each layout part."""
         self._on_device = None
         for slot, row, rules in entries:
             self.keys[slot], self.row_ids[slot], self.greedy[slot] = row.key, row.j, row.greedy
+            self.budget[slot] = row.n
             for store, rule in zip(self._settings, rules):
                 for arr, value in zip(store, jax.tree_util.tree_leaves(rule)):
                     arr[slot] = np.asarray(value)
@@ -255,25 +321,26 @@ class ModelExecutor:
     def decode_many(self, decoding, steps, lengths, k: int, fetch: bool = True):
         """``k`` decode steps in one call (as :meth:`decode` ``k`` times with the decoding rows'
         steps and lengths advancing by one each time). Returns numpy ``(tokens, model_logprobs,
-        sample_logprobs)`` ``[k, S]`` (``fetch=False``: device arrays, the call possibly still
-        running)."""
+        sample_logprobs)`` ``[k, S]``, and the constraints' stop decisions when the slots hold a
+        constrained row (``fetch=False``: device arrays, the call possibly still running)."""
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
-        rule, keys, row_ids, greedy = self._slot_inputs()
+        rule, keys, row_ids, greedy, cons = self._slot_inputs()
         out = self._call(_decode_many, self.params, self.cache, self.logits, rule, self.rule_state, keys,
-                         row_ids, steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding,
-                         model=self.model, span=span, k=k)
-        return self._store(out, None, None, None, "logits", "cache", "rule_state", fetch=fetch)
+                         row_ids, steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, cons,
+                         self.cstate, model=self.model, span=span, k=k)
+        return self._store(out, *_DECODED, "logits", "cache", "rule_state", "cstate", fetch=fetch)
 
     def decode(self, decoding, steps, lengths, fetch: bool = True):
         """One decode step: ``decoding`` ``[S]`` the slots that choose a token, ``steps`` their
         steps, ``lengths`` every slot's cache length (0: free). Returns numpy ``(tokens,
-        model_logprobs, sample_logprobs)`` ``[S]`` (``fetch=False``: device arrays)."""
+        model_logprobs, sample_logprobs)`` ``[S]``, and the stop decisions as :meth:`decode_many`
+        (``fetch=False``: device arrays)."""
         span = min(self.capacity, round_up(int(lengths.max()) + 1, SPAN_BUCKET))
-        rule, keys, row_ids, greedy = self._slot_inputs()
+        rule, keys, row_ids, greedy, cons = self._slot_inputs()
         out = self._call(_decode, self.params, self.cache, self.logits, rule, self.rule_state, keys, row_ids,
-                         steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, model=self.model,
-                         span=span)
-        return self._store(out, None, None, None, "logits", "cache", "rule_state", fetch=fetch)
+                         steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, cons,
+                         self.cstate, model=self.model, span=span)
+        return self._store(out, *_DECODED, "logits", "cache", "rule_state", "cstate", fetch=fetch)
 
     # --- compiling ahead (:mod:`jaxdecode.serving.warmup`)
     _dry = False
@@ -297,16 +364,22 @@ class ModelExecutor:
 
     def _store(self, out, *names, fetch: bool | None = None):
         """A call's outputs kept as the attributes ``names`` (None: handed back, fetched unless
-        ``fetch`` is False); None after a call that was only compiled."""
+        ``fetch`` is False, except outputs that are None); None after a call that was only compiled."""
         if out is None:
             return None
         back = []
         for name, value in zip(names, out):
             if name is None:
-                back.append(value)
+                if value is not None:
+                    back.append(value)
             else:
                 setattr(self, name, value)
         return _fetch(tuple(back), fetch) if fetch is not None else None
+
+
+# a decode call's outputs handed back: tokens, model and sample log-probabilities, and the
+# constraints' stop decisions (None, so not handed back, when no row in the slots is constrained)
+_DECODED = (None, None, None, None)
 
 
 def _fetch(arrays, fetch: bool):
@@ -319,14 +392,12 @@ def _init_state(rule, prompt, lengths, *, V):
     return rule.init(prompt, lengths, V, 0)
 
 
-def _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding):
-    """The paged engine's choice of a token in every slot (its rule state advanced in the
-    ``decoding`` slots only); :func:`_paged_decode_many` then writes the tokens of the rows that go
-    on into the blocks the host reserved for them."""
-    token, mlp, slp, new_state = _select(logits, rule, rule_state, keys, row_ids, steps, greedy)
-    if rule_state is not None:
-        rule_state = _rows_where(decoding, new_state, rule_state)
-    return token, mlp, slp, rule_state
+def _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy, decoding, cons, cstate):
+    """The paged engine's choice of a token in every slot (its rule and automaton states advanced
+    in the ``decoding`` slots only); :func:`_paged_decode_many` then writes the tokens of the rows
+    that go on into the blocks the host reserved for them."""
+    return _advance_rows(decoding, rule_state, cstate,
+                         *_select(logits, rule, rule_state, keys, row_ids, steps, greedy, cons, cstate))
 
 
 def _paged_forward_step(params, pool, logits, tables, lengths, tokens, counts, src, dst, *, model):
@@ -342,29 +413,30 @@ _paged_forward = jax.jit(_paged_forward_step, static_argnames=("model",), donate
 
 
 @functools.partial(jax.jit, static_argnames=("model", "k"), donate_argnames=("pool", "logits", "rule_state"))
-def _paged_decode_many(params, pool, logits, rule, rule_state, keys, row_ids, steps, greedy, decoding, positions,
-                       tables, n, *, model, k):
+def _paged_decode_many(params, pool, logits, rule, rule_state, keys, row_ids, steps, greedy, decoding,
+                       positions, tables, n, cons, cstate, *, model, k):
     """``k`` paged decode steps in one call: every ``decoding`` slot chooses a token
     (:func:`_paged_select_step`) and, unless it was the row's last (``n`` tokens), writes it at its
     next position through its block table (:func:`_paged_forward_step`, whose blocks the host
-    reserved) for the next step's logits, as the engine's one-step path does. Returns the tokens
-    and log-probabilities ``[k, S]``."""
+    reserved) for the next step's logits, as the engine's one-step path does. Returns the tokens,
+    log-probabilities and (with ``cons``) the constraints' stop decisions ``[k, S]``."""
     S = logits.shape[0]
     slots = jnp.arange(S, dtype=jnp.int32)
 
     def one(carry, _):
-        pool, logits, rule_state, steps, positions = carry
-        token, mlp, slp, rule_state = _paged_select_step(logits, rule, rule_state, keys, row_ids, steps, greedy,
-                                                         decoding)
+        pool, logits, rule_state, cstate, steps, positions = carry
+        token, mlp, slp, stop, rule_state, cstate = _paged_select_step(
+            logits, rule, rule_state, keys, row_ids, steps, greedy, decoding, cons, cstate)
         write = decoding & (steps + 1 < n)
         pool, logits = _paged_forward_step(params, pool, logits, tables, positions, token[:, None],
-                                           write.astype(jnp.int32), slots, jnp.where(write, slots, S), model=model)
+                                           write.astype(jnp.int32), slots, jnp.where(write, slots, S),
+                                           model=model)
         grown = decoding.astype(jnp.int32)
-        return (pool, logits, rule_state, steps + grown, positions + grown), (token, mlp, slp)
+        return (pool, logits, rule_state, cstate, steps + grown, positions + grown), (token, mlp, slp, stop)
 
-    (pool, logits, rule_state, _, _), (token, mlp, slp) = jax.lax.scan(
-        one, (pool, logits, rule_state, steps, positions), None, length=k)
-    return token, mlp, slp, pool, logits, rule_state
+    (pool, logits, rule_state, cstate, _, _), (token, mlp, slp, stop) = jax.lax.scan(
+        one, (pool, logits, rule_state, cstate, steps, positions), None, length=k)
+    return token, mlp, slp, stop, pool, logits, rule_state, cstate
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -433,10 +505,12 @@ class PagedExecutor(ModelExecutor):
         """``k`` decode steps in one call (:func:`_paged_decode_many`): ``tables`` ``[S, width]``
         list each slot's blocks with the next ``k`` positions reserved (after the block copies
         ``copies``), ``n`` ``[S]`` each slot's token limit. Returns numpy ``(tokens,
-        model_logprobs, sample_logprobs)`` ``[k, S]`` (``fetch=False``: device arrays)."""
+        model_logprobs, sample_logprobs)`` ``[k, S]``, and the stop decisions as
+        :meth:`ModelExecutor.decode_many` (``fetch=False``: device arrays)."""
         self._copy(copies)
-        rule, keys, row_ids, greedy = self._slot_inputs()
+        rule, keys, row_ids, greedy, cons = self._slot_inputs()
         out = self._call(_paged_decode_many, self.params, self.pool, self.logits, rule, self.rule_state, keys,
                          row_ids, steps.astype(np.int32), greedy, decoding, lengths.astype(np.int32),
-                         tables.astype(np.int32), n.astype(np.int32), model=self.model, k=k)
-        return self._store(out, None, None, None, "pool", "logits", "rule_state", fetch=fetch)
+                         tables.astype(np.int32), n.astype(np.int32), cons, self.cstate,
+                         model=self.model, k=k)
+        return self._store(out, *_DECODED, "pool", "logits", "rule_state", "cstate", fetch=fetch)

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxdecode import constraints as C
+from jaxdecode.decoding.common import check_int, encode_stop_strings, sample_keys, stop_string_list
 from jaxdecode.rules import Chain, Rule
+from jaxdecode.serving.stream import stop_watch
 from jaxdecode.rules import penalties as _pen
 from jaxdecode.rules import truncation as _trunc
 
@@ -29,7 +33,11 @@ class Request:
     its text). ``arrival``: seconds after the start of :meth:`Engine.run`. ``prompt`` may also be
     token ids. ``top_logprobs``: for each generated token, the model's ``top_logprobs`` most
     probable tokens and their log-probabilities (at most :data:`TOP_LOGPROBS`). ``ignore_eos``:
-    the model's end tokens do not end a sample.
+    the model's end tokens do not end a sample. ``constraint``: a compiled
+    :class:`~jaxdecode.constraints.Constraint` (:func:`~jaxdecode.constraints.compile_regex`,
+    ``compile_choices``, ``compile_json_schema``) every sample's text follows, ending where the
+    pattern lets it as in :func:`jaxdecode.generate` (not with ``ignore_eos`` on a model whose end
+    token ends the pattern's text).
     """
 
     prompt: str | Sequence[int]
@@ -73,6 +81,7 @@ class _Row:
     top_k: int = 0  # top log-probabilities asked for
     top: list = dataclasses.field(default_factory=list)  # per token: (ids, logprobs) [TOP_LOGPROBS]
     watch: Any = None  # a subword row's stop-string check on its text (stream.StopWatch), or None
+    constraint: Any = None  # its request's jaxdecode.constraints.Constraint, or None
 
     @property
     def length(self) -> int:
@@ -83,6 +92,91 @@ class _Row:
     def seq(self) -> tuple:
         """Its sequence name in a paged engine's block allocator."""
         return (self.req, self.j)
+
+
+def make_rows(engine, r: Request, i: int) -> list:
+    """The rows of request ``i`` for ``engine`` (an :class:`~jaxdecode.serving.engine.Engine`),
+    checked; nothing is queued."""
+    if not isinstance(r, Request):
+        raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
+    n = check_int(f"request {i}: the number of new tokens n", r.n, 0)
+    N = check_int(f"request {i}: num_samples", r.num_samples, 1)
+    if not isinstance(r.greedy, (bool, np.bool_)):
+        raise ValueError(f"request {i}: greedy must be True or False, got {r.greedy!r}")
+    if isinstance(r.arrival, bool) or not isinstance(r.arrival, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(r.arrival) or r.arrival < 0:
+        raise ValueError(f"request {i}: arrival must be a finite time >= 0 seconds, got {r.arrival!r}")
+    top_k = check_int(f"request {i}: top_logprobs", r.top_logprobs, 0)
+    if top_k > TOP_LOGPROBS:
+        raise ValueError(f"request {i}: top_logprobs must be at most {TOP_LOGPROBS}, got {top_k}")
+    _check_constraint(r.constraint, n, engine.V, bool(r.ignore_eos), i)
+    try:
+        prompt = prompt_tokens(engine.lm, engine.V, r.prompt)
+        stops = encode_stop_strings(engine.lm, r.stop)
+        if r.ignore_eos:
+            stops = stops[:len(stops) - len(getattr(engine.lm, "end_stops", []))]
+        keys, row_ids = sample_keys(1, N, r.seed)
+        parts = rule_parts(r.rule)
+    except ValueError as e:
+        raise ValueError(f"request {i}: {e}") from None
+    if len(prompt) + n > engine.T:
+        raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
+                         f"the model window T = {engine.T}; the engine keeps every row within the window "
+                         f"(jaxdecode.generate serves longer requests in its exact window mode)")
+    if engine.paged and n > 0:
+        a = engine.allocator
+        need = a.blocks_for(len(prompt) + n - 1)
+        if need > a.num_blocks:
+            raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) needs {need} blocks of "
+                             f"{a.block_size} positions per sample, more than the whole pool of "
+                             f"{a.num_blocks} blocks: it could never be served")
+    if engine._pinned and _embed(parts, engine._layout, engine.V) is None:
+        raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's "
+                         f"layout ({_kinds_text(engine._layout)}): it must be the layout with parts "
+                         f"left out, and only parts with a neutral setting may be left out")
+    keys = np.asarray(keys, np.uint32)
+    texts = stop_string_list(r.stop)
+    return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i),
+                 top_k=top_k, watch=stop_watch(engine.lm, texts), constraint=r.constraint) for j in row_ids]
+
+
+def _check_constraint(c, n: int, V: int, ignore_eos: bool, i: int) -> None:
+    """A request's constraint: None, or a compiled one for this vocabulary whose shortest text fits
+    in ``n`` tokens (as :func:`jaxdecode.generate` checks it)."""
+    if c is None:
+        return
+    if not isinstance(c, C.Constraint):
+        raise C.ConstraintError(f"request {i}: a constraint must be a compiled "
+                                f"jaxdecode.constraints.Constraint (compile_regex, compile_choices, "
+                                f"compile_json_schema), got {type(c).__name__}")
+    if c.V != V:
+        raise C.ConstraintError(f"request {i}: the constraint was compiled for {c.V} tokens, "
+                                f"the model has {V}")
+    if ignore_eos and c.eos_stop:
+        raise C.ConstraintError(f"request {i}: ignore_eos cannot be combined with a constraint on "
+                                f"this model: its end token is how a constrained text ends")
+    if n > 0:  # (generate returns no tokens for n = 0 without looking at the pattern)
+        try:
+            c.check_budget(n)
+        except C.ConstraintError as e:
+            raise C.ConstraintError(f"request {i}: {e}") from None
+
+
+def prompt_tokens(lm, V: int, prompt) -> np.ndarray:
+    """A prompt's tokens: a non-empty string encoded, or token ids checked."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt must be a non-empty string")
+        tokens = lm.vocab.encode(prompt)
+        if len(tokens) == 0:
+            raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
+        return tokens
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError("the prompt must be a non-empty string or a non-empty list of token ids")
+    if ids.min() < 0 or ids.max() >= V:
+        raise ValueError(f"prompt token ids must lie in [0, {V}), got min {ids.min()} max {ids.max()}")
+    return ids.astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- rule layouts
@@ -164,8 +258,8 @@ def _row_settings(parts: tuple, j: int, num_samples: int, index: int) -> tuple:
         if a.ndim == 0:
             return a
         if a.shape != (num_samples,):
-            raise ValueError(f"request {index}: a rule setting has shape {a.shape}; give a scalar or one value "
-                             f"per sample ({num_samples},)")
+            raise ValueError(f"request {index}: a rule setting has shape {a.shape}; give a scalar or one "
+                             f"value per sample ({num_samples},)")
         return a[j]
 
     return tuple(jax.tree_util.tree_map(cut, p) for p in parts)

@@ -10,6 +10,10 @@ does times the compiler. :func:`warm_up` compiles every shape that serving a giv
 requests can take, whatever their arrival times, without running any of them (the executor's
 :meth:`~jaxdecode.serving.executors.ModelExecutor.compiling`: jit's ahead-of-time compile, which
 fills the cache the calls use).
+
+Constrained requests add the decode programs over their stacked automaton: one per table size
+the rows in the slots can make (:func:`_table_sizes`), besides the unconstrained ones when some
+request has no constraint.
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ def warm_up(engine, requests) -> int:
     steps = _powers_of_two(min(engine.decode_steps, max(r.n for r in rows)))
     if not getattr(ex, "multi_step", False):
         steps = [1]
+    cons = list({id(r.constraint): r.constraint for r in rows if r.constraint is not None}.values())
+    if not hasattr(ex, "constrain"):
+        cons = []
+    # 0: the unconstrained programs; then each automaton size, with the smallest constraint padded to it
+    sizes = ([0] if not cons or any(r.constraint is None for r in rows) else []) + _table_sizes(cons)
+    smallest = min(cons, key=lambda c: c.states) if cons else None
     with count_compiles() as counted:
         for layout in layouts:
             ex.set_layout(layout)
@@ -91,10 +101,25 @@ def warm_up(engine, requests) -> int:
             with ex.compiling():
                 ex.admit([(0, row, _embed(row.parts, layout, engine.V))])
                 _prefills(engine, widths, more, groups)
-                _decodes(engine, steps, prompts[0], longest)
+                for size in sizes:
+                    if cons:
+                        ex.constrain([smallest if size else None] + [None] * (S - 1), rows=size)
+                    _decodes(engine, steps, prompts[0], longest)
+        if cons:
+            ex.constrain([None] * S)  # an idle engine's slots hold no constraint
         if engine._layout is not None:
             ex.set_layout(engine._layout)  # back to the layout the engine runs
     return counted[0]
+
+
+def _table_sizes(constraints) -> list[int]:
+    """The row counts of every automaton the engine can stack from some of ``constraints``
+    (:func:`jaxdecode.constraints.stack`: a free state, then each constraint's states, padded to a
+    power of two): one for each sum of the states of some of them."""
+    sums = {0}
+    for c in constraints:
+        sums |= {s + c.states for s in sums}
+    return sorted({1 << s.bit_length() for s in sums if s > 0})
 
 
 def _prefills(engine, widths, more, groups):
