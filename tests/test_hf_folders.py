@@ -313,21 +313,14 @@ def test_same_vocabulary_sees_two_tokens_exchanged(tmp_path):
     assert not same_vocabulary(swapped.vocab, jaxdecode.load(FIXTURES / "llama").vocab)
 
 
-# The command line and the library compare only the vocabularies' sizes: a draft whose tokens are
-# other tokens (same sizes) is accepted. The fix lies outside models/ (see each reason).
-@pytest.mark.xfail(strict=True, reason="cli/generate.py (generate_speculative) compares only V and the "
-                   "tokenizer's size; it should also refuse when not checkpoint.same_vocabulary(small.vocab, "
-                   "lm.vocab)")
+# A draft whose tokens are other tokens under the same ids (same sizes) is refused, by the command line
+# and by the library.
 def test_the_command_line_refuses_a_draft_whose_tokens_differ(tmp_path, capsys):
     draft = _draft(tmp_path, "swapped")
     _refused_in_one_line(capsys, ["generate", "Hello", "--ckpt", str(FIXTURES / "llama"), "-n", "2",
                                   "--greedy", "--speculative", str(draft)])
 
 
-@pytest.mark.xfail(strict=True, reason="speculative: ModelDraft.from_lm keeps no vocabulary and "
-                   "speculative_generate checks only V (ModelDraft.check); from_lm should keep the draft's "
-                   "vocabulary and speculative_generate refuse one that is not checkpoint.same_vocabulary "
-                   "as lm.vocab")
 def test_the_library_refuses_a_draft_whose_tokens_differ(tmp_path):
     from jaxdecode.speculative import ModelDraft, speculative_generate
 
@@ -347,3 +340,11 @@ def test_an_empty_prompt_on_a_hugging_face_model(capsys):
             call()
     err = _refused_in_one_line(capsys, ["generate", "", "--ckpt", str(FIXTURES / "llama"), "-n", "4"])
     assert "the prompt is empty" in err
+
+
+def test_score_takes_one_string_and_refuses_an_empty_one():
+    lm = jaxdecode.load()
+    one = jaxdecode.score(lm, "let him", prompts="KATHARINA:\n")
+    assert len(one) == 1 and one[0].text == "let him"
+    with pytest.raises(ValueError, match="the text to score is empty"):
+        jaxdecode.score(lm, "")

@@ -151,9 +151,11 @@ def generate_speculative(args, prompt, rule, settings):
                            progress=not args.quiet)
     else:  # a smaller model of the same family and tokenizer
         from jaxdecode.models import checkpoint
+        from jaxdecode.models.checkpoint import same_vocabulary
 
         small = checkpoint.load(args.speculative, dtype=getattr(args, "dtype", None) or "float32")
-        if small.decoder.V != lm.decoder.V or getattr(small.vocab, "size", None) != getattr(lm.vocab, "size", None):
+        if small.decoder.V != lm.decoder.V or getattr(small.vocab, "size", None) != getattr(lm.vocab, "size", None) \
+                or not same_vocabulary(small.vocab, lm.vocab):
             raise UsageError(f"--speculative {args.speculative}: the draft's vocabulary ({small.decoder.V} tokens) "
                              f"is not the model's ({lm.decoder.V}); a draft must share the model's tokenizer")
         draft = ModelDraft.from_lm(small)

@@ -121,7 +121,12 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, 
                 memory_budget: int | str | None = None, max_rows: int | None = None) -> list[Score]:
     """Score each text as a continuation of its prompt (default: a newline, the corpus's separator).
     With ``constraint`` (a :class:`jaxdecode.constraints.Constraint`) each score also says whether
-    its text, as the vocabulary encodes it, is in the pattern's language (``in_language``)."""
+    its text, as the vocabulary encodes it, is in the pattern's language (``in_language``). A text
+    and a prompt may also be given as one string each."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not texts:
+        raise ValueError("no texts to score")
     prompts = list(prompts) if prompts is not None else ["\n"] * len(texts)
     if len(prompts) != len(texts):
         raise ValueError(f"{len(prompts)} prompts for {len(texts)} texts")

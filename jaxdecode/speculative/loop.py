@@ -36,6 +36,7 @@ from jaxdecode.decoding.common import (
 )
 from jaxdecode.decoding.stops import as_automaton, stop_automaton
 from jaxdecode.models.base import DecodingModel
+from jaxdecode.models.checkpoint import same_vocabulary
 from jaxdecode.rules import processed_logprobs
 from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
 
@@ -472,6 +473,11 @@ def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Dra
     ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.
     ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt.
     """
+    vocab = getattr(draft, "vocab", None)  # a draft model's tokens (ModelDraft.from_lm) must be the target's
+    # (a vocabulary of another size is refused by the draft's check, naming both sizes)
+    if vocab is not None and len(vocab) == len(lm.vocab) and not same_vocabulary(vocab, lm.vocab):
+        raise ValueError("the draft model's vocabulary is not the target's (other tokens under the same ids): "
+                         "a draft must share the target's tokenizer")
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stop_tokens = stop_automaton(lm, stop)
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)

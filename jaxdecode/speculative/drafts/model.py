@@ -35,7 +35,11 @@ class ModelDraft(Draft):
 
     @classmethod
     def from_lm(cls, lm) -> ModelDraft:
-        return cls(lm.params, lm.decoder)
+        draft = cls(lm.params, lm.decoder)
+        # the draft's tokens, for speculative_generate to check against the target's (kept off the
+        # pytree: a jitted loop never needs it)
+        object.__setattr__(draft, "vocab", lm.vocab)
+        return draft
 
     def check(self, target, need):
         if target.V != self.model.V:
