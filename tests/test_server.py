@@ -888,27 +888,31 @@ def test_body_over_the_size_limit(char, chunked):
     still_serving(char)
 
 
-def test_constrained_requests(char, llama):
-    """A valid regex or JSON schema: a text that matches it, or, while the engine does not serve
-    constrained rows yet, a 400 that says so. (The schema on the BPE model: the character model's
-    vocabulary has no braces or quotes.)"""
-    # TODO(issue 38): once the engine serves constrained rows, require the 200s (and generate's text)
-    r = post(char, "/completions", {"model": char.name, "prompt": "ROMEO:", "max_tokens": 8, "seed": 1,
-                                    "guided_regex": "[ab]+"})
-    if r.status_code == 200:
-        assert re.fullmatch("[ab]+", r.json()["choices"][0]["text"]), r.json()
-    else:
-        check_error(r, 400, says="not served by the engine yet")
+def test_constrained_requests(char, char_lm, llama, llama_lm):
+    """Regex, choice and JSON-schema requests: each text matches its pattern and equals
+    ``generate`` with the same constraint and seed. (The schema on the BPE model: the character
+    model's vocabulary has no braces or quotes.)"""
+    from jaxdecode import constraints as C
+
+    cases = [("guided_regex", "[ab]+( [ab]+)?", C.compile_regex("[ab]+( [ab]+)?", char_lm.vocab)),
+             ("guided_choice", ["ROMEO", "JULIET"], C.compile_choices(["ROMEO", "JULIET"], char_lm.vocab))]
+    for field, value, constraint in cases:
+        r = post(char, "/completions", {"model": char.name, "prompt": "ROMEO:", "max_tokens": 8, "seed": 1,
+                                        "n": 2, field: value})
+        assert r.status_code == 200, r.text
+        want = jaxdecode.generate(char_lm, "ROMEO:", n=8, seed=1, num_samples=2, constraint=constraint)
+        assert [c["text"] for c in r.json()["choices"]] == [g.text for g in want]
+        for c in r.json()["choices"]:
+            assert re.fullmatch(constraint.pattern, c["text"]), c
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
               "additionalProperties": False}  # (its texts are short: they end within max_tokens)
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     r = post(llama, "/chat/completions", {"model": "llama", "messages": CHAT, "max_tokens": 40, "seed": 1,
                                           "response_format": fmt})
-    if r.status_code == 200:
-        value = json.loads(r.json()["choices"][0]["message"]["content"])
-        assert set(value) == {"a"} and isinstance(value["a"], bool)
-    else:
-        check_error(r, 400, says="not served by the engine yet")
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    value = json.loads(text)
+    assert set(value) == {"a"} and isinstance(value["a"], bool)
     still_serving(char)
     still_serving(llama)
 

@@ -5,6 +5,7 @@ OpenAI's schema."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import secrets
@@ -89,16 +90,26 @@ def constraint(body, vocab):
     if not asked:
         return None
     name, value = asked[0]
+    if name == "guided_choice" and not value:
+        raise APIError(400, "guided_choice needs at least one choice", param=name)
+    kind = {"guided_regex": "regex", "guided_choice": "choice"}.get(name, "json")
+    key = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     try:
-        if name == "guided_regex":
-            return compile_regex(value, vocab)
-        if name == "guided_choice":
-            if not value:
-                raise APIError(400, "guided_choice needs at least one choice", param=name)
-            return compile_choices(value, vocab)
-        return compile_json_schema(json.dumps(value) if isinstance(value, dict) else value, vocab)
+        return _compiled(kind, key, vocab)
     except (ConstraintError, ValueError) as e:
         raise APIError(400, f"{name}: {e}", param=name) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(kind: str, key: str, vocab):
+    """A compiled constraint, kept for the requests that ask for the same pattern: compiling is
+    the slow part (outlines-core's index over the vocabulary), and the engine stacks one table per
+    distinct constraint object, so equal patterns share one."""
+    if kind == "regex":
+        return compile_regex(key, vocab)
+    if kind == "choice":
+        return compile_choices(json.loads(key), vocab)
+    return compile_json_schema(key, vocab)
 
 
 def check_window(prompt_len: int, n: int, T: int, field: str):
