@@ -1,7 +1,6 @@
 import collections
+import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -31,39 +30,306 @@ if OWN_XLA_FLAGS:
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # for the processes the tests start
     jax.config.update("jax_disable_most_optimizations", True)
 
-# One compilation cache on disk for the whole run, shared by the xdist workers: a program that
-# several tests (or both workers) build is compiled once and loaded after. Programs are keyed by
-# their HLO, the compiler options and the jax version, so a hit is the same program.
-# $JAXDECODE_TEST_JAX_CACHE names a directory kept between runs; otherwise the controlling process
-# makes one for the run (the workers inherit it through the environment) and removes it at the end.
-_OWN_CACHE = "JAXDECODE_TEST_JAX_CACHE" not in os.environ
-if _OWN_CACHE:
-    os.environ["JAXDECODE_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="jaxdecode-test-cache-")
-jax.config.update("jax_compilation_cache_dir", os.environ["JAXDECODE_TEST_JAX_CACHE"])
+# One compilation cache on disk, shared by the xdist workers and kept between runs: a program that
+# several tests, both workers or an earlier run built is loaded instead of compiled. Programs are
+# keyed by their HLO, the compiler options and the jax version, so a hit is the same program. By
+# default it lives in the checkout's own .pytest_cache (a clean clone, as .ci/run's, starts with an
+# empty one); $JAXDECODE_TEST_JAX_CACHE names another folder. Measured (docs/testing.md): within
+# one cold run it saves about what it costs (3% of CPU writing entries); a second run of the quick
+# subset takes 37% less CPU with it warm. Past CACHE_KEEP_BYTES the least recently written entries
+# go, at the start of a run.
+CACHE_KEEP_BYTES = 1 << 30
+_CACHE = os.environ.setdefault("JAXDECODE_TEST_JAX_CACHE", str(Path(__file__).resolve().parent.parent
+                                                                   / ".pytest_cache" / "jaxdecode-jax-cache"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def pytest_sessionfinish(session):
-    # Only the controlling process (not an xdist worker) removes the run's own cache.
-    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
-        shutil.rmtree(os.environ["JAXDECODE_TEST_JAX_CACHE"], ignore_errors=True)
+def _prune_cache(folder: str, keep: int) -> None:
+    """Removes the oldest entries of ``folder`` until the rest fit in ``keep`` bytes."""
+    try:
+        entries = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder) if e.is_file()]
+    except OSError:
+        return
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= keep:
+            break
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        total -= size
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first (in their order), then the rest: xdist hands tests out in this order,
-    so the longest ones start early and the run does not end on one worker finishing a 60-second
-    test while the other waits.
 
-    The rest run a file at a time on one worker (an xdist group per file, the files with the most
-    tests first): a file's tests share their models and so their compiled programs, which one
-    process then traces and compiles once instead of each worker doing it again."""
-    fast = {item: item.get_closest_marker("slow") is None for item in items}
-    per_file = collections.Counter(item.path for item in items)
-    items[:] = sorted(items, key=lambda item: (fast[item], -per_file[item.path] if fast[item] else 0))
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controlling process, before the workers compile
+        _prune_cache(_CACHE, CACHE_KEEP_BYTES)
+
+
+# The quick subset for the inner loop, `python -m pytest -n auto -m quick` (docs/testing.md): a few
+# tests of every file, chosen for what they cover at little cost (every layer: the rules, each loop
+# on the character model against its plain reference, the Hugging Face fixtures' logits and greedy
+# ids against transformers, the engines, the command line, the package layout). A test joins it by
+# its name here (every parametrization) or its name with ids, ``name[ids]`` (that one), or with
+# ``@pytest.mark.quick`` in its file. A test marked ``slow`` cannot be quick.
+# tests/test_quick_subset.py checks that every name here is a test of its file and that every test
+# file has a quick test.
+QUICK = {  # a file: its quick tests, separated by white space
+    "test_beam.py": """test_beam_equals_plain_beam[native-5] test_beam_equals_plain_beam[portable-2]
+        test_n_best_sorted_and_distinct test_stop_string_and_early_end
+        test_end_token_and_length_penalty_change_the_winner test_bad_input[native]""".split(),
+    "test_budget.py": """test_bad_request_settings test_budget_parsing test_rows_per_batch_and_groups
+        test_score_split_equals_one_batch
+        test_loops_refuse_what_does_not_fit_and_run_what_does[beam]""".split(),
+    "test_chat_template.py": """test_the_fixture_covers_every_template_and_some_refusals
+        test_renders_like_transformers test_bad_messages_are_refused_in_one_sentence
+        test_a_folder_with_chat_template_jinja""".split(),
+    "test_checkpoint.py": """test_converted_logits_match_torch test_save_load_round_trip_is_exact
+        test_truncated_safetensors test_missing_tensor_is_named test_malicious_pt_top_level
+        test_not_a_checkpoint_folder test_cli_convert_and_info""".split(),
+    "test_cli.py": """test_generate_json test_score test_bad_input_is_one_line_exit_2 test_missing_checkpoint
+        test_generate_beam_json test_generate_speculative_lookup_json
+        test_every_rule_has_a_flag_and_every_flag_a_rule test_argparse_errors_are_one_line
+        test_conflicting_or_bad_flags_are_refused_by_name test_stop_strings_and_finish_reason
+        test_info_lists_each_field_once""".split(),
+    "test_constrained_beam.py": """test_width_one_follows_greedy[native-1]
+        test_compile_once_per_bucket[native]""".split(),
+    "test_constraints.py": """test_automaton_agrees_with_re_on_every_short_string
+        test_greedy_takes_the_most_probable_choice[native]
+        test_masked_sampling_with_a_rule[native]
+        test_rows_mix_patterns_and_free_rows_without_recompiling[native]
+        test_cli_json_schema_and_bad_constraints""".split(),
+    "test_contrastive.py": """test_matches_plain_loop_within_and_past_T[native-3-0.3]
+        test_alpha_zero_and_k_one_are_greedy[native] test_stop_strings[native] test_bad_settings
+        test_cli_contrastive_bad_input""".split(),
+    "test_engine.py": """test_engine_matches_generate_any_order_and_slots
+        test_neutral_settings_leave_logits_exactly_unchanged test_requests_are_checked
+        test_simulator_is_deterministic_and_counts_prefill test_poisson_arrivals""".split(),
+    "test_engine_constraints.py": """test_constrained_requests_are_checked_at_submit
+        test_ignore_eos_with_an_end_token_constraint_is_refused""".split(),
+    "test_exact.py": """test_markov_chain_without_rule_is_the_product_of_transitions
+        test_markov_chain_with_top_k_renormalizes_each_step
+        test_tiny_lm_without_rule_matches_full_forwards[native]
+        test_chisquare_accepts_samples_from_the_distribution_and_rejects_others
+        test_chisquare_pools_small_cells""".split(),
+    "test_faults.py": """test_checkpoint_weights_interrupted test_atomic_folder_new_target_interrupted
+        test_save_over_a_file_is_refused test_distilled_cache_write_interrupted
+        test_study_output_interrupted""".split(),
+    "test_hf.py": """test_logits_equal_transformers test_greedy_ids_and_end_token_equal_transformers[llama]
+        test_greedy_ids_and_end_token_equal_transformers[gpt2]
+        test_continuation_logprobs_equal_transformers[qwen2]
+        test_stop_strings_are_matched_on_the_text test_command_line_on_a_hugging_face_folder
+        test_unsupported_model_type test_missing_tokenizer""".split(),
+    "test_kernels.py": """test_native_layer_is_available test_kernel_matches_reference
+        test_dense_matches_matmul test_decode_layer_matches_reference[2-2-4-16-17-5]
+        test_paged_layer_matches_reference[5-1-4-16-4-6-phases]
+        test_cached_decoding_with_kernel_matches_forward test_kernels_mode_is_checked""".split(),
+    "test_layout.py": """test_each_module_imports_only_the_layers_below test_loops_never_name_a_concrete_model
+        test_no_import_cycle test_folders_and_short_modules
+        test_the_registries_are_one_type_and_take_a_users_entry""".split(),
+    "test_model.py": """test_cache_matches_forward_ragged test_compile_once_per_bucket test_hidden_states
+        test_config_validation""".split(),
+    "test_own_model.py": """test_chain_greedy_is_the_argmax_walk test_chain_beam_and_mode_are_exhaustive
+        test_chain_sampling_matches_the_matrix test_token_vocab test_documented_own_model_example""".split(),
+    "test_paged.py": """test_allocate_append_free_and_errors test_fork_copy_on_write_and_reorder
+        test_prefix_sharing test_paged_attention_matches_dense[portable]
+        test_paged_attention_errors test_reorder_truncate_extend_match_dense
+        test_write_cache_into_blocks""".split(),
+    "test_paged_engine.py": """test_paged_engine_matches_generate_with_prefix_hits_and_a_small_pool
+        test_paged_settings_are_checked_and_dense_stays_the_default""".split(),
+    "test_quick_subset.py": """test_every_quick_name_is_a_test_of_its_file
+        test_every_quick_name_selects_a_test test_every_test_file_has_a_quick_test""".split(),
+    "test_rules.py": """test_truncation_matches_reference test_temperature_matches_reference
+        test_repetition_penalty_matches_reference
+        test_frequency_and_presence_penalties_match_reference
+        test_no_repeat_ngram_matches_reference test_chain_applies_parts_in_order_with_their_states
+        test_invalid_settings_raise test_make_rule_applies_rules_in_registry_order
+        test_make_rule_errors""".split(),
+    "test_sampling.py": """test_greedy_equals_plain_loop[native-5] test_greedy_equals_plain_loop[portable-40]
+        test_sampling_equals_plain_loop_with_same_keys test_stop_sequences[native]
+        test_compile_once_per_bucket[portable] test_bad_input[native]""".split(),
+    "test_score.py": """test_token_logprobs_past_T_match_the_book[portable]
+        test_score_texts_with_and_without_a_prompt_past_T[portable] test_score_errors""".split(),
+    "test_server.py": """test_completions_n_samples_equal_generate test_models_health_and_metrics""".split(),
+    "test_sharding.py": """
+        test_one_device_mesh test_pad_batch_and_mesh_checks test_gather_prompts_one_process""".split(),
+    "test_smc.py": """test_exact_conditional_matches_brute_force[choices-n2] test_weights_are_p_over_q_exactly
+        test_errors test_divergences""".split(),
+    "test_speculative.py": """test_greedy_speculative_equals_greedy[native-model]
+        test_greedy_speculative_equals_greedy[portable-lookup] test_generate_api[native]
+        test_toy_acceptance_and_frequencies test_inverse_cdf_draws test_accept_all_and_greedy
+        test_stop_strings_and_streaming[native] test_draft_registry test_the_loop_reads_no_files""".split(),
+    "test_stop_strings.py": """test_issue_37_1_a_stop_string_ending_in_a_split_character_keeps_its_last_byte
+        test_issue_37_4_extend_past_the_capacity_raises_naming_it
+        test_aho_corasick_matches_a_plain_search""".split(),
+    "test_studies.py": """test_write_json_is_deterministic_and_clean
+        test_atomic_write_keeps_the_old_file_on_failure test_registry_errors
+        test_every_study_module_has_run test_study_parser_lists_every_study
+        test_decoders_study_files_and_determinism""".split(),
+    "test_tradeoff.py": """test_words_drop_a_word_cut_at_the_end_or_continuing_the_prompt
+        test_real_word_share_pools_words_over_samples test_repeated_trigrams_and_distinct_n
+        test_probability_cdf_and_nll
+        test_family_rule_has_one_setting_per_row_and_neutral_elsewhere
+        test_every_family_is_one_call_of_one_compiled_program""".split(),
+    "test_train.py": """test_missing_corpus_error test_corrupt_corpus_error""".split(),
+    "test_warmup.py": """test_warm_up_keeps_a_pinned_layout_and_needs_an_idle_engine""".split(),
+}
+
+
+# The names in QUICK that matched no test of a file this run collected whole (a renamed test or
+# parametrization); tests/test_quick_subset.py fails on any.
+UNMATCHED_QUICK: list[str] = []
+
+
+def _mark_quick(config, items):
+    matched = set()
     for item in items:
+        names = QUICK.get(item.path.name, ())
+        for name in (getattr(item, "originalname", item.name), item.name):
+            if name in names:
+                matched.add((item.path.name, name))
+                if item.get_closest_marker("slow") is not None:
+                    raise pytest.UsageError(f"{item.nodeid} is marked slow and named in conftest.QUICK: a "
+                                            f"quick test cannot be slow")
+                item.add_marker(pytest.mark.quick)
+    if not any("::" in str(a) for a in config.args):  # whole files collected
+        files = {item.path.name for item in items}
+        UNMATCHED_QUICK[:] = [f"{f}::{n}" for f in files for n in QUICK.get(f, ()) if (f, n) not in matched]
+
+
+# What the largest work units cost: CPU seconds of a file's fast tests together (``file:<name>``,
+# one xdist group), of an explicit xdist group, or of one slow test (``<file>::<name>``), measured
+# with $JAXDECODE_TEST_PROFILE on a quiet machine (`python scripts/test_profile.py <folder> --units`
+# prints this table). Only the order of the work depends on it: a unit not named here counts half a
+# second a test, a slow test 5 s.
+UNIT_SECONDS = {
+    "file:test_hf.py": 70,
+    "file:test_sampling.py": 70,
+    "file:test_stop_strings.py": 60,
+    "file:test_speculative.py": 43,
+    "file:test_server.py": 40,
+    "file:test_constrained_beam.py": 39,
+    "file:test_constraints.py": 39,
+    "file:test_contrastive.py": 37,
+    "file:test_smc.py": 32,
+    "file:test_sharding.py": 31,
+    "file:test_engine_constraints.py": 30,
+    "file:test_warmup.py": 30,
+    "test_constraints.py::test_ten_patterns_every_sample_matches": 29,
+    "test_tradeoff.py::test_chapter_findings_on_the_shipped_model": 29,
+    "file:test_kernels.py": 26,
+    "test_constrained_beam.py::test_shipped_model_every_hypothesis_matches": 25,
+    "file:test_engine.py": 22,
+    "shipped_plain_beam": 21,
+    "file:test_beam.py": 20,
+    "file:test_cli.py": 20,
+    "file:test_paged.py": 19,
+    "file:test_studies.py": 19,
+    "file:test_budget.py": 17,
+    "file:test_own_model.py": 17,
+    "test_contrastive.py::test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy": 16,
+    "test_tradeoff.py::test_same_seed_same_bytes": 14,
+    "file:test_paged_engine.py": 13,
+    "test_speculative.py::test_exact_distribution_with_backoff_draft[native]": 11,
+    "file:test_model.py": 9,
+    "file:test_rules.py": 8,
+    "file:test_score.py": 7,
+    "file:test_exact.py": 4,
+    "file:test_faults.py": 4,
+    "file:test_tradeoff.py": 3,
+    "file:test_chat_template.py": 2,
+    "file:test_checkpoint.py": 2,
+    "file:test_hf_folders.py": 2,
+    "file:test_layout.py": 1,
+    "file:test_train.py": 1,
+}
+
+
+def _unit(item, fast: bool) -> str:
+    """The work unit xdist hands out whole: the test's xdist group, else (a fast test) its file's."""
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        return group.args[0] if group.args else group.kwargs.get("name", "default")
+    return f"file:{item.path.name}" if fast else f"{item.path.name}::{item.name}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
+    """Work units, longest first. xdist hands them out in this order (``--no-loadscope-reorder`` in
+    pyproject.toml; by default it reorders them by their number of tests, which put every slow
+    test, a unit of one, at the end of the run), so the run ends on short units, not on one worker
+    finishing a minute-long test while the other waits.
+
+    A file's fast tests are one unit (an xdist group per file) and run on one worker: they share
+    their models and so their compiled programs, which one process then traces and compiles once
+    instead of each worker doing it again. A slow test is a unit of its own, unless it shares an
+    expensive reference with others through an xdist group of theirs.
+
+    The marks go on before the other hooks run (``-m`` selects by them, xdist reads the groups);
+    the order is set after them, pytest's own reordering by fixture included (the order within a
+    unit stays pytest's: a session fixture's parameters are not set up again and again)."""
+    _mark_quick(config, items)
+    fast = {item: item.get_closest_marker("slow") is None for item in items}
+    for item in items:
+        item.stash[_UNIT] = _unit(item, fast[item])
         if fast[item] and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(f"file:{item.path.name}"))
+            item.add_marker(pytest.mark.xdist_group(item.stash[_UNIT]))
+    result = yield
+    per_unit = collections.Counter(item.stash[_UNIT] for item in items)
+    cost = {u: UNIT_SECONDS.get(u, (0.5 if u.startswith("file:") else 5.0) * n) for u, n in per_unit.items()}
+    items[:] = sorted(items, key=lambda item: (-cost[item.stash[_UNIT]], item.stash[_UNIT]))  # stable
+    return result
+
+
+_UNIT = pytest.StashKey[str]()
+
+
+# $JAXDECODE_TEST_PROFILE=<folder>: each process writes one line of JSON a test to
+# <folder>/<worker>.jsonl: wall and CPU seconds (this process's threads, and the processes it
+# started), and JAX's compile events (jax.monitoring): tracing, lowering, XLA compiling, and the
+# persistent cache's hits. `python scripts/test_profile.py <folder>` sums them by file
+# (docs/testing.md, "Where the suite's time goes").
+_PROFILE = os.environ.get("JAXDECODE_TEST_PROFILE")
+_EVENTS = collections.Counter()
+if _PROFILE:
+    import jax.monitoring
+
+    def _on_duration(event, secs, **_):
+        _EVENTS[event + ":s"] += secs
+        _EVENTS[event + ":n"] += 1
+
+    def _on_event(event, **_):
+        _EVENTS[event + ":n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _PROFILE:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    before = dict(_EVENTS)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0, c0 = time.time(), time.process_time()
+    yield
+    t1, c1 = time.time(), time.process_time()
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    events = {k: round(v - before.get(k, 0), 4) for k, v in _EVENTS.items() if v != before.get(k, 0)}
+    line = {"test": item.nodeid, "worker": worker, "start": t0, "wall": t1 - t0, "cpu": c1 - c0,
+            "child_cpu": (kids1.ru_utime + kids1.ru_stime) - (kids.ru_utime + kids.ru_stime),
+            "slow": item.get_closest_marker("slow") is not None,
+            "quick": item.get_closest_marker("quick") is not None, "unit": item.stash.get(_UNIT, None),
+            "events": events}
+    os.makedirs(_PROFILE, exist_ok=True)
+    with open(os.path.join(_PROFILE, f"{worker}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 # Every compiled CPU program keeps its machine code in a few memory mappings of its own, and JAX
