@@ -237,7 +237,7 @@ def test_distilled_cache_write_interrupted(tmp_path, monkeypatch, fault):
 _RACER = textwrap.dedent("""
     import os, sys, time
     import numpy as np
-    from jaxdecode import checkpoint
+    from jaxdecode.models import checkpoint
     from jaxdecode.speculative.drafts import distilled
     from jaxdecode.speculative.drafts.ngram import NGramDraft
 
@@ -402,7 +402,7 @@ def test_native_build_by_two_processes(tmp_path):
     go = tmp_path / "go"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from jaxdecode import kernels
+        from jaxdecode.native import kernels
         open(sys.argv[1], "w").close()
         while not os.path.exists({str(go)!r}):
             time.sleep(0.01)
