@@ -151,7 +151,7 @@ def generate_speculative(args, prompt, rule, settings):
                            progress=not args.quiet)
     else:  # a smaller model of the same family and tokenizer
         from jaxdecode.models import checkpoint
-        from jaxdecode.models.checkpoint import same_vocabulary
+        from jaxdecode.io.vocab import same_vocabulary
 
         small = checkpoint.load(args.speculative, dtype=getattr(args, "dtype", None) or "float32")
         if small.decoder.V != lm.decoder.V or getattr(small.vocab, "size", None) != getattr(lm.vocab, "size", None) \

@@ -139,3 +139,16 @@ class TokenVocab:
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise ValueError(f"token ids must lie in [0, {len(self)}), got min {ids.min()} max {ids.max()}")
         return "".join(self.tokens[i] for i in ids.tolist())
+
+
+def same_vocabulary(a, b) -> bool:
+    """Whether two vocabularies give every token id the same token, as a draft model must share
+    its target's: the same size and, id by id, the same bytes (``token_bytes``, a Hugging Face
+    tokenizer's) or the same characters (``chars``, a character or token vocabulary's)."""
+    if len(a) != len(b):
+        return False
+    if hasattr(a, "token_bytes") and hasattr(b, "token_bytes"):
+        return all(a.token_bytes(i) == b.token_bytes(i) for i in range(len(a)))
+    if not (hasattr(a, "chars") and hasattr(b, "chars")):
+        return a is b
+    return tuple(a.chars) == tuple(b.chars)

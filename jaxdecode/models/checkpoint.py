@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxdecode.models.charlm.transformer import ModelConfig
 from jaxdecode.models.lm import LanguageModel
+from jaxdecode.io.vocab import same_vocabulary  # noqa: F401 (a draft shares its target's tokens)
 from jaxdecode.io import files
 from jaxdecode.io.vocab import Vocab
 
@@ -274,19 +275,6 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     # device arrays: immutable, so work derived from them (packed weights) can be reused
     params = jax.tree_util.tree_map(jnp.asarray, params)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
-
-
-def same_vocabulary(a, b) -> bool:
-    """Whether two vocabularies give every token id the same token, as a draft model must share
-    its target's: the same size and, id by id, the same bytes (``token_bytes``, a Hugging Face
-    tokenizer's) or the same characters (``chars``, a character or token vocabulary's)."""
-    if len(a) != len(b):
-        return False
-    if hasattr(a, "token_bytes") and hasattr(b, "token_bytes"):
-        return all(a.token_bytes(i) == b.token_bytes(i) for i in range(len(a)))
-    if not (hasattr(a, "chars") and hasattr(b, "chars")):
-        return a is b
-    return tuple(a.chars) == tuple(b.chars)
 
 
 def atomic_folder(target, overwrite: bool = True):

@@ -36,7 +36,7 @@ from jaxdecode.decoding.common import (
 )
 from jaxdecode.decoding.stops import as_automaton, stop_automaton
 from jaxdecode.models.base import DecodingModel
-from jaxdecode.models.checkpoint import same_vocabulary
+from jaxdecode.io.vocab import same_vocabulary
 from jaxdecode.rules import processed_logprobs
 from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
 
