@@ -5,6 +5,7 @@ OpenAI's schema."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import re
@@ -152,19 +153,41 @@ class Job:
             raise APIError(500, f"the engine failed to take the request: {type(error).__name__}: {error}")
 
     async def deltas(self):
-        """``(request k, [Delta])`` until every request finished."""
+        """``(request k, [Delta])`` until every request finished. What has queued up since the last
+        turn (the engine ran ahead of this stream) comes merged, one delta per sample: a busy server
+        sends fewer, larger chunks instead of falling further behind."""
         while self.open:
-            k, item = await self.queue.get()
-            if item == FINISHED:
-                self.open -= 1
-            elif isinstance(item, tuple) and item[0] == "error":
-                raise APIError(500, f"generation failed: {item[1]}")
-            else:
-                yield k, item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            merged: dict = {}
+            for k, item in items:
+                if item == FINISHED:
+                    self.open -= 1
+                elif isinstance(item, tuple) and item[0] == "error":
+                    raise APIError(500, f"generation failed: {item[1]}")
+                else:
+                    for d in item:
+                        key = (k, d.sample)
+                        merged[key] = d if key not in merged else _merge(merged[key], d)
+            by_request: dict = {}
+            for (k, _), d in merged.items():
+                by_request.setdefault(k, []).append(d)
+            for k, ds in by_request.items():
+                yield k, ds
 
     def abort(self):
         for h in self.handles:
             self.runner.abort(h)
+
+
+def _merge(a, b):
+    """Two deltas of one sample, in order, as one."""
+    top = None if a.top_logprobs is None and b.top_logprobs is None else \
+        (a.top_logprobs or []) + (b.top_logprobs or [])
+    return dataclasses.replace(a, text=a.text + b.text, tokens=a.tokens + b.tokens,
+                               logprobs=a.logprobs + b.logprobs, top_logprobs=top,
+                               finish_reason=b.finish_reason, generated=b.generated)
 
 
 class _Tagged(Handle):

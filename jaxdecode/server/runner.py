@@ -106,6 +106,9 @@ class EngineRunner:
                 if self._active:
                     engine.step()
                 self._hand_out()
+                # let the event loop take the GIL now, to send what was handed out: a thread that
+                # stays busy in Python would keep it up to the interpreter's switch interval (5 ms)
+                time.sleep(0)
             except Exception as e:  # the device call (or the host's work on it) failed: end every request,
                 log.exception("engine step failed")  # keep serving (a dead thread would hang every request)
                 self._fail_all(e)

@@ -88,6 +88,10 @@ class RequestStream:
         self.sent_tokens = [0] * len(self.rows)  # tokens handed out (end tokens skipped)
         self.sent_text = [0] * len(self.rows)  # characters handed out
         self.done = [False] * len(self.rows)
+        # per sample: the text of its first tokens, known to end on a whole character, and how many
+        # tokens that covers (so a poll decodes only the tokens after it, not the whole row again)
+        self.settled_text = [""] * len(self.rows)
+        self.settled = [0] * len(self.rows)
 
     @property
     def finished(self) -> bool:
@@ -100,9 +104,8 @@ class RequestStream:
             if self.done[j]:
                 continue
             if row.finish is None:
-                tokens = list(row.tokens)
-                shown = [t for t in tokens if t not in self.eos]
-                text = self.vocab.decode(np.asarray(shown, np.int32))
+                tokens = row.tokens[:]
+                text = self._text_of(j, tokens)
                 end = max(self.sent_text[j], _whole(text) - self.hold)
                 delta = self._delta(j, row, tokens, text[:end], None)
             else:
@@ -112,6 +115,17 @@ class RequestStream:
             if delta is not None:
                 out.append(delta)
         return out
+
+    def _text_of(self, j: int, tokens: list) -> str:
+        """The text of a running sample's tokens (end tokens are not text), decoding only the tokens
+        after the last point where its text ended on a whole character."""
+        tail = [t for t in tokens[self.settled[j]:] if t not in self.eos]
+        text = self.vocab.decode(np.asarray(tail, np.int32)) if tail else ""
+        if _whole(text) == len(text):
+            self.settled_text[j] += text
+            self.settled[j] = len(tokens)
+            return self.settled_text[j]
+        return self.settled_text[j] + text
 
     def _delta(self, j, row, tokens, text, finish) -> Delta | None:
         new_text = text[self.sent_text[j]:]
