@@ -72,7 +72,9 @@ async def _client(http, base, r, t0, out, timeout):
     await asyncio.sleep(max(0.0, t0 + r["arrival"] - time.perf_counter()))
     sent = time.perf_counter()
     times, text, error = [], "", None
-    body = {"prompt": r["prompt"], "max_tokens": r["n"], "seed": r["seed"], "stream": True}
+    body = {"prompt": r["prompt"], "max_tokens": r["n"], "seed": r["seed"], "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
     try:
         async with http.stream("POST", f"{base}/completions", json=body, timeout=timeout) as resp:
             if resp.status_code != 200:
@@ -81,13 +83,18 @@ async def _client(http, base, r, t0, out, timeout):
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    piece = json.loads(line[6:])["choices"][0]["text"]
-                    if piece:
-                        times.append(time.perf_counter())
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if not chunk["choices"]:
+                        continue
+                    piece = chunk["choices"][0]["text"]
+                    if piece:  # a chunk may carry several tokens (one character each on the shipped model)
+                        times.append((time.perf_counter(), len(piece)))
                         text += piece
     except (httpx.HTTPError, OSError) as e:
         error = f"{type(e).__name__}: {e}"
-    out.append({"sent": sent, "times": times, "text": text, "error": error, "i": r["i"]})
+    out.append({"sent": sent, "times": times, "text": text, "error": error, "i": r["i"], "tokens": tokens})
 
 
 async def _load(base, reqs, timeout, limit):
@@ -105,11 +112,13 @@ def server_run(base, reqs, timeout=600.0, limit=512) -> dict:
     out = asyncio.run(_load(base, reqs, timeout, limit))
     errors = [o["error"] for o in out if o["error"]]
     done = [o for o in out if not o["error"] and o["times"]]
-    tokens = sum(len(o["times"]) for o in done)  # one chunk per token on the character model
-    span = max(o["times"][-1] for o in done) - min(o["sent"] for o in done)
-    itl = [b - a for o in done for a, b in zip(o["times"], o["times"][1:])]
+    tokens = sum(o["tokens"] for o in done)  # the usage chunk's completion tokens
+    span = max(o["times"][-1][0] for o in done) - min(o["sent"] for o in done)
+    # inter-token latency: a chunk of c tokens after a gap g counts as c gaps of g / c
+    itl = [(b - a) / c for o in done for (a, _), (b, c) in zip(o["times"], o["times"][1:]) for _ in range(c)]
     return {"tokens": tokens, "seconds": span, "throughput": tokens / span, "errors": len(errors),
-            "first_errors": errors[:3], "ttft": _pct([o["times"][0] - o["sent"] for o in done]),
+            "first_errors": errors[:3], "ttft": _pct([o["times"][0][0] - o["sent"] for o in done]),
+            "chunks_per_token": sum(len(o["times"]) for o in done) / max(1, tokens),
             "itl": _pct(itl), "texts": {o["i"]: o["text"] for o in out}}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 
 def add_serve(sub) -> None:
@@ -81,6 +82,10 @@ def cmd_serve(args):
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=None)
     _Uvicorn(config, server).run()
+    # stopped cleanly: a second SIGTERM or SIGINT while the process exits (the runtime's own teardown
+    # takes a moment) must not turn the clean stop into a death by signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("jaxdecode: server stopped", flush=True)
     return 0
 

@@ -195,8 +195,8 @@ class _Tagged(Handle):
         self.loop, self.queue, self.tag = loop, queue, tag
         self.index, self.aborted = None, False
 
-    def put(self, item):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, item))
+    def deliver(self, item):
+        self.queue.put_nowait((self.tag, item))
 
 
 async def until_disconnected(request) -> None:

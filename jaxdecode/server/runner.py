@@ -34,7 +34,17 @@ class Handle:
         self.aborted = False
 
     def put(self, item):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """Hand ``item`` to the event loop (from the engine's thread)."""
+        self.loop.call_soon_threadsafe(self.deliver, item)
+
+    def deliver(self, item):
+        """Put ``item`` in the queue (on the event loop's thread)."""
+        self.queue.put_nowait(item)
+
+
+def _deliver(items):
+    for handle, item in items:
+        handle.deliver(item)
 
 
 class _Active:
@@ -149,7 +159,10 @@ class EngineRunner:
             self.waiting -= 1
 
     def _hand_out(self):
+        """Every request's new deltas, handed to the event loop in one call per step (one wake-up of
+        the loop, not one per request)."""
         now = time.perf_counter()
+        out = []
         for index, entry in list(self._active.items()):
             deltas = entry.stream.poll()
             if deltas:
@@ -162,13 +175,18 @@ class EngineRunner:
                     entry.last, entry.tokens = now, entry.tokens + new
                     if self.metrics is not None:
                         self.metrics.generated(new)
-                entry.handle.put(deltas)
+                out.append((entry.handle, deltas))
             if entry.stream.finished:
                 if self.metrics is not None and entry.first is not None and entry.tokens > 1:
                     self.metrics.per_token((entry.last - entry.first) / (entry.tokens - 1))
-                entry.handle.put(FINISHED)
+                out.append((entry.handle, FINISHED))
                 self.engine.forget(index)
                 del self._active[index]
+        by_loop: dict = {}
+        for handle, item in out:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
         self.running = len({r.req for r in self.engine.rows_in_slots()})
         self.queued = self.engine.queued
         if self.metrics is not None:
