@@ -116,31 +116,45 @@ async def completions(body: CompletionRequest, request: HTTPRequest):
             for i, c in enumerate(choices)], usage=_usage(prompt_tokens, choices))
         return body_out
 
-    usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
+    choices = [_Choice() for _ in range(len(reqs) * N)]
+    offsets = [0] * len(choices)
+    echo = [[{"index": i, "text": texts[i // N], "logprobs": None, "finish_reason": None}]
+            for i in range(len(choices))] if body.echo else []
+
+    def parts(k, deltas):
+        out = []
+        for d in deltas:
+            i = k * N + d.sample
+            choices[i].add(d)
+            lp = None
+            if body.logprobs is not None:
+                lp = _completion_logprobs(vocab, d.tokens, d.logprobs, d.top_logprobs or [], offsets[i], True)
+                offsets[i] += len(d.text)
+            out.append({"index": i, "text": d.text, "logprobs": lp, "finish_reason": _finish(d)})
+        return out
+
+    return _event_stream(job, body, head, echo, parts, lambda: _usage(prompt_tokens, choices))
+
+
+def _finish(d):
+    return None if d.finish_reason is None else H.FINISH[d.finish_reason]
+
+
+def _event_stream(job, body, head, first: list, parts, usage) -> EventSourceResponse:
+    """A streamed answer: the ``first`` chunks, then one chunk per batch of deltas (``parts(k,
+    deltas)`` gives its choices), a usage chunk if asked for (``usage()``), then ``[DONE]``. A
+    client that leaves before the end aborts the job."""
+    with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events():
-        choices = [_Choice() for _ in range(len(reqs) * N)]
-        offsets = [0] * len(choices)
         finished = False
         try:
-            if body.echo:
-                for i in range(len(choices)):
-                    yield _chunk(head, [{"index": i, "text": texts[i // N], "logprobs": None, "finish_reason": None}],
-                                 usage_chunks)
+            for chunk in first:
+                yield _chunk(head, chunk, with_usage)
             async for k, deltas in job.deltas():
-                parts = []
-                for d in deltas:
-                    i = k * N + d.sample
-                    choices[i].add(d)
-                    lp = None
-                    if body.logprobs is not None:
-                        lp = _completion_logprobs(vocab, d.tokens, d.logprobs, d.top_logprobs or [], offsets[i], True)
-                        offsets[i] += len(d.text)
-                    parts.append({"index": i, "text": d.text, "logprobs": lp,
-                                  "finish_reason": None if d.finish_reason is None else H.FINISH[d.finish_reason]})
-                yield _chunk(head, parts, usage_chunks)
-            if usage_chunks:
-                yield json.dumps(dict(head, choices=[], usage=_usage(prompt_tokens, choices)))
+                yield _chunk(head, parts(k, deltas), with_usage)
+            if with_usage:
+                yield json.dumps(dict(head, choices=[], usage=usage()))
             yield "[DONE]"
             finished = True
         finally:
@@ -212,31 +226,18 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest):
              "logprobs": _chat_logprobs(vocab, c.tokens, c.logprobs, c.top, top > 0) if body.logprobs else None}
             for i, c in enumerate(choices)], usage=_usage(len(tokens), choices))
 
-    usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
     head = dict(head, object="chat.completion.chunk")
+    choices = [_Choice() for _ in range(N)]
+    role = [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(N)]]
 
-    async def events():
-        choices = [_Choice() for _ in range(N)]
-        finished = False
-        try:
-            yield _chunk(head, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None} for i in range(N)], usage_chunks)
-            async for _, deltas in job.deltas():
-                parts = []
-                for d in deltas:
-                    choices[d.sample].add(d)
-                    lp = _chat_logprobs(vocab, d.tokens, d.logprobs, d.top_logprobs or [], top > 0) \
-                        if body.logprobs else None
-                    parts.append({"index": d.sample, "delta": {"content": d.text} if d.text else {},
-                                  "logprobs": lp,
-                                  "finish_reason": None if d.finish_reason is None else H.FINISH[d.finish_reason]})
-                yield _chunk(head, parts, usage_chunks)
-            if usage_chunks:
-                yield json.dumps(dict(head, choices=[], usage=_usage(len(tokens), choices)))
-            yield "[DONE]"
-            finished = True
-        finally:
-            if not finished:
-                job.abort()
+    def parts(_, deltas):
+        out = []
+        for d in deltas:
+            choices[d.sample].add(d)
+            lp = _chat_logprobs(vocab, d.tokens, d.logprobs, d.top_logprobs or [], top > 0) if body.logprobs else None
+            out.append({"index": d.sample, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                        "finish_reason": _finish(d)})
+        return out
 
-    return EventSourceResponse(events(), sep="\n")
+    return _event_stream(job, body, head, role, parts, lambda: _usage(len(tokens), choices))
