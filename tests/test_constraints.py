@@ -140,13 +140,65 @@ def _counts(tokens, counts):
 
 
 def _power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3) -> float:
-    """Power of a chi-square test of ``samples`` draws from ``p_wrong`` against ``p_true``."""
+    """Power of ``exact.chisquare_pvalue`` at level ``alpha`` with ``samples`` draws from ``p_wrong``
+    against ``p_true``, on the cells that test actually uses: cells expected below 5 pooled, from
+    the smallest up, exactly as it pools them; the noncentral chi-square on those cells; and mass
+    of ``p_wrong`` outside the support of ``p_true``, which rejects on its own."""
+    return _pooled_power(p_true, p_wrong, samples, alpha)[0]
+
+
+def _pooled_power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3):
+    """(power, noncentrality, degrees of freedom) of ``_power``."""
     from scipy import stats
 
-    keys = sorted(set(p_true) | set(p_wrong))
-    lam = samples * sum((p_wrong.get(k, 0) - p_true.get(k, 1e-12)) ** 2 / max(p_true.get(k, 0), 1e-12) for k in keys)
-    df = len(keys) - 1
-    return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam))
+    keys = sorted((k for k in p_true if p_true[k] > 0), key=lambda k: p_true[k])  # as chisquare_pvalue
+    total = sum(p_true[k] for k in keys)
+    t = np.array([p_true[k] / total for k in keys])
+    w = np.array([p_wrong.get(k, 0.0) for k in keys])
+    e = t * samples
+    cut, pooled = 0, 0.0
+    while cut < len(e) and (e[cut] < 5 or 0 < pooled < 5):
+        pooled += e[cut]
+        cut += 1
+    if cut:
+        t = np.concatenate([[t[:cut].sum()], t[cut:]])
+        w = np.concatenate([[w[:cut].sum()], w[cut:]])
+    df = len(t) - 1
+    lam = samples * float(np.sum((w - t) ** 2 / t))
+    outside = max(0.0, 1.0 - float(w.sum()))  # p_wrong's mass off the support of p_true
+    chi = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam)) if df > 0 else 0.0
+    return 1 - (1 - outside) ** samples * (1 - chi), lam, df
+
+
+def test_power_is_that_of_the_pooled_cells_the_test_uses():
+    """``_power`` is the power of ``exact.chisquare_pvalue`` as it pools cells. Ten cells of
+    expected count 1 (1,000 draws) are pooled into one: an alternative that moves all their mass
+    into one of them is invisible to the test (the power is the level; the formula over unpooled
+    cells said 0.9999), and for an alternative on the large cells the power agrees with the test's
+    rejection rate over 2,000 simulated samples."""
+    small = {("s", i): 0.001 for i in range(10)}
+    big = {("b", i): p for i, p in enumerate([0.5, 0.3, 0.19])}
+    p_true = {**small, **big}
+    hidden = {**{k: 0.0 for k in small}, ("s", 0): 0.01, **big}
+    _, lam, df = _pooled_power(p_true, hidden, 1000)
+    assert df == 3 and lam < 1e-9, (lam, df)
+    assert _power(p_true, hidden, 1000) < 2e-3
+    rng = np.random.default_rng(0)
+
+    def rejection_rate(p_wrong, n=1000, sims=2000):
+        keys = list(p_true)
+        probs = np.array([p_wrong[k] for k in keys])
+        rejected = 0
+        for row in rng.multinomial(n, probs / probs.sum(), size=sims):
+            got = {k: int(c) for k, c in zip(keys, row) if c}
+            rejected += exact.chisquare_pvalue(got, p_true) <= 1e-3
+        return rejected / sims
+
+    assert rejection_rate(hidden) < 0.01
+    shifted = {**small, ("b", 0): 0.43, ("b", 1): 0.33, ("b", 2): 0.23}
+    pw = _power(p_true, shifted, 1000)
+    assert 0.2 < pw < 0.95, pw  # a power that a simulation can check
+    assert abs(rejection_rate(shifted) - pw) < 0.05, pw
 
 
 @pytest.fixture(scope="module")
