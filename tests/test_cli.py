@@ -119,10 +119,35 @@ def test_generate_text_and_stream(tiny_ckpt, capsys):
     assert streamed == "abc" + doc["outputs"][0]["text"] + "\n"
 
 
+def _plain_logprobs(lm, prompt, text):
+    """Each character's log-probability after the prompt and the characters before it: one plain
+    forward of the whole sequence (the tiny model's T is not exceeded)."""
+    import jax
+    from jaxdecode.models.charlm.transformer import forward
+
+    ids = np.concatenate([lm.vocab.encode(prompt), lm.vocab.encode(text)]).astype(np.int32)
+    assert len(ids) <= lm.cfg.T
+    logits = np.asarray(forward(lm.params, lm.cfg, jax.numpy.asarray(ids[None]))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    k = len(prompt)
+    return np.array([logp[k - 1 + i, ids[k + i]] for i in range(len(text))])
+
+
 def test_score(tiny_ckpt, capsys):
+    """The printed log-probabilities are those of ``jaxdecode.score`` in process and of a plain
+    forward of prompt + text."""
+    import jaxdecode
+    from jaxdecode.models import checkpoint
+
     assert main(["score", "abc", "--prompt", "ha", "--ckpt", tiny_ckpt, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["logprobs"]) == 3 and doc["mean_logprob"] < 0
+    lm = checkpoint.load(tiny_ckpt)
+    want = _plain_logprobs(lm, "ha", "abc")
+    assert len(doc["logprobs"]) == 3
+    np.testing.assert_allclose(doc["logprobs"], want, atol=1e-4)
+    assert doc["mean_logprob"] == pytest.approx(want.mean(), abs=1e-4)
+    inproc = jaxdecode.score(lm, ["abc"], ["ha"])[0]
+    np.testing.assert_allclose(doc["logprobs"], inproc.logprobs, atol=1e-6)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -762,6 +787,28 @@ def test_eval_held_out_loss_and_text_score(tiny_ckpt, tiny_corpus, tmp_path, cap
     assert main(["eval", tiny_ckpt, "--data", tiny_corpus, "--windows", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["held_out_windows"] == 3 and 0 < doc["held_out_loss"] < 10
+    # the loss by a plain loop: the held-out part of the corpus, 3 evenly spaced windows of T + 1
+    # characters, each one forward, the mean negative log-likelihood of its T next characters
+    import jax
+    from jaxdecode.io import data as data_lib
+    from jaxdecode.models import checkpoint
+    from jaxdecode.models.charlm.transformer import forward
+
+    lm = checkpoint.load(tiny_ckpt)
+    T = lm.cfg.T
+    _, val = data_lib.split(data_lib.read_corpus(tiny_corpus))
+    held = lm.vocab.encode(val)
+    nll = []
+    for s in np.linspace(0, len(held) - T - 1, 3).astype(int):
+        w = np.asarray(held[s:s + T + 1], np.int32)
+        logits = np.asarray(forward(lm.params, lm.cfg, jax.numpy.asarray(w[None, :T]))[0], np.float64)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        nll += [-logp[t, w[t + 1]] for t in range(T)]
+    assert doc["held_out_loss"] == pytest.approx(float(np.mean(nll)), abs=1e-4)
+    assert main(["eval", tiny_ckpt, "--text", "abc", "--prompt", "ha", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_logprob"] == pytest.approx(
+        _plain_logprobs(lm, "ha", "abc").mean(), abs=1e-4)
     assert main(["eval", tiny_ckpt, "--text", r"ab\nc", "--prompt", "ha", "--json"]) == 0
     scored = json.loads(capsys.readouterr().out)
     assert set(scored) == {"checkpoint", "mean_logprob", "characters"} and scored["characters"] == 4
