@@ -73,6 +73,9 @@ class RuleSpec:
     ``--name-with-dashes``. ``kind`` places the rule in the order of application (:data:`KINDS`);
     ``type`` converts the flag's text (``int`` for settings that must be integers); ``help`` and
     ``metavar`` are the flag's help line and value name (``None``: argparse's default).
+    ``neutral``: the setting that leaves every logit exactly unchanged (``"V"``: the vocabulary
+    size), or None where the rule has none; a batch of rows with different chains runs each row's
+    missing parts at it.
     """
 
     name: str
@@ -81,6 +84,7 @@ class RuleSpec:
     type: type = float
     help: str = ""
     metavar: str | None = None
+    neutral: float | str | None = None
 
     @property
     def flag(self) -> str:
@@ -91,19 +95,21 @@ class RuleSpec:
 # truncations (as Hugging Face and vLLM order their processors).
 REGISTRY: tuple[RuleSpec, ...] = (
     RuleSpec("repetition_penalty", repetition_penalty, "penalty", float,
-             "CTRL penalty for characters already seen"),
-    RuleSpec("frequency_penalty", frequency_penalty, "penalty", float, "subtract count * f"),
+             "CTRL penalty for characters already seen", neutral=1.0),
+    RuleSpec("frequency_penalty", frequency_penalty, "penalty", float, "subtract count * f", neutral=0.0),
     RuleSpec("presence_penalty", presence_penalty, "penalty", float,
-             "subtract p from characters generated before"),
+             "subtract p from characters generated before", neutral=0.0),
     RuleSpec("no_repeat_ngram", no_repeat_ngram, "penalty", int, "forbid repeating any n-gram"),
-    RuleSpec("temperature", temperature, "temperature", float, "divide logits by this; 0 = greedy"),
-    RuleSpec("top_k", top_k, "truncation", int, "keep the k most probable characters"),
-    RuleSpec("top_p", top_p, "truncation", float, "keep the smallest set with mass >= p (nucleus)"),
+    RuleSpec("temperature", temperature, "temperature", float, "divide logits by this; 0 = greedy",
+             neutral=1.0),
+    RuleSpec("top_k", top_k, "truncation", int, "keep the k most probable characters", neutral="V"),
+    RuleSpec("top_p", top_p, "truncation", float, "keep the smallest set with mass >= p (nucleus)",
+             neutral=1.0),
     RuleSpec("min_p", min_p, "truncation", float,
-             "keep characters with prob >= this fraction of the top one"),
-    RuleSpec("typical", typical, "truncation", float, "locally typical sampling with this mass"),
-    RuleSpec("epsilon", epsilon, "truncation", float, "epsilon sampling: keep prob >= eps"),
-    RuleSpec("eta", eta, "truncation", float, "eta sampling"),
+             "keep characters with prob >= this fraction of the top one", neutral=0.0),
+    RuleSpec("typical", typical, "truncation", float, "locally typical sampling with this mass", neutral=1.0),
+    RuleSpec("epsilon", epsilon, "truncation", float, "epsilon sampling: keep prob >= eps", neutral=0.0),
+    RuleSpec("eta", eta, "truncation", float, "eta sampling", neutral=0.0),
     RuleSpec("top_n_sigma", top_n_sigma, "truncation", float,
              "keep logits within n standard deviations of the max"),
 )
@@ -111,6 +117,9 @@ REGISTRY: tuple[RuleSpec, ...] = (
 RULES: Registry[RuleSpec] = Registry("decoding setting", REGISTRY)  # refuses a name registered twice
 
 RULE_ORDER: tuple[str, ...] = tuple(spec.name for spec in REGISTRY)
+
+#: Each rule's setting that leaves the logits exactly unchanged (``"V"``: the vocabulary size).
+NEUTRAL: dict[str, float | str] = {spec.name: spec.neutral for spec in REGISTRY if spec.neutral is not None}
 
 assert [KINDS.index(s.kind) for s in REGISTRY] == sorted(KINDS.index(s.kind) for s in REGISTRY), \
     "REGISTRY must list the rules in the order of KINDS"
@@ -135,6 +144,7 @@ def make_rule(**settings):
 
 __all__ = [
     "KINDS",
+    "NEUTRAL",
     "REGISTRY",
     "RULES",
     "RULE_ORDER",

@@ -14,7 +14,7 @@ import time
 import uuid
 
 from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
-from jaxdecode.rules import RuleError, make_rule
+from jaxdecode.rules import NEUTRAL, RuleError, make_rule
 from jaxdecode.serving.engine import Request
 from jaxdecode.server.protocol import APIError
 from jaxdecode.server.runner import FINISHED, Handle
@@ -23,12 +23,12 @@ FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 # the server's rule layout: every kind a request may set, in make_rule's order, each with the setting
 # that leaves the logits exactly unchanged; a request's own chain is this one with parts left out, so
 # every request fits every batch (no batch waits to drain for a request with other settings)
-NEUTRAL = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, temperature=1.0,
-               top_p=1.0, min_p=0.0)
+LAYOUT = ("repetition_penalty", "frequency_penalty", "presence_penalty", "temperature", "top_k", "top_p",
+          "min_p")
 
 
 def server_layout(V: int):
-    return make_rule(top_k=V, **NEUTRAL)
+    return make_rule(**{name: V if NEUTRAL[name] == "V" else NEUTRAL[name] for name in LAYOUT})
 
 
 def sampling(body, V: int) -> dict:

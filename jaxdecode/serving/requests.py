@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -13,10 +14,8 @@ import numpy as np
 
 from jaxdecode import constraints as C
 from jaxdecode.decoding.common import check_int, encode_stop_strings, sample_keys, stop_string_list
-from jaxdecode.rules import Chain, Rule
+from jaxdecode.rules import REGISTRY, Chain, Rule
 from jaxdecode.serving.stream import stop_watch
-from jaxdecode.rules import penalties as _pen
-from jaxdecode.rules import truncation as _trunc
 
 
 # ----------------------------------------------------------------------------- requests
@@ -182,18 +181,12 @@ def prompt_tokens(lm, V: int, prompt) -> np.ndarray:
 # ----------------------------------------------------------------------------- rule layouts
 
 
-_NEUTRAL = {
-    _trunc.Temperature: 1.0,
-    _trunc.TopP: 1.0,
-    _trunc.MinP: 0.0,
-    _trunc.Typical: 1.0,
-    _trunc.Epsilon: 0.0,
-    _trunc.Eta: 0.0,
-    _pen.RepetitionPenalty: 1.0,
-    _pen.FrequencyPenalty: 0.0,
-    _pen.PresencePenalty: 0.0,
-    _trunc.TopK: None,  # V: every token
-}
+@functools.lru_cache(maxsize=None)
+def _neutral_by_kind() -> dict:
+    """Each rule class with its neutral setting (:data:`jaxdecode.rules.NEUTRAL`; None for top-k:
+    the vocabulary size), built once from the rules' registry."""
+    return {type(spec.factory(1 if spec.neutral == "V" else spec.neutral)):
+            None if spec.neutral == "V" else spec.neutral for spec in REGISTRY if spec.neutral is not None}
 
 
 def rule_parts(rule) -> tuple:
@@ -212,9 +205,10 @@ def neutral_rule(part, V: int):
     """``part``'s kind with the setting that leaves logits exactly unchanged, or None if the kind
     has none."""
     kind = type(part)
-    if kind not in _NEUTRAL:
+    table = _neutral_by_kind()
+    if kind not in table:
         return None
-    value = V if _NEUTRAL[kind] is None else _NEUTRAL[kind]
+    value = V if table[kind] is None else table[kind]
     leaves, treedef = jax.tree_util.tree_flatten(part)
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(value, np.asarray(a).dtype) for a in leaves])
 

@@ -52,6 +52,7 @@ import jax
 import numpy as np
 
 from jaxdecode.eval.studies.beam_curse import PROMPT_RULE, heldout_prompts
+from jaxdecode.rules import NEUTRAL as RULE_NEUTRAL
 from jaxdecode.io.reports import (
     fmt,
     md_table,
@@ -82,7 +83,7 @@ FAMILIES: dict[str, tuple[float, ...]] = {
 #: The chain every family runs through, and the setting that leaves a logit untouched.
 #: (``None`` for top-k: the vocabulary size.)
 CHAIN: tuple[str, ...] = ("temperature", "top_k", "top_p", "min_p", "typical", "eta")
-NEUTRAL = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": 0.0, "typical": 1.0, "eta": 0.0}
+NEUTRAL = {name: None if RULE_NEUTRAL[name] == "V" else RULE_NEUTRAL[name] for name in CHAIN}
 GREEDY_FAMILY = "top_k"  # the call greedy rows join (top-k at k = 1 is greedy)
 
 BEAM_K = 5
