@@ -137,6 +137,16 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not start")
 
 
+def stop_server(proc: subprocess.Popen):
+    """SIGTERM, then the exit code (None, and killed, if it has not exited within a minute)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", default=None)
@@ -169,12 +179,7 @@ def main():
         clients = {"clients": args.clients, **many}
         print(json.dumps(clients), flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
+        code = stop_server(proc)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
               "load_before": os.getloadavg(), "ckpt": args.ckpt or "shakespeare-char", "slots": args.slots,
               "rates": rows, "concurrent_clients": clients, "server_exit_code": code}

@@ -20,13 +20,12 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_server import PROMPTS  # noqa: E402
+from bench_server import PROMPTS, stop_server  # noqa: E402
 
 _cmd_default = ["--slots", "16", "--cache", "paged"]
 
@@ -122,12 +121,7 @@ def main():
     try:
         counts, samples, metrics = asyncio.run(soak(base, proc, args.minutes, args.clients, args.every, args.seed))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
+        code = stop_server(proc)
     warm = next((m for t, m in samples if t >= 60), samples[0][1])
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "server": cmd[3:],
               "minutes": args.minutes, "clients": args.clients, "requests": counts,

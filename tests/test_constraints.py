@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from compiled import assert_same_draws, optimized
+from power import pooled_chi2_power
 from jaxdecode import constraints as C
 from jaxdecode.eval import exact
 from jaxdecode import rules
@@ -149,25 +150,12 @@ def _power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3) -> fl
 
 def _pooled_power(p_true: dict, p_wrong: dict, samples: int, alpha: float = 1e-3):
     """(power, noncentrality, degrees of freedom) of ``_power``."""
-    from scipy import stats
-
     keys = sorted((k for k in p_true if p_true[k] > 0), key=lambda k: p_true[k])  # as chisquare_pvalue
     total = sum(p_true[k] for k in keys)
     t = np.array([p_true[k] / total for k in keys])
     w = np.array([p_wrong.get(k, 0.0) for k in keys])
-    e = t * samples
-    cut, pooled = 0, 0.0
-    while cut < len(e) and (e[cut] < 5 or 0 < pooled < 5):
-        pooled += e[cut]
-        cut += 1
-    if cut:
-        t = np.concatenate([[t[:cut].sum()], t[cut:]])
-        w = np.concatenate([[w[:cut].sum()], w[cut:]])
-    df = len(t) - 1
-    lam = samples * float(np.sum((w - t) ** 2 / t))
     outside = max(0.0, 1.0 - float(w.sum()))  # p_wrong's mass off the support of p_true
-    chi = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam)) if df > 0 else 0.0
-    return 1 - (1 - outside) ** samples * (1 - chi), lam, df
+    return pooled_chi2_power(t, w, samples, outside, alpha)
 
 
 def test_power_is_that_of_the_pooled_cells_the_test_uses():

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from power import pooled_chi2_power
 
 import jaxdecode
 from jaxdecode.models import checkpoint
@@ -152,25 +153,10 @@ def _pooled_power(p_true, p_wrong, draws, alpha=1e-3):
     against ``p_true`` ([V, V] arrays): the cells pooled exactly as ``chisquare_pvalue`` pools them
     (expected count below 5, smallest first), the noncentral chi-square on the pooled cells, and
     the mass of ``p_wrong`` outside the support (which rejects on its own). Returns (power, lam, df)."""
-    from scipy import stats
-
     support = p_true > 0
     t, w = p_true[support], p_wrong[support]
     order = np.argsort(t, kind="stable")
-    t, w = t[order] / t.sum(), w[order]
-    e = t * draws
-    cut, pooled = 0, 0.0
-    while cut < len(e) and (e[cut] < 5 or 0 < pooled < 5):
-        pooled += e[cut]
-        cut += 1
-    if cut:
-        t = np.concatenate([[t[:cut].sum()], t[cut:]])
-        w = np.concatenate([[w[:cut].sum()], w[cut:]])
-    df = len(t) - 1
-    lam = draws * float(np.sum((w - t) ** 2 / t))
-    outside = float(p_wrong[~support].sum())
-    chi = stats.ncx2.sf(stats.chi2.isf(alpha, df), df, lam)
-    return 1 - (1 - outside) ** draws * (1 - chi), lam, df
+    return pooled_chi2_power(t[order] / t.sum(), w[order], draws, float(p_wrong[~support].sum()), alpha)
 
 
 def _chi_square_with_power(counts, exact, alternatives, draws):
