@@ -472,9 +472,12 @@ def test_unsupported_rope_and_sliding_window(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="rope scaling of type 'yarn' is not supported"):
         jaxdecode.load(f)
     g = _copy(tmp_path / "b", "qwen2")
-    _edit_config(g, use_sliding_window=True, sliding_window=8)
-    with pytest.raises(checkpoint.CheckpointError, match="use_sliding_window"):
+    _edit_config(g, model_type="qwen2_moe", use_sliding_window=True, sliding_window=8)
+    with pytest.raises(checkpoint.CheckpointError, match="use_sliding_window=true is not supported for qwen2_"):
         jaxdecode.load(g)
+    # Qwen2's own windows (from max_window_layers on) are decoded (tests/test_hf_families.py)
+    _edit_config(g, model_type="qwen2", layer_types=["full_attention", "sliding_attention"])
+    assert jaxdecode.load(g).decoder.cfg.windows == (None, 8)
 
 
 def test_command_line_on_a_hugging_face_folder(capsys):

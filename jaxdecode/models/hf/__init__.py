@@ -1,4 +1,4 @@
-"""Hugging Face model folders: Llama, Mistral, Qwen2 and GPT-2 with their tokenizers and end tokens.
+"""Hugging Face model folders (the families of :data:`SUPPORTED`) with their tokenizers and end tokens.
 
 ``load_hf(folder)`` reads ``config.json`` (:mod:`.config`), the safetensors weights, single or
 sharded (:mod:`.weights`), ``generation_config.json`` for the end tokens, and ``tokenizer.json``
@@ -9,14 +9,18 @@ sharded (:mod:`.weights`), ``generation_config.json`` for the end tokens, and ``
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
-from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, read_config
+from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens
+from jaxdecode.models.hf.families import read_config
 from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
 from jaxdecode.models.hf.transformer import HFCache, HFDecoder
 from jaxdecode.models.hf.weights import WeightsError, read_params
 
 DTYPES = ("float32", "bfloat16", "float16")
+VISION_UNUSED = ("an image-text model: text is decoded with its language model; the vision tower is "
+                 "left unused")
 
 
 class HFError(ValueError):
@@ -57,6 +61,9 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
     decoder = HFDecoder(cfg, dtype, max_length)
     meta = {"model_type": cfg.model_type, "format": "huggingface", "dtype": dtype,
             "architectures": raw.get("architectures"), "eos_token_id": list(eos)}
+    if cfg.multimodal:
+        meta["note"] = VISION_UNUSED
+        warnings.warn(f"{folder}: {VISION_UNUSED}", stacklevel=2)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
                          eos_ids=eos)
 

@@ -1,10 +1,12 @@
 """A Hugging Face ``config.json`` read into one frozen, hashable shape.
 
-Llama, Mistral, Qwen2 and GPT-2 are one decoder here whose variants are fields: the norm
-(RMSNorm or LayerNorm), the positions (rotary or learned), the MLP (SwiGLU or a GELU MLP), which
-projections carry biases, a sliding attention window, tied or untied output. Anything the
-decoder does not implement is refused in one line by :func:`read_config` rather than decoded
-into silent garbage.
+Every family is one decoder here whose variants are fields: the norm (RMSNorm, with Gemma's
+``1 + w`` offset, or LayerNorm) and where the norms sit (before, around or after each block), the
+positions (rotary, partial or with a local base on sliding layers, or learned), q/k norms, the
+MLP (gated, plain, or a mixture of experts with an optional shared expert), which projections
+carry biases, soft-capping, a sliding attention window per layer, tied or untied output.
+Anything the decoder does not implement is refused in one line by :func:`read_config` rather than
+decoded into silent garbage.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ import json
 import math
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
+             "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2")
+GEMMAS = ("gemma", "gemma2", "gemma3_text", "gemma3")
+MOES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# rope_theta when config.json has none (transformers' defaults)
+DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "gemma3": 1e6}
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 
@@ -46,7 +53,26 @@ class HFConfig:
     tied: bool
     rope_theta: float = 10000.0
     rope_scaling: tuple = ()  # sorted (key, value) pairs of the rope_scaling dict, () for none
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # every layer's window, unless ``windows`` says per layer
+    windows: tuple = ()  # per layer: its window or None (full attention); () for sliding_window
+    norm_offset: bool = False  # Gemma: RMSNorm times (1 + w)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(d)
+    layout: str = "pre"  # "pre" (norm before each block), "sandwich" (before and after: Gemma 2/3),
+    #                      "post" (after only: OLMo 2)
+    qk_norm: str = ""  # "head" (per head: Qwen3, Gemma 3) or "all" (the whole projection: OLMo 2)
+    attn_scalar: float | None = None  # scores scaled by attn_scalar ** -0.5 (default head_dim)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # the rope base of sliding layers (Gemma 3)
+    rotary_dim: int | None = None  # rotate only the first rotary_dim of each head (Phi-3's partial)
+    clip_qkv: float | None = None  # OLMoE: q, k, v clipped to [-c, c]
+    experts: int = 0  # a mixture of experts: how many, top_k chosen per token, renormalized or not
+    top_k: int = 0
+    norm_topk: bool = False
+    moe_ffn: int = 0
+    shared_ffn: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated), 0 for none
+    moe_layers: tuple = ()  # per layer: whether its MLP is the mixture
+    multimodal: bool = False  # Gemma 3's image-text folders: the text decoder's weights only
 
     @property
     def groups(self) -> int:
@@ -57,12 +83,20 @@ class HFConfig:
     def scaling(self) -> dict:
         return dict(self.rope_scaling)
 
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (a query at ``i`` sees keys ``i - W < j <= i``), or None."""
+        return self.windows[layer] if self.windows else self.sliding_window
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
     def num_params(self) -> int:
         att = self.d * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = (3 if self.mlp == "gated" else 2) * self.d * self.ffn
+        dense = (3 if self.mlp == "gated" else 2) * self.d * self.ffn
+        moe = self.experts * (3 * self.d * self.moe_ffn + self.d) + 3 * self.d * self.shared_ffn
         emb = self.V * self.d * (1 if self.tied else 2)
         emb += self.T * self.d if self.positions == "learned" else 0
-        return self.L * (att + mlp) + emb
+        return sum(att + (moe if self.is_moe(i) else dense) for i in range(self.L)) + emb
 
 
 def _int(cfg: dict, name: str, where: str, default=None) -> int:
@@ -80,17 +114,17 @@ def _float(cfg: dict, name: str, where: str, default: float) -> float:
     return float(value)
 
 
-def _rope(cfg: dict, where: str) -> tuple[float, tuple]:
+def _rope(cfg: dict, where: str, default_theta: float = 10000.0) -> tuple[float, tuple]:
     """``(theta, scaling)`` from the legacy ``rope_theta``/``rope_scaling`` fields or the newer
     ``rope_parameters`` dict."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params:
         if "full_attention" in params and isinstance(params["full_attention"], dict):
             params = params["full_attention"]
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        theta = params.get("rope_theta", cfg.get("rope_theta", default_theta))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
-        theta = cfg.get("rope_theta", 10000.0)
+        theta = cfg.get("rope_theta", default_theta)
         scaling = cfg.get("rope_scaling") or {}
         if not isinstance(scaling, dict):
             raise ConfigError(f"{where}: rope_scaling must be an object or null, got {scaling!r}")
@@ -114,43 +148,8 @@ def _rope(cfg: dict, where: str) -> tuple[float, tuple]:
         if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
             raise ConfigError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor")
         return float(theta), tuple(sorted((k, float(scaling[k])) for k in keys)) + (("rope_type", "llama3"),)
-    raise ConfigError(f"{where}: rope scaling of type {kind!r} is not supported "
+    raise ConfigError(f"{where}: rope_scaling: rope scaling of type {kind!r} is not supported "
                       "(supported: default, linear, llama3)")
-
-
-def _llama_family(cfg: dict, where: str) -> HFConfig:
-    mt = cfg["model_type"]
-    d = _int(cfg, "hidden_size", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    kv = _int(cfg, "num_key_value_heads", where, heads)
-    if heads % kv:
-        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
-                          f"num_key_value_heads={kv}")
-    head_dim = cfg.get("head_dim") or d // heads
-    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-        raise ConfigError(f"{where}: head_dim must be an even positive integer, got {head_dim!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise ConfigError(f"{where}: activation {act!r} is not supported "
-                          f"(supported: {', '.join(ACTIVATIONS)})")
-    theta, scaling = _rope(cfg, where)
-    window = None
-    if mt == "mistral":
-        window = cfg.get("sliding_window")
-    elif mt == "qwen2" and cfg.get("use_sliding_window"):
-        raise ConfigError(f"{where}: Qwen2 with use_sliding_window=true (a window on some layers only) "
-                          "is not supported")
-    if window is not None:
-        window = _int(cfg, "sliding_window", where)
-    attention_bias = bool(cfg.get("attention_bias", False))
-    return HFConfig(
-        model_type=mt, V=_int(cfg, "vocab_size", where), T=_int(cfg, "max_position_embeddings", where, 2048),
-        d=d, L=_int(cfg, "num_hidden_layers", where), heads=heads, kv_heads=kv, head_dim=head_dim,
-        ffn=_int(cfg, "intermediate_size", where), eps=_float(cfg, "rms_norm_eps", where, 1e-6), norm="rms",
-        positions="rope", mlp="gated", act=act, qkv_bias=attention_bias or mt == "qwen2",
-        o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), tied=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=theta, rope_scaling=scaling, sliding_window=window)
 
 
 def _gpt2(cfg: dict, where: str) -> HFConfig:
@@ -180,34 +179,6 @@ def no_model_type(path) -> str:
     """The error for a ``config.json`` that is neither a Hugging Face nor a character model's."""
     return (f"{path} has no model_type (supported: {', '.join(SUPPORTED)}; a jaxdecode character "
             "model's config.json has V, T, d, L, heads and chars instead)")
-
-
-def read_config(folder: Path) -> tuple[HFConfig, dict]:
-    """The decoder shape of a Hugging Face folder and the raw ``config.json``."""
-    path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    mt = raw.get("model_type")
-    if mt is None:
-        raise ConfigError(no_model_type(path))
-    if mt not in SUPPORTED:
-        raise ConfigError(f"{path}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    where = str(path)
-    try:
-        cfg = _gpt2(raw, where) if mt == "gpt2" else _llama_family(raw, where)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type
-        raise ConfigError(f"{where}: a field has a value of the wrong type ({e})") from None
-    if not math.isfinite(cfg.eps) or cfg.eps <= 0:
-        raise ConfigError(f"{where}: the norm epsilon must be a positive number, got {cfg.eps!r}")
-    return cfg, raw
 
 
 def end_tokens(folder: Path, raw: dict, V: int | None = None, known: int | None = None) -> tuple[int, ...]:

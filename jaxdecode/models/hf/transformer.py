@@ -1,13 +1,16 @@
-"""Llama, Mistral, Qwen2 and GPT-2 as one decoder behind the decoding-model interface.
+"""Every Hugging Face family as one decoder behind the decoding-model interface.
 
-:class:`HFDecoder` is a pre-norm decoder-only transformer in plain ``jax.numpy`` whose variants are
-fields of its :class:`~.config.HFConfig`:
+:class:`HFDecoder` is a decoder-only transformer in plain ``jax.numpy`` whose variants are fields
+of its :class:`~.config.HFConfig` (which family sets which: :mod:`.families`):
 
-- Llama, Mistral, Qwen2: RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``, in float32), rotary
-  positions (rotate-half convention, ``rope_theta``, ``llama3`` or linear scaling), grouped-query
-  attention (each key/value head serves ``heads / kv_heads`` query heads), a SwiGLU MLP
-  (``down(silu(gate x) * up x)``), q/k/v biases for Qwen2, Mistral's sliding window (a query at
-  position ``i`` sees keys at ``j`` with ``i - W < j <= i``), tied or untied output.
+- the Llama line: RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``, in float32; Gemma's ``* (1 + w)``),
+  rotary positions (rotate-half convention, ``rope_theta``, ``llama3`` or linear scaling, a local
+  base on sliding layers, partial rotary dimensions), grouped-query attention (each key/value head
+  serves ``heads / kv_heads`` query heads) scaled by ``head_dim`` or ``query_pre_attn_scalar``,
+  optionally soft-capped, q/k norms per head or over the projection, a sliding window per layer
+  (a query at position ``i`` sees keys at ``j`` with ``i - W < j <= i``), a gated MLP
+  (``down(act(gate x) * up x)``) or a mixture of experts (:mod:`.moe`), norms before, around or
+  after each block, embeddings scaled by ``sqrt(d)``, soft-capped logits, tied or untied output.
 - GPT-2: LayerNorm, learned positions, one attention head per key/value head, a ``gelu_new``
   MLP with biases, output tied to the token embedding.
 
@@ -43,6 +46,7 @@ from jaxdecode.models.base import (
     write_blocks,
 )
 from jaxdecode.models.hf.config import HFConfig
+from jaxdecode.models.hf.moe import moe_mlp
 
 
 class HFCache(NamedTuple):
@@ -58,9 +62,12 @@ def _vec(v, ndim):
     return v.reshape((1,) * (ndim - 1) + (-1,))
 
 
-def inv_frequencies(cfg: HFConfig) -> np.ndarray:
-    """RoPE's inverse frequencies ``[hd / 2]`` (float32), with ``rope_scaling`` applied."""
-    hd = cfg.head_dim
+def inv_frequencies(cfg: HFConfig, local: bool = False) -> np.ndarray:
+    """RoPE's inverse frequencies ``[rotary_dim / 2]`` (float32), with ``rope_scaling`` applied; of
+    a sliding layer with its own base if ``local``."""
+    hd = cfg.rotary_dim or cfg.head_dim
+    if local and cfg.local_rope_theta is not None:
+        return (1.0 / cfg.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)).astype(np.float32)
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     s = cfg.scaling
     kind = s.get("rope_type")
@@ -86,8 +93,14 @@ def _norm(cfg: HFConfig, x, w, b=None):
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + cfg.eps)
+    if cfg.norm_offset:  # Gemma: times (1 + w) in float32, then to the compute dtype
+        return (y * (1.0 + _vec(w, x.ndim).astype(jnp.float32))).astype(x.dtype)
     y = y.astype(x.dtype) * _vec(w, x.ndim)
     return y if b is None else y + _vec(b, x.ndim)
+
+
+def _softcap(x, cap):
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _act(name: str, x):
@@ -136,65 +149,86 @@ class HFDecoder(DecodingModel):
         return False
 
     # --- pieces
-    def _rope(self, x, pos):
-        """Rotate ``x [B, S, n, hd]`` to positions ``pos [B, S]`` (rotate-half)."""
-        inv = jnp.asarray(inv_frequencies(self.cfg))  # [hd/2]
-        angle = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]  # [B, S, hd/2]
+    def _rope(self, x, pos, layer):
+        """Rotate ``x [B, S, n, hd]`` to positions ``pos [B, S]`` (rotate-half, over the first
+        ``rotary_dim`` of each head), with layer ``layer``'s base."""
+        cfg = self.cfg
+        inv = jnp.asarray(inv_frequencies(cfg, cfg.window(layer) is not None))  # [rd/2]
+        angle = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]  # [B, S, rd/2]
         cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[:, :, None, :]
         sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[:, :, None, :]
         x32 = x.astype(jnp.float32)
-        half = x.shape[-1] // 2
-        rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-        return (x32 * cos + rotated * sin).astype(x.dtype)
+        rd = 2 * inv.shape[0]
+        xr, rest = x32[..., :rd], x32[..., rd:]
+        half = rd // 2
+        rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+        out = xr * cos + rotated * sin
+        return (out if rd == x.shape[-1] else jnp.concatenate([out, rest], axis=-1)).astype(x.dtype)
 
     def _embed(self, params, tokens, pos):
         x = params["embed"][tokens]
+        if self.cfg.embed_scale:  # Gemma: sqrt(d), rounded to the parameters' dtype as transformers does
+            x = x * jnp.asarray(math.sqrt(self.cfg.d), x.dtype)
         if self.cfg.positions == "learned":
             x = x + params["pos"][jnp.clip(pos, 0, self.cfg.T - 1)]
         return x
 
-    def _qkv(self, p, x, pos):
+    def _qkv(self, p, x, pos, layer):
         cfg = self.cfg
         B, S, _ = x.shape
-        h = _norm(cfg, x, p["norm1_w"], p.get("norm1_b"))
+        h = x if cfg.layout == "post" else _norm(cfg, x, p["norm1_w"], p.get("norm1_b"))
         q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
         if "bq" in p:
             q, k, v = q + _vec(p["bq"], 3), k + _vec(p["bk"], 3), v + _vec(p["bv"], 3)
+        if cfg.qk_norm == "all":
+            q, k = _norm(cfg, q, p["q_norm"]), _norm(cfg, k, p["k_norm"])
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = q.reshape(B, S, cfg.heads, cfg.head_dim)
         k = k.reshape(B, S, cfg.kv_heads, cfg.head_dim)
         v = v.reshape(B, S, cfg.kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = _norm(cfg, q, p["q_norm"]), _norm(cfg, k, p["k_norm"])
         if cfg.positions == "rope":
-            q, k = self._rope(q, pos), self._rope(k, pos)
+            q, k = self._rope(q, pos, layer), self._rope(k, pos, layer)
         return q, k, v  # [B, S, heads or KV, hd]
 
-    def _attend(self, q, k, v, pos, kpos):
+    def _attend(self, q, k, v, pos, kpos, layer):
         """q ``[B, S, H, hd]`` at positions ``pos [B, S]``; k/v ``[B, KV, K, hd]`` at ``kpos [K]``
-        -> ``[B, S, H * hd]``. A query sees keys at or before its position (and within the
-        sliding window)."""
+        -> ``[B, S, H * hd]``. A query sees keys at or before its position (and within layer
+        ``layer``'s sliding window)."""
         cfg = self.cfg
         B, S, H, hd = q.shape
         G = cfg.groups
         q = q.reshape(B, S, cfg.kv_heads, G, hd)
-        scores = jnp.einsum("bskgh,bkth->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+        scale = 1 / math.sqrt(cfg.attn_scalar or hd)
+        scores = jnp.einsum("bskgh,bkth->bkgst", q, k, preferred_element_type=jnp.float32) * scale
+        scores = _softcap(scores, cfg.attn_softcap)
         visible = kpos[None, None, :] <= pos[:, :, None]  # [B, S, K]
-        if cfg.sliding_window is not None:
-            visible &= kpos[None, None, :] > pos[:, :, None] - cfg.sliding_window
+        window = cfg.window(layer)
+        if window is not None:
+            visible &= kpos[None, None, :] > pos[:, :, None] - window
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgst,bkth->bskgh", w, v)
         return out.reshape(B, S, H * hd)
 
-    def _finish(self, p, x, att):
+    def _finish(self, p, x, att, layer):
         cfg = self.cfg
-        x = x + att @ p["wo"] + (_vec(p["bo"], 3) if "bo" in p else 0)
-        h = _norm(cfg, x, p["norm2_w"], p.get("norm2_b"))
-        up = h @ p["w_up"] + (_vec(p["b_up"], 3) if "b_up" in p else 0)
-        if cfg.mlp == "gated":
-            gate = h @ p["w_gate"] + (_vec(p["b_gate"], 3) if "b_gate" in p else 0)
-            mid = _act(cfg.act, gate) * up
+        a = att @ p["wo"] + (_vec(p["bo"], 3) if "bo" in p else 0)
+        x = x + (a if cfg.layout == "pre" else _norm(cfg, a, p["norm_pa"]))
+        h = x if cfg.layout == "post" else _norm(cfg, x, p["norm2_w"], p.get("norm2_b"))
+        if cfg.is_moe(layer):
+            out = moe_mlp(cfg, p, h, lambda z: _act(cfg.act, z))
         else:
-            mid = _act(cfg.act, up)
-        return x + mid @ p["w_down"] + (_vec(p["b_down"], 3) if "b_down" in p else 0)
+            up = h @ p["w_up"] + (_vec(p["b_up"], 3) if "b_up" in p else 0)
+            if cfg.mlp == "gated":
+                gate = h @ p["w_gate"] + (_vec(p["b_gate"], 3) if "b_gate" in p else 0)
+                mid = _act(cfg.act, gate) * up
+            else:
+                mid = _act(cfg.act, up)
+            out = mid @ p["w_down"] + (_vec(p["b_down"], 3) if "b_down" in p else 0)
+        return x + (out if cfg.layout == "pre" else _norm(cfg, out, p["norm_pf"]))
 
     def _head(self, params, x):
         hidden = _norm(self.cfg, x, params["norm_w"], params.get("norm_b"))
@@ -202,7 +236,7 @@ class HFDecoder(DecodingModel):
             logits = jnp.einsum("bsd,dv->bsv", hidden, params["head"], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("bsd,vd->bsv", hidden, params["embed"], preferred_element_type=jnp.float32)
-        return logits, hidden.astype(jnp.float32)
+        return _softcap(logits, self.cfg.final_softcap), hidden.astype(jnp.float32)
 
     # --- the full forward
     def forward(self, params, tokens):
@@ -211,10 +245,10 @@ class HFDecoder(DecodingModel):
         B, t = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (B, t))
         x = self._embed(params, tokens, pos)
-        for p in params["layers"]:
-            q, k, v = self._qkv(p, x, pos)
-            att = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos[0])
-            x = self._finish(p, x, att)
+        for i, p in enumerate(params["layers"]):
+            q, k, v = self._qkv(p, x, pos, i)
+            att = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos[0], i)
+            x = self._finish(p, x, att, i)
         return self._head(params, x)
 
     def __call__(self, params, tokens):
@@ -241,12 +275,12 @@ class HFDecoder(DecodingModel):
         write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (0, at, 0)))
         kpos = jnp.arange(span, dtype=jnp.int32)
         ks, vs = [], []
-        for p, kc, vc in zip(params["layers"], cache.k, cache.v):  # kc, vc [B, KV, C, hd]
-            q, k, v = self._qkv(p, x, pos)
+        for i, (p, kc, vc) in enumerate(zip(params["layers"], cache.k, cache.v)):  # kc, vc [B, KV, C, hd]
+            q, k, v = self._qkv(p, x, pos, i)
             kc = write(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), cache.length)
             vc = write(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), cache.length)
-            att = self._attend(q, kc[:, :, :span], vc[:, :, :span], pos, kpos)
-            x = self._finish(p, x, att)
+            att = self._attend(q, kc[:, :, :span], vc[:, :, :span], pos, kpos, i)
+            x = self._finish(p, x, att, i)
             ks.append(kc)
             vs.append(vc)
         logits, hidden = self._head(params, x)
@@ -260,8 +294,8 @@ class HFDecoder(DecodingModel):
 
     def paged(self, block_size, attention="portable"):
         if attention != "portable":
-            raise NotImplementedError(f"{self.cfg.model_type} runs paged attention on the portable path only, "
-                                      f"not {attention!r}")
+            raise NotImplementedError(f"{self.cfg.model_type} runs paged attention on the portable path "
+                                      f"only, not {attention!r}")
         return HFPaged(self, int(block_size))
 
     def reorder(self, cache, rows, span=None):
@@ -305,7 +339,8 @@ class HFPaged(PagedPool):
         return empty_blocks((int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim), cfg.L,
                             dtype or self.decoder.dtype)
 
-    def pool_forward(self, params, pool: PagedKV, tables, lengths, tokens, counts=None, cols: int | None = None):
+    def pool_forward(self, params, pool: PagedKV, tables, lengths, tokens, counts=None,
+                     cols: int | None = None):
         d = self.decoder
         tables = jnp.asarray(tables, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
@@ -319,12 +354,12 @@ class HFPaged(PagedPool):
         x = d._embed(params, tokens, pos)
         ks, vs = [], []
         for i, p in enumerate(params["layers"]):
-            q, k, v = d._qkv(p, x, pos)
+            q, k, v = d._qkv(p, x, pos, i)
             kp = write_blocks(pool.k[i], k.transpose(0, 2, 1, 3), tables, pos, valid)
             vp = write_blocks(pool.v[i], v.transpose(0, 2, 1, 3), tables, pos, valid)
-            att = d._attend(q, gather_blocks(kp, tables[:, :cols], d.dtype), gather_blocks(vp, tables[:, :cols], d.dtype),
-                            pos, kpos)
-            x = d._finish(p, x, att)
+            keys, values = (gather_blocks(a, tables[:, :cols], d.dtype) for a in (kp, vp))
+            att = d._attend(q, keys, values, pos, kpos, i)
+            x = d._finish(p, x, att, i)
             ks.append(kp)
             vs.append(vp)
         logits, hidden = d._head(params, x)

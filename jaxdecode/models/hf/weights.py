@@ -13,10 +13,15 @@ which a decode step reads in place)::
     embed [V, d]; pos [T, d] (learned positions only); norm_w [d], norm_b [d] (LayerNorm only);
     head [d, V] (untied only)
     layers: norm1_w, norm1_b?, wq [d, H*hd], wk/wv [d, KV*hd], bq?, bk?, bv?, wo [H*hd, d], bo?,
-            norm2_w, norm2_b?, w_gate [d, F] (gated MLP only), w_up [d, F], b_up?, w_down [F, d], b_down?
+            norm2_w, norm2_b?, w_gate [d, F] (gated MLP only), w_up [d, F], b_up?, w_down [F, d], b_down?,
+            q_norm/k_norm [hd] or [H*hd]/[KV*hd] (q/k norms), norm_pa/norm_pf [d] (norms after
+            attention and after the MLP), or for a mixture of experts the MLP of :mod:`.moe`
 
 Every matrix is stored as ``x @ W`` wants it: ``nn.Linear`` weights ([out, in]) are transposed
-here, GPT-2's ``Conv1D`` weights ([in, out]) are not.
+here, GPT-2's ``Conv1D`` weights ([in, out]) are not. Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are split into the separate matrices; the experts' per-expert matrices are stacked
+(``e_gate/3`` in the table is expert 3 of ``e_gate``). The text decoder of a Gemma 3 image-text
+folder is read from its ``language_model`` tensors; the vision tower's are skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class WeightsError(ValueError):
 
 
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -70,17 +76,33 @@ def tensor_table(cfg: HFConfig) -> dict[str, tuple[str, int | None, str | None, 
         table["lm_head.weight"] = ("head", None, "T", (cfg.V, d))
     for i in range(cfg.L):
         h = f"model.layers.{i}."
-        table |= {
-            h + "input_layernorm.weight": ("norm1_w", i, None, (d,)),
-            h + "post_attention_layernorm.weight": ("norm2_w", i, None, (d,)),
-            h + "self_attn.q_proj.weight": ("wq", i, "T", (q, d)),
-            h + "self_attn.k_proj.weight": ("wk", i, "T", (kv, d)),
-            h + "self_attn.v_proj.weight": ("wv", i, "T", (kv, d)),
-            h + "self_attn.o_proj.weight": ("wo", i, "T", (d, q)),
-            h + "mlp.gate_proj.weight": ("w_gate", i, "T", (F, d)),
-            h + "mlp.up_proj.weight": ("w_up", i, "T", (F, d)),
-            h + "mlp.down_proj.weight": ("w_down", i, "T", (d, F)),
-        }
+        table |= {h + "self_attn.o_proj.weight": ("wo", i, "T", (d, q))}
+        if cfg.layout != "post":
+            table[h + "input_layernorm.weight"] = ("norm1_w", i, None, (d,))
+        after = "norm2_w" if cfg.layout == "pre" else "norm_pa"
+        table[h + "post_attention_layernorm.weight"] = (after, i, None, (d,))
+        if cfg.layout == "sandwich":
+            table[h + "pre_feedforward_layernorm.weight"] = ("norm2_w", i, None, (d,))
+        if cfg.layout != "pre":
+            table[h + "post_feedforward_layernorm.weight"] = ("norm_pf", i, None, (d,))
+        if cfg.qk_norm:
+            qn, kn = (hd, hd) if cfg.qk_norm == "head" else (q, kv)
+            table |= {h + "self_attn.q_norm.weight": ("q_norm", i, None, (qn,)),
+                      h + "self_attn.k_norm.weight": ("k_norm", i, None, (kn,))}
+        if cfg.model_type == "phi3":
+            table |= {h + "self_attn.qkv_proj.weight": ("wqkv", i, "Tqkv", (q + 2 * kv, d)),
+                      h + "mlp.gate_up_proj.weight": ("w_gate_up", i, "Tgu", (2 * F, d)),
+                      h + "mlp.down_proj.weight": ("w_down", i, "T", (d, F))}
+        else:
+            table |= {h + "self_attn.q_proj.weight": ("wq", i, "T", (q, d)),
+                      h + "self_attn.k_proj.weight": ("wk", i, "T", (kv, d)),
+                      h + "self_attn.v_proj.weight": ("wv", i, "T", (kv, d))}
+        if cfg.is_moe(i):
+            table |= _expert_table(cfg, i)
+        elif cfg.model_type != "phi3":
+            table |= {h + "mlp.gate_proj.weight": ("w_gate", i, "T", (F, d)),
+                      h + "mlp.up_proj.weight": ("w_up", i, "T", (F, d)),
+                      h + "mlp.down_proj.weight": ("w_down", i, "T", (d, F))}
         if cfg.qkv_bias:
             table |= {h + "self_attn.q_proj.bias": ("bq", i, None, (q,)),
                       h + "self_attn.k_proj.bias": ("bk", i, None, (kv,)),
@@ -91,6 +113,29 @@ def tensor_table(cfg: HFConfig) -> dict[str, tuple[str, int | None, str | None, 
             table |= {h + "mlp.gate_proj.bias": ("b_gate", i, None, (F,)),
                       h + "mlp.up_proj.bias": ("b_up", i, None, (F,)),
                       h + "mlp.down_proj.bias": ("b_down", i, None, (d,))}
+    return table
+
+
+def _expert_table(cfg: HFConfig, i: int) -> dict:
+    """Layer ``i``'s router, experts (stacked: ``e_gate/j`` is expert ``j``) and shared expert."""
+    d, F, Fs = cfg.d, cfg.moe_ffn, cfg.shared_ffn
+    h = f"model.layers.{i}."
+    if cfg.model_type == "mixtral":
+        mlp, names = h + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        mlp, names = h + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    table = {mlp + "gate.weight": ("router", i, "T", (cfg.experts, d))}
+    for j in range(cfg.experts):
+        e = f"{mlp}experts.{j}."
+        table |= {e + names[0] + ".weight": (f"e_gate/{j}", i, "T", (F, d)),
+                  e + names[1] + ".weight": (f"e_up/{j}", i, "T", (F, d)),
+                  e + names[2] + ".weight": (f"e_down/{j}", i, "T", (d, F))}
+    if Fs:
+        s = mlp + "shared_expert."
+        table |= {s + "gate_proj.weight": ("s_gate", i, "T", (Fs, d)),
+                  s + "up_proj.weight": ("s_up", i, "T", (Fs, d)),
+                  s + "down_proj.weight": ("s_down", i, "T", (d, Fs)),
+                  mlp + "shared_expert_gate.weight": ("s_router", i, "T", (1, d))}
     return table
 
 
@@ -141,9 +186,17 @@ def _short(e: Exception) -> str:
     return str(e).removeprefix("Error while deserializing header: ")
 
 
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+
+
 def _canonical(name: str, cfg: HFConfig) -> str:
     if cfg.model_type == "gpt2" and name.startswith("transformer."):
         return name[len("transformer."):]
+    if cfg.multimodal:
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
     return name
 
 
@@ -165,6 +218,8 @@ def _match_table(files: dict[str, Path], source: Path, cfg: HFConfig, table: dic
         if canon in table:
             found[canon] = (name, path)
         elif IGNORED.search(canon) or canon == "lm_head.weight" and cfg.tied:
+            continue
+        elif cfg.multimodal and VISION.search(canon):
             continue
         else:
             raise WeightsError(f"{path}: unexpected tensor {name!r} for a {cfg.model_type} of this "
@@ -230,11 +285,7 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
                 for canon in names:
                     param, layer, how, shape = table[canon]
                     a = _checked(f, held, found[canon][0], path, shape, index, dtype)
-                    if how == "T":
-                        a = a.T
-                    parts = np.split(a, 3, axis=-1) if how == "qkv" else [a]
-                    names_out = [param[0] + s + param[4:] for s in "qkv"] if how == "qkv" else [param]
-                    for pname, part in zip(names_out, parts):
+                    for pname, part in _split(cfg, param, how, a):
                         if layer is None:
                             flat[pname] = jnp.asarray(part, dtype)
                         else:
@@ -243,5 +294,29 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
             raise
         except Exception as e:
             raise WeightsError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
-    flat["layers"] = tuple({k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(cfg.L))
+    stacked: dict = {}
+    for k, v in layers.items():  # experts: e_gate/j -> e_gate [E, ...]
+        if "/" in k:
+            base, j = k.split("/")
+            for i, a in enumerate(v):
+                stacked.setdefault(base, [[None] * cfg.experts for _ in range(cfg.L)])[i][int(j)] = a
+    layers = {k: v for k, v in layers.items() if "/" not in k}
+    for base, per_layer in stacked.items():
+        layers[base] = [None if any(a is None for a in e) else np.stack(e) for e in per_layer]
+    flat["layers"] = tuple({k: jnp.asarray(v[i], dtype) for k, v in layers.items() if v[i] is not None}
+                           for i in range(cfg.L))
     return flat
+
+
+def _split(cfg: HFConfig, param: str, how: str | None, a: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A checkpoint tensor as ``(parameter, array)`` pieces: transposed, and split where fused."""
+    if how in ("T", "Tqkv", "Tgu"):
+        a = a.T
+    if how == "qkv":  # GPT-2's c_attn: three equal parts
+        return list(zip([param[0] + s + param[4:] for s in "qkv"], np.split(a, 3, axis=-1)))
+    if how == "Tqkv":  # Phi-3's qkv_proj: H*hd, KV*hd, KV*hd
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return list(zip(("wq", "wk", "wv"), np.split(a, [q, q + kv], axis=-1)))
+    if how == "Tgu":  # Phi-3's gate_up_proj: gate, then up
+        return list(zip(("w_gate", "w_up"), np.split(a, 2, axis=-1)))
+    return [(param, a)]
