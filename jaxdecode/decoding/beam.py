@@ -403,9 +403,8 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
         return BeamResult([[Hypothesis(empty, 0.0, 0.0, False)] for _ in range(B)], 0)
 
     Pmax, Pb = batch.Pmax, batch.Pb
-    heads = getattr(getattr(model, "cfg", None), "heads", 1)
     budget_lib.require(f"beam search of {B} prompts x {k} beams", Bb * k,
-                       budget_lib.row_bytes(model, Pmax, n, round_up(min(T, Pmax + n), SPAN_BUCKET), heads),
+                       budget_lib.row_bytes(model, Pmax, n, round_up(min(T, Pmax + n), SPAN_BUCKET)),
                        memory_budget, unit="beams", fewer="fewer prompts or a narrower beam")
     prompt, recent, length = batch.prompt, batch.recent, batch.length
     stops = as_automaton(ends, model.V)

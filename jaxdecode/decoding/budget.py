@@ -73,9 +73,11 @@ def cache_bytes(model, rows: int, capacity: int) -> int:
     return int(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(shapes)))
 
 
-def row_bytes(model, prompt_len: int, n: int, capacity: int, heads: int = 1) -> int:
-    """An estimate of one row's peak memory in a sampling loop."""
+def row_bytes(model, prompt_len: int, n: int, capacity: int, heads: int | None = None) -> int:
+    """An estimate of one row's peak memory in a sampling loop (``heads``: the model's
+    ``attention_heads`` unless given)."""
     V, T = model.V, model.T
+    heads = model.attention_heads if heads is None else heads
     P = min(prompt_len, T)
     per_row = cache_bytes(model, 1, capacity)
     per_row += 4 * heads * P * P  # the prompt's attention scores

@@ -247,9 +247,8 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
     cached = Pmax <= T
     n_cache = min(n, T - Pmax) if cached else 0
     capacity = round_up(min(T, Pmax + n) + chunk, SPAN_BUCKET) if cached else 0
-    heads = getattr(getattr(model, "cfg", None), "heads", 1)
     budget_lib.require(f"contrastive search of {B} rows x {k} candidates", Bb * k,
-                       budget_lib.row_bytes(model, Pmax, n, max(capacity, 1), heads), memory_budget,
+                       budget_lib.row_bytes(model, Pmax, n, max(capacity, 1)), memory_budget,
                        unit="row copies", fewer="fewer rows or candidates")
     params = model.prepare(params, Bb * k)
     prompt = batch.prompt[:, :min(batch.Pb, T)] if cached else batch.prompt[:, :0]

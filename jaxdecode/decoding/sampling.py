@@ -124,9 +124,8 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
         raise ValueError(f"key must be one PRNG key or one per prompt, got shape {key.shape}")
     stops = as_automaton(stops, model.V)  # once for every batch
     longest = max(len(r) for r in rows)
-    heads = getattr(getattr(model, "cfg", None), "heads", 1)
     capacity = round_up(min(model.T, longest + n) + SMALL_BATCH_CHUNK, SPAN_BUCKET)
-    per_row = budget_lib.row_bytes(model, longest, n, capacity, heads)
+    per_row = budget_lib.row_bytes(model, longest, n, capacity)
     size = budget_lib.rows_per_batch(per_row, memory_budget, max_rows)
     if mesh is not None:  # each device holds the cache of its share of the rows
         size *= mesh.shape["data"]

@@ -81,8 +81,8 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
     W = min(T + 1, max(2, -(-max(len(h) for h in heads) // WIDTH_BUCKET) * WIDTH_BUCKET))
     # in batches that fit the memory budget (jaxdecode.decoding.budget): a row holds its cache, the
     # attention scores and the log-softmax over W positions
-    heads_n = getattr(getattr(model, "cfg", None), "heads", 1)
-    per_row = budget_lib.SAFETY * (budget_lib.cache_bytes(model, 1, W) + 4 * heads_n * W * W + 12 * W * model.V)
+    scores = 4 * model.attention_heads * W * W
+    per_row = budget_lib.SAFETY * (budget_lib.cache_bytes(model, 1, W) + scores + 12 * W * model.V)
     size = budget_lib.rows_per_batch(int(per_row), memory_budget, max_rows)
     first = np.zeros((len(heads), W - 1), np.float32)
     for part in budget_lib.groups(len(heads), size):

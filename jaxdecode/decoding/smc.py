@@ -413,9 +413,8 @@ def smc_generate(lm, prompt, n: int, constraint: C.Constraint, particles: int, *
                          f"T={model.T}")
     N = int(particles)
     Nb = batch_bucket(N)
-    heads = getattr(getattr(model, "cfg", None), "heads", 1)
     budget_lib.require(f"SMC with {N} particles", Nb,
-                       budget_lib.row_bytes(model, P, n, min(model.T, round_up(P + n, SPAN_BUCKET)), heads),
+                       budget_lib.row_bytes(model, P, n, min(model.T, round_up(P + n, SPAN_BUCKET))),
                        memory_budget, unit="particles", fewer="fewer particles")
     auto, starts, _ = C.for_rows([constraint] * N + [None] * (Nb - N), Nb, Nb, model.V, n)
     capacity = min(model.T, round_up(P + n, SPAN_BUCKET))

@@ -29,9 +29,10 @@ passes have ``rows`` rows passes to the methods (a backend may pack weights once
 ``chunk_begin / chunk_step / chunk_end`` run a chunk of single-token decode steps, letting the
 model keep the chunk's new keys apart from a large read-only cache (a loop that writes into a
 loop-carried cache and reads it back in one iteration makes XLA copy it every step);
-``reads_only_filled`` says whether attending over a mostly empty cache costs nothing extra (then a
-loop allocates the cache once per request instead of growing it); ``for_beams()`` names the model
-beam search runs on (one whose cache reorders cheaply, e.g. a paged one).
+``attention_heads`` counts the query heads a memory estimate charges a prompt's attention scores
+to; ``reads_only_filled`` says whether attending over a mostly empty cache costs nothing extra
+(then a loop allocates the cache once per request instead of growing it); ``for_beams()`` names
+the model beam search runs on (one whose cache reorders cheaply, e.g. a paged one).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class DecodingModel:
     T: int  # window: positions the model sees; past it the loops call ``window``
     reads_only_filled: bool = False
     backend: str = "portable"  # what `jaxdecode info` reports
+
+    @property
+    def attention_heads(self) -> int:
+        """Query heads of an attention layer: a loop's memory estimate counts a prompt's attention
+        scores by it (:func:`jaxdecode.decoding.budget.row_bytes`). Default: the ``heads`` of the
+        model's ``cfg`` where it has one, else 1 (a model without attention)."""
+        return int(getattr(getattr(self, "cfg", None), "heads", 1))
 
     # --- the model
     def empty_cache(self, batch: int, capacity: int):

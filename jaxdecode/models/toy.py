@@ -73,6 +73,10 @@ class TinyTransformer(DecodingModel):
         if self.d % self.heads:
             raise ValueError(f"TinyTransformer: d={self.d} is not a multiple of heads={self.heads}")
 
+    @property
+    def attention_heads(self):
+        return self.heads
+
     # --- parameters
     def init_params(self, key: jax.Array, unigram=None):
         """Random parameters (a dict of float32 arrays). ``unigram`` (``[V]`` positive numbers,

@@ -205,7 +205,8 @@ def fuses_rows(rows: int) -> bool:
     return 0 < rows <= LAYER_MAX_ROWS
 
 
-def _check_float32(*args):
+def check_float32(*args):
+    """Raise TypeError unless every floating operand is float32 (what the native layer computes in)."""
     for a in args:
         if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float32:
             raise TypeError(f"the native CPU layer computes in float32, got an operand of dtype {a.dtype}")
@@ -221,7 +222,7 @@ def attention(q, k, v, lim, k2, v2, n2, scale: float):
     """
     lim = jnp.asarray(lim, jnp.int32)
     n2 = jnp.asarray(n2, jnp.int32)
-    _check_float32(q, k, v, k2, v2)
+    check_float32(q, k, v, k2, v2)
     return _ffi(_TARGET, q.shape, scale=np.float32(scale))(q, k, v, lim, k2, v2, n2)
 
 
@@ -251,7 +252,7 @@ def dense(x, w, b):
     """``x @ w + b`` natively, for ``x`` ``[..., K]`` (a few rows), ``w`` ``[K, N]`` (``N % 8 == 0``),
     ``b`` ``[N]``: the kernel streams the weights in order, split over XLA's threads (a one-row
     product is bound by reading the weights, which XLA CPU does on one thread)."""
-    _check_float32(x, w, b)
+    check_float32(x, w, b)
     return _rows_kernel(_DENSE, x, w.shape[1])(x, w, b)
 
 
@@ -269,7 +270,7 @@ def unpack(wp):
 
 def packed_dense(x, wp, b):
     """``x @ w + b`` natively with ``wp = pack(w)`` (for a few rows)."""
-    _check_float32(x, wp, b)
+    check_float32(x, wp, b)
     return _rows_kernel(_PACKED, x, 16 * wp.shape[0])(x, wp, b)
 
 
@@ -302,7 +303,7 @@ def decode_layer(x, weights, k, v, lim, k2, v2, n2, eps: float, schedule: str = 
     H, D = k.shape[1], k.shape[3]
     lim = jnp.asarray(lim, jnp.int32)
     n2 = jnp.asarray(n2, jnp.int32)
-    _check_float32(x, k, v, k2, v2, *weights)
+    check_float32(x, k, v, k2, v2, *weights)
     mode = WRITES[write]
     shape = {0: (B, H, S, D), 1: k.shape, 2: k2.shape}[mode]
     kv = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -333,7 +334,7 @@ def paged_layer(x, weights, k_pool, v_pool, tables, lim, counts, eps: float, sch
     lim = jnp.asarray(lim, jnp.int32)
     counts = jnp.asarray(counts, jnp.int32)
     tables = jnp.asarray(tables, jnp.int32)
-    _check_float32(x, k_pool, v_pool, *weights)
+    check_float32(x, k_pool, v_pool, *weights)
     _registered()
     pool = jax.ShapeDtypeStruct(k_pool.shape, jnp.float32)
     call = jax.ffi.ffi_call(_PAGED_LAYER, (jax.ShapeDtypeStruct((B * S, d), jnp.float32), pool, pool),

@@ -52,6 +52,10 @@ class CharLMDecoder(DecodingModel):
         return "native" if self.native else "portable"
 
     @property
+    def attention_heads(self):
+        return self.cfg.heads
+
+    @property
     def reads_only_filled(self):
         # the native attention reads each row only up to its length
         return self.native

@@ -159,11 +159,11 @@ def _native(q, k_pool, v_pool, tables, lim, scale):
         raise kernels.KernelError(f"paged_attention(impl='native'): {failure}")
     if isinstance(k_pool, Int8Blocks):
         # each (row, head) reads back only the blocks its queries see (csrc/paged.cc)
-        kernels._check_float32(q)
+        kernels.check_float32(q)
         call = jax.ffi.ffi_call(kernels.PAGED_INT8_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                 vmap_method="sequential")
         return call(q, k_pool.q, k_pool.scale, v_pool.q, v_pool.scale, tables, lim, scale=np.float32(scale))
-    kernels._check_float32(q, k_pool, v_pool)
+    kernels.check_float32(q, k_pool, v_pool)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q, k_pool, v_pool, tables, lim, scale=np.float32(scale))
 
@@ -297,6 +297,10 @@ class PagedCharLM(DecodingModel, PagedPool):
     @property
     def backend(self):
         return f"paged ({self.attention})"
+
+    @property
+    def attention_heads(self):
+        return self.cfg.heads
 
     @property
     def reads_only_filled(self):
