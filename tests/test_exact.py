@@ -9,7 +9,7 @@ import pytest
 
 from jaxdecode.models.charlm import transformer as M
 from jaxdecode import rules as R
-from jaxdecode.eval.exact import chisquare_pvalue, exact_distribution, model_next_logits
+from jaxdecode.eval.exact import chisquare_pvalue, exact_distribution, model_next_logits, next_logits_for
 
 # next-token probabilities given the last token, V = 3
 CHAIN = np.array([[0.5, 0.3, 0.2],
@@ -164,3 +164,25 @@ def test_chisquare_pools_small_cells():
     # 100 samples: c, d, e expect 1 between them and pool with b (49) into one cell
     assert chisquare_pvalue({"a": 50, "b": 49, "c": 1}, probs) == pytest.approx(1.0, abs=0.05)
     assert chisquare_pvalue({"a": 80, "c": 20}, probs) < 1e-6
+
+
+@pytest.mark.quick
+def test_model_next_logits_takes_a_loaded_model(tiny_lm, lm, monkeypatch):
+    """A loaded model gives the same next-token logits as its parameters and shape, on the
+    portable decoder whatever backend it was loaded on; a shape without parameters is refused."""
+    from jaxdecode.eval import exact
+
+    params, cfg = lm
+    rows = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], np.int32)
+    want = np.asarray(model_next_logits(params, cfg)(rows))
+    used = []
+    monkeypatch.setattr(exact, "next_logits_for", lambda m, *a: used.append(m) or next_logits_for(m, *a))
+    got = np.asarray(model_next_logits(tiny_lm)(rows))
+    assert [m.backend for m in used] == ["portable"] and used[0].cfg == cfg
+    np.testing.assert_array_equal(got, want)
+    z = np.asarray(_forward(params, cfg, jnp.asarray(rows)))[:, -1]
+    np.testing.assert_allclose(want, z, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="pass no cfg"):
+        model_next_logits(tiny_lm, cfg)
+    with pytest.raises(TypeError, match="need the model's shape cfg"):
+        model_next_logits(params)

@@ -86,12 +86,22 @@ def exact_distribution(next_logits: NextLogits, prompt, n: int, rule=None, V: in
     return {tuple(int(t) for t in row): float(p / total) for row, p in zip(prefixes, probs)}
 
 
-def model_next_logits(params, cfg, batch_size: int = 256) -> NextLogits:
-    """``next_logits`` for a CharLM: :func:`next_logits_for` its portable decoder (a forward over
-    each row's last ``T`` tokens, as :func:`jaxdecode.models.charlm.transformer.forward` does)."""
-    from jaxdecode.models.charlm.decoder import CharLMDecoder
+def model_next_logits(model, cfg=None, batch_size: int = 256) -> NextLogits:
+    """``next_logits`` for a loaded model: :func:`next_logits_for` its decoder on the portable
+    backend (a forward over each row's last ``T`` tokens). ``model``: a
+    :class:`~jaxdecode.models.lm.LanguageModel`, or a reference transformer's parameters with its
+    shape ``cfg`` (the decoder the loader builds for that shape)."""
+    from jaxdecode.models import decoder_for
+    from jaxdecode.models.lm import LanguageModel
 
-    return next_logits_for(CharLMDecoder(cfg, native=False), params, batch_size)
+    if isinstance(model, LanguageModel):
+        if cfg is not None:
+            raise TypeError("model_next_logits: a LanguageModel carries its own shape; pass no cfg")
+        model = model.with_backend("portable")
+        return next_logits_for(model.decoder, model.params, batch_size)
+    if cfg is None:
+        raise TypeError("model_next_logits: parameters need the model's shape cfg")
+    return next_logits_for(decoder_for(cfg, "portable"), model, batch_size)
 
 
 def chisquare_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> float:
