@@ -161,6 +161,12 @@ def _prefill(params, tokens, lengths, *, model, capacity):
     return logits, cache
 
 
+def prefill(params, tokens, lengths, *, model, capacity):
+    """The sampling loop's own compiled prefill (what a study times): the logits after each row's
+    prompt and the cache of ``capacity`` positions it fills."""
+    return _prefill(params, tokens, lengths, model=model, capacity=capacity)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
 def _prefill_shared(params, tokens, lengths, rows, *, model, capacity):
     """Prefill each distinct prompt once, then give row ``i`` the cache of prompt ``rows[i]``."""

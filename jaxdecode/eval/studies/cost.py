@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, round_up
 from jaxdecode.decoding.sampling import sample_tokens
-from jaxdecode.decoding.steps import _prefill  # the sampling loop's own jitted prefill, timed here
+from jaxdecode.decoding.steps import prefill  # the sampling loop's own jitted prefill, timed here
 from jaxdecode.io.reports import (
     fmt,
     md_table,
@@ -117,7 +117,7 @@ def prefill_vs_decode(lm, lengths: Sequence[int], n: int, rng, key, timer, bar=N
         params = model.prepare(lm.params, 1)
         cap = round_up(min(model.T, P + n) + n, SPAN_BUCKET)
         t_pre = timer(lambda: jax.block_until_ready(
-            _prefill(params, tokens, lens, model=model, capacity=cap)))
+            prefill(params, tokens, lens, model=model, capacity=cap)))
         t_gen = timer(lambda: sample_tokens(model, lm.params, [prompt], n, key, greedy=True))
         rows.append({"prompt_length": P, "prefill_s": t_pre, "generate_s": t_gen,
                      "prefill_ms_per_token": 1e3 * t_pre / P,
