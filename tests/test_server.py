@@ -8,7 +8,10 @@ exit 0 without a traceback on its stderr):
 
 - ``char``: the shipped character model with a small chat template of the test's own, 8 slots;
 - ``llama``: the byte-level BPE Hugging Face fixture (an end token, the folder's chat template);
-- ``small``: the character model with one slot, a queue of one, an API key and no chat template;
+- ``small``: the character model with one slot, a queue of one, an API key and no chat template,
+  its engine in a thread of the server's process (``--engine-thread``; the others run it in a
+  process of its own);
+- ``doomed``: one slot; its engine's process is killed;
 - the SIGTERM test starts and stops one more of its own.
 """
 
@@ -186,7 +189,8 @@ def processes(templates):
         "char": ServerProcess("--chat-template", str(templates / "char.jinja"), "--slots", "8"),
         "llama": ServerProcess("--ckpt", str(HF), "--slots", "8", *llama_template),
         "small": ServerProcess("--slots", "1", "--max-waiting", "1", "--api-key", KEY, "--served-model-name",
-                               "small"),
+                               "small", "--engine-thread"),
+        "doomed": ServerProcess("--slots", "1", "--served-model-name", "doomed"),
         "drain": ServerProcess("--slots", "1", "--log-level", "info", "--served-model-name", "drain"),
     }
     yield procs
@@ -358,7 +362,10 @@ def test_completions_n_samples_equal_generate(char, char_lm):
 def test_completions_stream_chunks(char, char_lm):
     """The raw stream: ``data: {...}`` events, ``data: [DONE]`` last, one finish reason per choice on
     its last chunk, ``usage: null`` on every chunk and a last chunk of usage alone."""
-    body = {"model": char.name, "prompt": "JULIET:", "max_tokens": 16, "n": 2, "seed": 5, "temperature": 0.9,
+    # (long enough to stream in several chunks: a stream that falls behind the engine gets what
+    # queued up merged into one chunk, and the engine can run a short request's steps faster than the
+    # response starts)
+    body = {"model": char.name, "prompt": "JULIET:", "max_tokens": 160, "n": 2, "seed": 5, "temperature": 0.9,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", char.url + "/completions", json=body, timeout=REQUEST_S) as r:
         assert r.status_code == 200
@@ -369,8 +376,8 @@ def test_completions_stream_chunks(char, char_lm):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
     assert all(c["object"] == "text_completion" and c["model"] == char.name for c in chunks)
     *parts, last = chunks
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 7, "completion_tokens": 32,
-                                                       "total_tokens": 39}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 7, "completion_tokens": 320,
+                                                       "total_tokens": 327}
     assert all("usage" in c and c["usage"] is None for c in parts)
     texts, finishes = ["", ""], [[], []]
     for c in parts:
@@ -379,7 +386,7 @@ def test_completions_stream_chunks(char, char_lm):
             texts[choice["index"]] += choice["text"]
             if choice["finish_reason"] is not None:
                 finishes[choice["index"]].append(choice["finish_reason"])
-    want = expect(char_lm, "JULIET:", 16, 5, n=2, temperature=0.9)
+    want = expect(char_lm, "JULIET:", 160, 5, n=2, temperature=0.9)
     assert texts == [t for t, _, _ in want]
     assert finishes == [["length"], ["length"]]
     assert len(parts) > 2  # streamed, not one chunk
@@ -841,6 +848,9 @@ def test_runner_survives_an_engine_that_fails():
         def rows_in_slots(self):
             return []
 
+        def kv_blocks(self):
+            return 0, 0
+
     async def main():
         runner = EngineRunner(Failing())
         runner.start()
@@ -1000,6 +1010,44 @@ def test_models_health_and_metrics(char):
 
 
 # ----------------------------------------------------------------------------- shutting down
+
+
+def _engine_process(pid: int) -> int:
+    """The server ``pid``'s engine process (multiprocessing's resource tracker is a child too)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(x) for x in f.read().split()]
+    engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the engine's process through /proc")
+def test_engine_process_dying(processes):
+    """The engine's process killed while a stream runs: the stream ends with an error event and
+    [DONE], /health and new requests answer 503 in OpenAI's format, and the server still stops
+    cleanly on SIGTERM."""
+    server = processes["doomed"].ready()
+    try:
+        body = {"model": "doomed", "prompt": "ROMEO:", "max_tokens": 480, "seed": 1, "stream": True}
+        with httpx.stream("POST", server.url + "/completions", json=body, timeout=REQUEST_S) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    break
+            os.kill(_engine_process(server.proc.pid), signal.SIGKILL)
+            events += [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "internal_server_error" and "engine" in error["message"], error
+        check_error(httpx.get(server.root + "/health", timeout=10), 503)
+        r = post(server, "/completions", {"model": "doomed", "prompt": "ROMEO:", "max_tokens": 2}, timeout=10)
+        assert "engine is not running" in check_error(r, 503)["message"]
+        assert server.terminate() == 0, server.tail()
+    finally:
+        server.kill()
 
 
 def test_sigterm_finishes_the_request_in_flight(processes, char_lm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -42,6 +43,9 @@ def add_serve(sub) -> None:
                    help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
+    s.add_argument("--engine-thread", action="store_true",
+                   help="run the engine in a thread of the server's process, not in a process of its own "
+                        "(one copy of the weights in memory instead of two; slower under load)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="the server's log level (default warning)")
     s.set_defaults(func=cmd_serve)
@@ -51,10 +55,10 @@ def cmd_serve(args):
     import uvicorn
 
     from jaxdecode.cli.common import UsageError, _load
-    from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine
+    from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK
     from jaxdecode.server.app import Server, build_app
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
-    from jaxdecode.server.handlers import server_layout
+    from jaxdecode.server.core import EngineStartError, ProcessRunner
 
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -66,17 +70,27 @@ def cmd_serve(args):
             else None
     except ChatTemplateError as e:
         raise UsageError(str(e)) from None
-    try:
-        engine = Engine(lm, args.slots, layout=server_layout(lm.decoder.V), cache=args.cache,
-                        num_blocks=args.num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                        prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-                        prefill_budget=args.prefill_budget, decode_steps=args.decode_steps)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", slots=args.slots,
+                   cache=args.cache, num_blocks=args.num_blocks, block_size=args.block_size,
+                   kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                   prefill_budget=args.prefill_budget, decode_steps=args.decode_steps)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.ckpt)) if args.ckpt
                                       else "shakespeare-char")
-    server = Server(lm, engine, model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
-                    chat_template=template, max_waiting=args.max_waiting)
+    kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
+              chat_template=template, max_waiting=args.max_waiting)
+    if args.engine_thread:
+        try:
+            engine = _engine(lm, options)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        server = Server(lm, engine, **kw)
+    else:
+        runner = ProcessRunner(functools.partial(build_engine, options))
+        try:
+            runner.launch()
+        except EngineStartError as e:
+            raise UsageError(str(e)) from None
+        server = Server(lm, runner=runner, **kw)
     app = build_app(server)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -88,6 +102,24 @@ def cmd_serve(args):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("jaxdecode: server stopped", flush=True)
     return 0
+
+
+def _engine(lm, options: dict):
+    from jaxdecode.serving.engine import Engine
+    from jaxdecode.server.handlers import server_layout
+
+    o = dict(options)
+    return Engine(lm, o.pop("slots"), layout=server_layout(lm.decoder.V),
+                  **{k: v for k, v in o.items() if k not in ("ckpt", "dtype")})
+
+
+def build_engine(options: dict):
+    """The engine's process's engine (and the vocabulary its constraints compile over), from the
+    checkpoint and the engine options ``serve`` was given."""
+    from jaxdecode.models import checkpoint
+
+    lm = checkpoint.load(options["ckpt"], dtype=options["dtype"])
+    return _engine(lm, options), lm.vocab
 
 
 def _uvicorn_server():

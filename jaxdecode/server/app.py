@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
 from fastapi.exceptions import HTTPException as FastAPIHTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,16 +36,21 @@ def _endpoint(path: str) -> str:
 
 
 class Server:
-    """The state the routes share: the model, its engine's runner, the chat template, limits."""
+    """The state the routes share: the model, the engine's runner, the chat template, limits.
+    ``engine``: an engine to drive from a thread of this process (:class:`EngineRunner`); or
+    ``runner``: a started runner of another kind (:class:`jaxdecode.server.core.ProcessRunner`)."""
 
-    def __init__(self, lm, engine, *, model_name: str, api_key: str | None = None, chat_template=None,
-                 max_waiting: int | None = None):
-        self.lm, self.engine, self.name = lm, engine, model_name
+    def __init__(self, lm, engine=None, *, runner=None, model_name: str, api_key: str | None = None,
+                 chat_template=None, max_waiting: int | None = None):
+        self.lm, self.name = lm, model_name
         self.api_key, self.template, self.max_waiting = api_key, chat_template, max_waiting
         self.metrics = Metrics()
-        self.runner = EngineRunner(engine, self.metrics)
+        if runner is None:
+            runner = EngineRunner(engine, self.metrics)
+        runner.metrics = self.metrics
+        self.runner = runner
         self.draining = False
-        self.T, self.V = engine.T, engine.V
+        self.T, self.V = (engine.T, engine.V) if engine is not None else (runner.T, runner.V)
 
     # --- checks every generation request passes
     def admit(self, body):
@@ -53,6 +58,8 @@ class Server:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.name}'",
                            param="model", code="model_not_found")
         refuse_unsupported(body)
+        if not self.runner.alive:
+            raise APIError(503, "the engine is not running; see the server's log")
         if self.max_waiting is not None and self.runner.waiting + self.runner.queued >= self.max_waiting:
             raise APIError(429, f"the server's queue is full ({self.max_waiting} waiting); retry shortly",
                            headers={"Retry-After": "1"})
@@ -80,22 +87,9 @@ def build_app(server: Server) -> FastAPI:
     # (not FastAPI's max_body_size: its 413 is plain text, and it replaces the app's own answer)
     app = FastAPI(title="jaxdecode", lifespan=lifespan)
     app.state.server = server
-    # inside the gate below (the middleware added last is the outermost): the gate counts the 413s, and
-    # the error that the body's reader raises reaches the route directly, not out of the gate's task group
+    # the gate outside the body limit: it counts the 413s too
     app.add_middleware(_BodyLimit, limit=MAX_BODY)
-
-    @app.middleware("http")
-    async def gate(request: HTTPRequest, call_next):
-        if server.draining:
-            response = _error(APIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
-        elif server.api_key and request.url.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
-            response = _error(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       code="invalid_api_key"))
-        else:
-            response = await call_next(request)
-        server.metrics.requests.labels(_endpoint(request.url.path), str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Gate, server=server)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -149,6 +143,39 @@ def build_app(server: Server) -> FastAPI:
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     return app
+
+
+class _Gate:
+    """In front of every route: 503 while the server drains, 401 without the API key; every answer
+    counted by endpoint and status. Plain ASGI (Starlette's ``BaseHTTPMiddleware`` would pass each
+    streamed chunk through a task and a memory stream of its own)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server, path = self.server, scope["path"]
+        refused = None
+        if server.draining:
+            refused = APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        elif server.api_key and path.startswith("/v1/") and not hmac.compare_digest(
+                Headers(scope=scope).get("authorization", "").encode(), f"Bearer {server.api_key}".encode()):
+            refused = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if status is None and message["type"] == "http.response.start":
+                status = message["status"]
+                server.metrics.requests.labels(_endpoint(path), str(status)).inc()
+            await send(message)
+
+        if refused is not None:
+            return await _error(refused)(scope, receive, counted)
+        await self.app(scope, receive, counted)
 
 
 def _error(e: APIError) -> JSONResponse:

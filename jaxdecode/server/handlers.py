@@ -12,6 +12,7 @@ import re
 import secrets
 import time
 import uuid
+import weakref
 
 from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
 from jaxdecode.rules import NEUTRAL, RuleError, make_rule
@@ -96,21 +97,33 @@ def constraint(body, vocab):
     kind = {"guided_regex": "regex", "guided_choice": "choice"}.get(name, "json")
     key = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     try:
-        return _compiled(kind, key, vocab)
+        return compiled(kind, key, vocab)
     except (ConstraintError, ValueError) as e:
         raise APIError(400, f"{name}: {e}", param=name) from None
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(kind: str, key: str, vocab):
+def compiled(kind: str, key: str, vocab):
     """A compiled constraint, kept for the requests that ask for the same pattern: compiling is
     the slow part (outlines-core's index over the vocabulary), and the engine stacks one table per
-    distinct constraint object, so equal patterns share one."""
+    distinct constraint object, so equal patterns share one. :func:`spec_of` gives back
+    ``(kind, key)``."""
     if kind == "regex":
-        return compile_regex(key, vocab)
-    if kind == "choice":
-        return compile_choices(json.loads(key), vocab)
-    return compile_json_schema(key, vocab)
+        c = compile_regex(key, vocab)
+    elif kind == "choice":
+        c = compile_choices(json.loads(key), vocab)
+    else:
+        c = compile_json_schema(key, vocab)
+    _SPECS[c] = (kind, key)
+    return c
+
+
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def spec_of(constraint) -> tuple[str, str]:
+    """The ``(kind, key)`` a constraint was :func:`compiled` from."""
+    return _SPECS[constraint]
 
 
 def check_window(prompt_len: int, n: int, T: int, field: str):
@@ -194,6 +207,7 @@ class _Tagged(Handle):
     def __init__(self, loop, queue, tag):
         self.loop, self.queue, self.tag = loop, queue, tag
         self.index, self.aborted = None, False
+        self.key = None
 
     def deliver(self, item):
         self.queue.put_nowait((self.tag, item))

@@ -29,25 +29,21 @@ class Metrics:
         self.tpot = Histogram(p + "time_per_output_token_seconds", "Time per output token after the first",
                               buckets=_BUCKETS, registry=r)
 
-    # called from the engine's thread
-    def observe(self, runner):
-        self.running.set(runner.running)
-        self.waiting.set(runner.waiting + runner.engine.queued)
-        used, free = runner.engine.kv_blocks()
-        self.blocks_used.set(used)
-        self.blocks_free.set(free)
-
-    def prompt(self, tokens: int):
-        self.prompt_tokens.inc(tokens)
-
-    def generated(self, tokens: int):
-        self.generation_tokens.inc(tokens)
-
-    def first_token(self, seconds: float):
-        self.ttft.observe(seconds)
-
-    def per_token(self, seconds: float):
-        self.tpot.observe(seconds)
+    def add(self, stats, waiting: int = 0):
+        """One turn of the engine's loop (a :class:`jaxdecode.server.runner.Stats`); ``waiting``:
+        the requests submitted that the engine has not taken yet."""
+        self.running.set(stats.running)
+        self.waiting.set(waiting + stats.queued)
+        self.blocks_used.set(stats.blocks[0])
+        self.blocks_free.set(stats.blocks[1])
+        if stats.prompt_tokens:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.generated:
+            self.generation_tokens.inc(stats.generated)
+        for s in stats.ttft:
+            self.ttft.observe(s)
+        for s in stats.tpot:
+            self.tpot.observe(s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -151,8 +151,14 @@ def _event_stream(job, body, head, first: list, parts, usage) -> EventSourceResp
         try:
             for chunk in first:
                 yield _chunk(head, chunk, with_usage)
-            async for k, deltas in job.deltas():
-                yield _chunk(head, parts(k, deltas), with_usage)
+            try:
+                async for k, deltas in job.deltas():
+                    yield _chunk(head, parts(k, deltas), with_usage)
+            except APIError as e:  # the engine failed mid-stream: the error as the stream's last event
+                yield json.dumps(e.body())
+                yield "[DONE]"
+                finished = True
+                return
             if with_usage:
                 yield json.dumps(dict(head, choices=[], usage=usage()))
             yield "[DONE]"

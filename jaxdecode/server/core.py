@@ -1,0 +1,247 @@
+"""The engine in a process of its own (``jaxdecode serve``'s default): :class:`ProcessRunner`, on
+the server's side, and :func:`core_main`, the process.
+
+Why a process: on a busy server the event loop's work (parsing requests, one JSON chunk per token
+per stream, socket writes) and the engine's host work (admission, reading tokens back, decoding
+text) would otherwise share one GIL, and every millisecond the event loop holds it is a
+millisecond the device waits for its next call. vLLM splits its API server from its engine core
+the same way.
+
+The two sides talk over a pipe. The server sends ``("submit", key, request, include_stop)``,
+``("abort", key)`` and ``("stop",)``; the process answers, once per engine step, ``("step",
+items, stats)``: every request's new items (a :class:`~jaxdecode.server.runner.Handle`'s queue
+items, by key) and the step's :class:`~jaxdecode.server.runner.Stats`. The event loop reads the
+pipe when it is readable (``loop.add_reader``): no thread of the server's waits on it. An idle
+engine process blocks on the pipe; it does not spin. It ends when told to stop (after the requests
+in flight) or when the server's side of the pipe closes.
+
+A request's constraint crosses the pipe as the pattern it was compiled from (``("regex",
+pattern)``, ...) and is compiled again, once, on the engine's side: a compiled automaton over a
+subword vocabulary can take megabytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import signal
+
+from jaxdecode.server.runner import FINISHED, EngineLoop, Handle
+
+log = logging.getLogger("jaxdecode.server")
+
+STARTUP_S = 600.0  # loading the model (and compiling, with warm-up) in the engine's process
+
+
+class EngineStartError(RuntimeError):
+    """The engine's process could not start (its options were refused, or it died); the message
+    says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+    """A constraint as it crosses the pipe: what :func:`jaxdecode.server.handlers.compiled` takes."""
+
+    kind: str  # "regex", "choice" or "json"
+    key: str
+
+
+class ProcessRunner:
+    """The server's side of the engine's process (see the module docstring); the interface of
+    :class:`~jaxdecode.server.runner.EngineRunner`. ``build``: a picklable callable that returns
+    the engine, called in the new process; ``metrics``: a
+    :class:`~jaxdecode.server.metrics.Metrics`, or None."""
+
+    def __init__(self, build, metrics=None):
+        self.metrics = metrics
+        ctx = multiprocessing.get_context("spawn")  # (a forked copy of a process running JAX is unsafe)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=core_main, args=(child, build), name="jaxdecode-engine", daemon=True)
+        self._child = child
+        self._handles: dict[int, Handle] = {}
+        self._next = 0
+        self._loop = None
+        self._dead = False
+        self.waiting = 0  # submitted, not yet taken by the engine
+        self.queued = 0  # the engine's rows waiting for a slot, as of its last step
+        self.running = 0
+        self.T = self.V = None
+
+    def launch(self, timeout: float = STARTUP_S):
+        """Start the process and wait until its engine is built (before the server listens)."""
+        self._proc.start()
+        self._child.close()
+        if not self._conn.poll(timeout):
+            self._proc.kill()
+            raise EngineStartError(f"the engine's process did not start within {timeout:.0f} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineStartError(f"the engine's process died while starting (exit code "
+                                   f"{self._proc.exitcode})") from None
+        if message[0] == "failed":
+            self._proc.join(30)
+            raise EngineStartError(message[1])
+        _, self.T, self.V = message
+
+    def start(self):
+        """Begin reading the engine's answers (on the running event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._conn.fileno(), self._readable)
+
+    def stop(self, timeout: float = 30.0):
+        """Let the engine finish what is running, then end its process."""
+        if self._loop is not None and not self._dead:
+            self._loop.remove_reader(self._conn.fileno())
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+                while self._conn.poll(timeout):  # (what is left of the requests: nobody listens now)
+                    if self._conn.recv()[0] == "stopped":
+                        break
+            except (EOFError, OSError):
+                pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._proc.is_alive()
+
+    def submit(self, request, handle: Handle, include_stop: bool = False):
+        if not self.alive:
+            handle.deliver(("error", RuntimeError("the engine's process is not running")))
+            handle.deliver(FINISHED)
+            return
+        key, self._next = self._next, self._next + 1
+        self._handles[key] = handle
+        handle.key = key
+        if request.constraint is not None:
+            from jaxdecode.server.handlers import spec_of
+
+            request = dataclasses.replace(request, constraint=ConstraintSpec(*spec_of(request.constraint)))
+        self.waiting += 1
+        self._send(("submit", key, request, include_stop))
+
+    def abort(self, handle: Handle):
+        handle.aborted = True
+        key = getattr(handle, "key", None)
+        if key in self._handles and self.alive:
+            self._send(("abort", key))
+
+    def _send(self, message):
+        try:
+            self._conn.send(message)
+        except OSError:
+            self._died()
+
+    # --- on the event loop
+    def _readable(self):
+        try:
+            while self._conn.poll():
+                message = self._conn.recv()
+                if message[0] == "step":
+                    self._step(message[1], message[2])
+        except (EOFError, OSError):
+            self._died()
+
+    def _step(self, items, stats):
+        handles = self._handles
+        for key, item in items:
+            handle = handles.get(key)
+            if handle is None:
+                continue
+            if isinstance(item, tuple) and item[0] in ("accepted", "error"):
+                self.waiting -= 1
+                if item[0] == "error":
+                    del handles[key]
+            elif item == FINISHED:
+                del handles[key]
+            handle.deliver(item)
+        self.running, self.queued = stats.running, stats.queued
+        if self.metrics is not None:
+            self.metrics.add(stats, self.waiting)
+
+    def _died(self):
+        if self._dead:
+            return
+        self._dead = True
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        log.error("the engine's process stopped (exit code %s)", self._proc.exitcode)
+        error = RuntimeError("the engine's process stopped")
+        for handle in self._handles.values():
+            handle.deliver(("error", error))
+            handle.deliver(FINISHED)
+        self._handles.clear()
+        self.waiting = 0
+
+
+def core_main(conn, build):
+    """The engine's process: build the engine, then serve the pipe until told to stop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the server stops it, after its requests, on a signal
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        engine, vocab = build()
+    except (ValueError, OSError) as e:
+        conn.send(("failed", str(e)))
+        return
+    conn.send(("ready", engine.T, engine.V))
+    loop, stopping = EngineLoop(engine), False
+    while True:
+        try:
+            if not loop.busy and not stopping:
+                commands = [conn.recv()]  # idle: sleep until the server sends something
+            else:
+                commands = []
+            while conn.poll():
+                commands.append(conn.recv())
+        except (EOFError, OSError):
+            return  # the server is gone
+        out = []
+        for command in commands:
+            if command[0] == "submit":
+                _, key, request, include_stop = command
+                request = _with_constraint(request, vocab)
+                out += loop.submit(key, request, include_stop)
+            elif command[0] == "abort":
+                loop.abort(command[1])
+            else:
+                stopping = True
+        try:
+            out += loop.turn()
+        except Exception as e:  # noqa: BLE001 (a failed step ends its requests; the engine serves on)
+            log.exception("engine step failed")
+            out += loop.fail_all(RuntimeError(f"{type(e).__name__}: {e}"))
+        out = [(key, _portable(item)) for key, item in out]
+        try:
+            conn.send(("step", out, loop.take_stats()))
+            if stopping and not loop.busy:
+                conn.send(("stopped",))
+                return
+        except (EOFError, OSError):
+            return
+
+
+def _with_constraint(request, vocab):
+    c = request.constraint
+    if isinstance(c, ConstraintSpec):
+        from jaxdecode.server.handlers import compiled
+
+        request = dataclasses.replace(request, constraint=compiled(c.kind, c.key, vocab))
+    return request
+
+
+def _portable(item):
+    """An item as it can cross the pipe: an error becomes a ValueError (the request's fault) or a
+    RuntimeError with the original's name and message (an exception of a library need not pickle)."""
+    if isinstance(item, tuple) and item[0] == "error":
+        e = item[1]
+        e = ValueError(str(e)) if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+        return ("error", e)
+    return item
