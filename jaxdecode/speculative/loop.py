@@ -132,6 +132,36 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         need = jnp.max(jnp.where(active, st.context + gamma, 0))
         return jnp.any(active) & (need <= span) & (st.iteration < iter_end)
 
+    def choose(st, drafts, q_logits, logits, noise):
+        """How many proposals each row accepts and the token after them: ``(n_acc, nxt, stop,
+        sample_lp, cstate)``. Under a constraint the target's distribution at each position is
+        the masked one extended by a stop choice (index V; ``stop`` marks the rows that chose it,
+        ``cstate`` is the automaton state after the pass); a proposal outside the language has
+        target probability 0, so it is rejected by construction."""
+        if con is None:
+            target = process_all(logits)
+            sample_lp = _logprobs(target)
+            states = None
+            if not greedy:
+                target = jnp.exp(sample_lp)
+        else:
+            states = C.draft_states(con, st.cstate, drafts)  # [B, gamma+1], -1 once off the language
+            left = n - st.count[:, None] - jnp.arange(gamma + 1)[None, :]
+            target, sample_lp = C.extended_target(con, states, left, logits, process_all, greedy)
+        if greedy:
+            n_acc, nxt = _accept(target, None, drafts, None, True)
+        else:  # a deterministic draft: q is a point mass on each proposal
+            q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(_logprobs(q_logits))
+            if con is not None:  # the draft never proposes the stop choice
+                q = jnp.concatenate([q, jnp.zeros(q.shape[:2] + (1,), q.dtype)], axis=-1)
+            n_acc, nxt = _accept(target, q, drafts, noise, False)
+        if con is None:
+            return n_acc, nxt, None, sample_lp, None
+        stop = nxt == V
+        nxt = jnp.where(stop, 0, nxt)
+        at = jnp.take_along_axis(states, n_acc[:, None], axis=1)[:, 0]
+        return n_acc, nxt, stop, sample_lp, jnp.where(stop, at, con.table[jnp.maximum(at, 0), nxt])
+
     def body(st):
         active = live(st)
         noise = noise_at(st)
@@ -139,18 +169,7 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
                                                  process, span)
         fed = jnp.concatenate([st.pending[:, None], drafts], axis=1)  # [B, gamma+1]
         logits, _, cache = model.extend(params, st.cache, fed, span)  # [B, gamma+1, V]
-        if con is not None:
-            new = _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache)
-            return _stop_strings(st, new, active)
-        processed = process_all(logits)
-        sample_lp = _logprobs(processed)
-        if greedy:
-            n_acc, nxt = _accept(processed, None, drafts, None, True)
-        elif q_logits is None:  # a deterministic draft: q is a point mass on each proposal
-            n_acc, nxt = _accept(jnp.exp(sample_lp), jax.nn.one_hot(drafts, V), drafts, noise, False)
-        else:
-            n_acc, nxt = _accept(jnp.exp(sample_lp), jnp.exp(_logprobs(q_logits)), drafts, noise,
-                                 False)
+        n_acc, nxt, stop, sample_lp, after = choose(st, drafts, q_logits, logits, noise)
         new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
         new = new.at[rows, n_acc].set(nxt)  # [B, gamma+1] valid up to n_acc
         write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
@@ -162,17 +181,23 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
         dstate = draft.commit(dstate, drafts, n_acc, nxt, active)
         on = active.astype(jnp.int32)
-        return _stop_strings(st, SpecState(
+        made = n_acc + 1 if stop is None else n_acc + (~stop).astype(jnp.int32)  # tokens this pass
+        moved = active if stop is None else active & ~stop
+        out = SpecState(
             cache=cache,
-            pending=jnp.where(active, nxt, st.pending),
-            context=st.context + on * (n_acc + 1),
+            pending=jnp.where(moved, nxt, st.pending),
+            context=st.context + on * made,
             draft=dstate,
             tokens=tokens, model_logprobs=mlp, sample_logprobs=slp,
-            count=st.count + on * (n_acc + 1),
+            count=st.count + on * made,
             passes=st.passes + on,
             examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
             accepted=st.accepted + on * n_acc,
-            iteration=st.iteration + 1, stop_state=st.stop_state, stop_hit=st.stop_hit), active)
+            iteration=st.iteration + 1, stop_state=st.stop_state, stop_hit=st.stop_hit)
+        if con is not None:
+            out = out._replace(cstate=jnp.where(active, after, st.cstate),
+                               stopped=st.stopped | (active & stop))
+        return _stop_strings(st, out, active)
 
     def _stop_strings(st, new, active):
         """``new`` with each active row's tokens of this pass walked through the stop automaton: a
@@ -191,46 +216,6 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         state = jnp.where(made > 0, jnp.take_along_axis(states, last[:, None], axis=1)[:, 0], st.stop_state)
         return new._replace(count=jnp.where(stopped, st.count + last + 1, new.count), stop_state=state,
                             stop_hit=st.stop_hit | stopped)
-
-    def _constrained_body(st, active, noise, drafts, q_logits, dstate, logits, cache):
-        """The iteration under a constraint: the target's distribution at each position is the
-        masked one extended by a stop choice (index V); a proposal outside the language has
-        target probability 0, so it is rejected by construction."""
-        states = C.draft_states(con, st.cstate, drafts)  # [B, gamma+1], -1 once off the language
-        left = n - st.count[:, None] - jnp.arange(gamma + 1)[None, :]
-        target, sample_lp = C.extended_target(con, states, left, logits, process_all, greedy)  # [B, G+1, V+1]
-        if greedy:
-            n_acc, nxt = _accept(target, None, drafts, None, True)
-        else:
-            q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(_logprobs(q_logits))
-            q = jnp.concatenate([q, jnp.zeros(q.shape[:2] + (1,), q.dtype)], axis=-1)
-            n_acc, nxt = _accept(target, q, drafts, noise, False)
-        stop = nxt == V
-        new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
-        new = new.at[rows, n_acc].set(jnp.where(stop, 0, nxt))
-        write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
-        tokens = write(st.tokens, new, st.count)
-        mlp = write(st.model_logprobs, _take(_logprobs(logits), new), st.count)
-        slp = write(st.sample_logprobs, _take(sample_lp, new), st.count)
-        made = n_acc + (~stop).astype(jnp.int32)  # tokens this pass produced
-        cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
-        nxt_tok = jnp.where(stop, 0, nxt)
-        dstate = draft.commit(dstate, drafts, n_acc, nxt_tok, active)
-        at = jnp.take_along_axis(states, n_acc[:, None], axis=1)[:, 0]
-        after = jnp.where(stop, at, con.table[jnp.maximum(at, 0), nxt_tok])
-        on = active.astype(jnp.int32)
-        return SpecState(
-            cache=cache,
-            pending=jnp.where(active & ~stop, nxt_tok, st.pending),
-            context=st.context + on * made,
-            draft=dstate, tokens=tokens, model_logprobs=mlp, sample_logprobs=slp,
-            count=st.count + on * made,
-            passes=st.passes + on,
-            examined=st.examined + on * jnp.minimum(n_acc + 1, gamma),
-            accepted=st.accepted + on * n_acc,
-            iteration=st.iteration + 1, stop_state=st.stop_state, stop_hit=st.stop_hit,
-            cstate=jnp.where(active, after, st.cstate),
-            stopped=st.stopped | (active & stop))
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -369,9 +354,8 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
                                  np.zeros(B, bool))
 
     Bb = _batch_bucket(B)
-    heads = getattr(getattr(model, "cfg", None), "heads", 1)
     budget_lib.require(f"speculative decoding of {B} rows", Bb,
-                       budget_lib.row_bytes(model, Pmax, n + gamma + 1, min(T, Pmax + n + gamma + 1), heads),
+                       budget_lib.row_bytes(model, Pmax, n + gamma + 1, min(T, Pmax + n + gamma + 1)),
                        memory_budget, fewer="fewer rows or samples")
     prompt = np.zeros((Bb, batch.Pb), np.int32)
     prompt[:B] = batch.prompt[:B]
