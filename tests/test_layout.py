@@ -140,3 +140,73 @@ def test_the_registries_are_one_type_and_take_a_users_entry():
         assert calls == [("LM", {"n": 2, "backoff": None, "progress": False})]
     finally:
         del DRAFTS["mine"]
+
+
+def _config_reads(tree) -> list[str]:
+    """Reads of a model's attention head count from its config: ``getattr(<...cfg...>, "heads"...)``
+    and ``<...>.cfg.heads``."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "heads" and "cfg" in ast.unparse(node.args[0])):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Attribute) and node.attr == "heads"
+              and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+# the CLI's `info` prints a checkpoint's shape, heads included
+READS_CONFIG = {"cli"}
+
+
+@pytest.mark.quick
+def test_only_models_read_a_models_config():
+    """Outside models/, a loop asks the model (``attention_heads``) instead of reading its config."""
+    bad = {}
+    for module, path in MODULES.items():
+        if _layer(module) not in {"models"} | READS_CONFIG:
+            if found := _config_reads(ast.parse(path.read_text())):
+                bad[module] = found
+    assert not bad, bad
+    probe = 'h = getattr(getattr(model, "cfg", None), "heads", 1)\nk = lm.cfg.heads'
+    caught = _config_reads(ast.parse(probe))
+    assert len(caught) == 2, caught
+
+
+def _private_uses(module: str, tree) -> list[str]:
+    """The underscore names ``module`` takes from a module of another layer: imported by name, or
+    read as an attribute of an imported module."""
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxdecode"):
+            source = node.module.removeprefix("jaxdecode").removeprefix(".")
+            for a in node.names:
+                full = f"{source}.{a.name}".removeprefix(".")
+                if full in MODULES:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and _layer(source) != _layer(module):
+                    found.append(f"{source}.{a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("jaxdecode.") and a.asname:
+                    aliases[a.asname] = a.name.removeprefix("jaxdecode.")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+                and _layer(aliases[node.value.id]) != _layer(module)):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+@pytest.mark.quick
+def test_no_private_name_crosses_a_layer():
+    """A layer uses another layer's public names only (inside a layer, modules share helpers)."""
+    bad = {m: used for m, p in MODULES.items() if (used := _private_uses(m, ast.parse(p.read_text())))}
+    assert not bad, bad
+    probe = "from jaxdecode.decoding.steps import _prefill\nfrom jaxdecode.native import kernels\nkernels._x(1)"
+    caught = _private_uses("eval.studies.cost", ast.parse(probe))
+    assert caught == ["decoding.steps._prefill", "native.kernels._x"]
+    same_layer = "from jaxdecode.decoding.steps import _prefill"
+    assert _private_uses("decoding.sampling", ast.parse(same_layer)) == []
