@@ -45,7 +45,7 @@ def add_serve(sub) -> None:
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
     s.add_argument("--engine-thread", action="store_true",
                    help="run the engine in a thread of the server's process, not in a process of its own "
-                        "(one copy of the weights in memory instead of two; slower under load)")
+                        "(slower under load: the HTTP side and the engine's host work share one GIL)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="the server's log level (default warning)")
     s.set_defaults(func=cmd_serve)
@@ -64,7 +64,6 @@ def cmd_serve(args):
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_waiting is not None and args.max_waiting < 1:
         raise UsageError(f"--max-waiting must be at least 1, got {args.max_waiting}")
-    lm = _load(args)
     try:
         template = load_chat_template(args.ckpt, args.chat_template) if args.ckpt or args.chat_template \
             else None
@@ -79,18 +78,19 @@ def cmd_serve(args):
     kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
               chat_template=template, max_waiting=args.max_waiting)
     if args.engine_thread:
+        lm = _load(args)
         try:
             engine = _engine(lm, options)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        server = Server(lm, engine, **kw)
-    else:
+        server = Server(lm.vocab, engine, **kw)
+    else:  # the model is loaded in the engine's process only; it sends its vocabulary back
         runner = ProcessRunner(functools.partial(build_engine, options))
         try:
             runner.launch()
         except EngineStartError as e:
             raise UsageError(str(e)) from None
-        server = Server(lm, runner=runner, **kw)
+        server = Server(runner.vocab, runner=runner, **kw)
     app = build_app(server)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -116,9 +116,14 @@ def _engine(lm, options: dict):
 def build_engine(options: dict):
     """The engine's process's engine (and the vocabulary its constraints compile over), from the
     checkpoint and the engine options ``serve`` was given."""
-    from jaxdecode.models import checkpoint
+    from argparse import Namespace
 
-    lm = checkpoint.load(options["ckpt"], dtype=options["dtype"])
+    from jaxdecode.cli.common import UsageError, _load
+
+    try:
+        lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"]))
+    except UsageError as e:
+        raise ValueError(str(e)) from None
     return _engine(lm, options), lm.vocab
 
 

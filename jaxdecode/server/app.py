@@ -36,13 +36,13 @@ def _endpoint(path: str) -> str:
 
 
 class Server:
-    """The state the routes share: the model, the engine's runner, the chat template, limits.
-    ``engine``: an engine to drive from a thread of this process (:class:`EngineRunner`); or
-    ``runner``: a started runner of another kind (:class:`jaxdecode.server.core.ProcessRunner`)."""
+    """The state the routes share: the model's vocabulary, the engine's runner, the chat template,
+    limits. ``engine``: an engine to drive from a thread of this process (:class:`EngineRunner`);
+    or ``runner``: a launched runner of another kind (:class:`jaxdecode.server.core.ProcessRunner`)."""
 
-    def __init__(self, lm, engine=None, *, runner=None, model_name: str, api_key: str | None = None,
+    def __init__(self, vocab, engine=None, *, runner=None, model_name: str, api_key: str | None = None,
                  chat_template=None, max_waiting: int | None = None):
-        self.lm, self.name = lm, model_name
+        self.vocab, self.name = vocab, model_name
         self.api_key, self.template, self.max_waiting = api_key, chat_template, max_waiting
         self.metrics = Metrics()
         if runner is None:
@@ -65,7 +65,7 @@ class Server:
                            headers={"Retry-After": "1"})
 
     def encode(self, text: str, special: bool = True):
-        vocab = self.lm.vocab
+        vocab = self.vocab
         try:
             if not special and hasattr(vocab, "subword"):
                 return vocab.encode(text, add_special_tokens=False)

@@ -67,7 +67,7 @@ class ProcessRunner:
         self.waiting = 0  # submitted, not yet taken by the engine
         self.queued = 0  # the engine's rows waiting for a slot, as of its last step
         self.running = 0
-        self.T = self.V = None
+        self.T = self.V = self.vocab = None  # the engine's window and vocabulary, once launched
 
     def launch(self, timeout: float = STARTUP_S):
         """Start the process and wait until its engine is built (before the server listens)."""
@@ -85,7 +85,7 @@ class ProcessRunner:
         if message[0] == "failed":
             self._proc.join(30)
             raise EngineStartError(message[1])
-        _, self.T, self.V = message
+        _, self.T, self.V, self.vocab = message
 
     def start(self):
         """Begin reading the engine's answers (on the running event loop)."""
@@ -188,10 +188,13 @@ def core_main(conn, build):
         signal.signal(sig, signal.SIG_IGN)
     try:
         engine, vocab = build()
-    except (ValueError, OSError) as e:
-        conn.send(("failed", str(e)))
+    except Exception as e:  # noqa: BLE001 (a checkpoint error, options the engine refused, ...)
+        known = isinstance(e, (ValueError, OSError))
+        if not known:
+            log.debug("building the engine failed", exc_info=True)
+        conn.send(("failed", str(e) if known else f"the engine could not be built: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.T, engine.V))
+    conn.send(("ready", engine.T, engine.V, vocab))
     loop, stopping = EngineLoop(engine), False
     while True:
         try:

@@ -17,8 +17,8 @@ from jaxdecode.server.protocol import APIError, ChatRequest, CompletionRequest
 
 def _requests(server, body, prompts, n_new, top, stop, field) -> list[Request]:
     settings = H.sampling(body, server.V)
-    constraint = H.constraint(body, server.lm.vocab)
-    stop = H.writable_stops(stop, server.lm.vocab)
+    constraint = H.constraint(body, server.vocab)
+    stop = H.writable_stops(stop, server.vocab)
     out = []
     for tokens in prompts:
         n = server.T - len(tokens) if n_new is None else n_new
@@ -87,7 +87,7 @@ async def completions(body: CompletionRequest, request: HTTPRequest):
         prompts = [p] if p and isinstance(p[0], int) else list(p)
         if not prompts or any(len(q) == 0 for q in prompts):
             raise APIError(400, "prompt: a prompt must hold at least one token", param="prompt")
-        texts = [server.lm.vocab.decode([t for t in q if 0 <= t < server.V]) for q in prompts]
+        texts = [server.vocab.decode([t for t in q if 0 <= t < server.V]) for q in prompts]
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo")
     stop = H.stops(body)
@@ -99,7 +99,7 @@ async def completions(body: CompletionRequest, request: HTTPRequest):
     prompt_tokens = sum(len(q) for q in prompts)
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.name}
     N = body.n
-    vocab = server.lm.vocab
+    vocab = server.vocab
 
     if not body.stream:
         out = await H.gather(job, request)
@@ -217,7 +217,7 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest):
     await job.start()
     rid, created = H.ids("chatcmpl")
     head = {"id": rid, "object": "chat.completion", "created": created, "model": server.name}
-    vocab, N = server.lm.vocab, body.n
+    vocab, N = server.vocab, body.n
 
     if not body.stream:
         out = await H.gather(job, request)
