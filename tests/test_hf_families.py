@@ -225,3 +225,51 @@ def test_legacy_config_fields_give_the_same_layers(tmp_path):
     with pytest.warns(UserWarning, match="the vision tower is left unused"):
         lm = jaxdecode.load(FIXTURES / "gemma3")
     assert "vision tower" in lm.meta["note"] and lm.decoder.cfg.windows == want.windows
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+
+def test_generation_config_defaults_apply_where_the_user_sets_none(models, capsys):
+    """Qwen3's folder ships sampling defaults (temperature 0.6, top-k 20, top-p 0.95): generate
+    and the command line use them when no setting is given, a user's flag wins field by field,
+    ``generation_config=False``/``--no-generation-config`` turns them off, and ``info`` lists them."""
+    from jaxdecode import rules
+    from jaxdecode.cli.app import main
+    from jaxdecode.decoding.common import default_settings
+
+    lm = models("qwen3")
+    assert lm.generation_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+    def run(**kw):
+        return [o.tokens.tolist() for o in jaxdecode.generate(lm, "The café is", n=6, num_samples=4, seed=3, **kw)]
+
+    folder_rule = rules.make_rule(temperature=0.6, top_k=20, top_p=0.95)
+    assert run() == run(rule=folder_rule) != run(generation_config=False)
+    folder = str(FIXTURES / "qwen3")
+    base = ["generate", "The café is", "--ckpt", folder, "-n", "4", "--json"]
+    for extra, want in (([], {"temperature": 0.6, "top_k": 20, "top_p": 0.95}),
+                        (["--top-k", "5"], {"temperature": 0.6, "top_k": 5, "top_p": 0.95}),
+                        (["--no-generation-config"], {})):
+        assert main(base + extra) == 0
+        settings = json.loads(capsys.readouterr().out)["settings"]
+        assert {k: settings.get(k) for k in want} == want and settings["greedy"] is False, extra
+        assert extra != ["--no-generation-config"] or "temperature" not in settings
+    assert main(["info", folder, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["provenance"]["generation_defaults"] == lm.generation_defaults
+    # a folder with do_sample false: greedy with its penalty, unless the user asks for sampling
+    greedy_folder = dataclasses.replace(lm, generation_defaults={"greedy": True, "repetition_penalty": 1.2})
+    assert default_settings(greedy_folder) == ({"repetition_penalty": 1.2}, True)
+    assert default_settings(greedy_folder, {"temperature": 0.8}) == (
+        {"repetition_penalty": 1.2, "temperature": 0.8}, False)
+    assert default_settings(greedy_folder, {}, True) == ({}, True)
+    assert default_settings(greedy_folder, {}, False, use_defaults=False) == ({}, False)
+
+
+@pytest.mark.parametrize("body,message", [({"top_p": 1.5}, "top_p"), ({"temperature": -1.0}, "temperature")])
+def test_a_bad_generation_config_is_refused_in_one_line(tmp_path, body, message):
+    f = _copy(tmp_path, "olmo2")
+    (f / "generation_config.json").write_text(json.dumps({"eos_token_id": 91, "do_sample": True, **body}))
+    with pytest.raises(checkpoint.CheckpointError, match=f"generation_config.json: .*{message}") as e:
+        jaxdecode.load(f)
+    assert "\n" not in str(e.value)

@@ -114,22 +114,27 @@ def cmd_generate(args):
     if args.smc is not None:
         return G.generate_smc(args, lm, prompt, constraint, settings)
     stop = _stops(args, lm)
+    from jaxdecode.decoding.common import default_settings
+
+    settings, greedy = default_settings(lm, settings, args.greedy, not args.no_generation_config)
+    rule = _cli_rule(settings)
     stream, on_text = _streaming(args, prompt)
     on_text, done = _past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
     # a large request (within the window) shows a bar of its own; it runs in batches that fit memory
     big = (not args.quiet and not stream and len(ids) + args.n <= lm.decoder.T
            and args.num_samples * args.n >= BIG_REQUEST)
     try:
-        outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=args.greedy,
+        outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=greedy,
                         num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint,
-                        memory_budget=args.memory_budget, max_rows=args.max_rows, progress=big)
+                        memory_budget=args.memory_budget, max_rows=args.max_rows, progress=big,
+                        generation_config=False)
     finally:
         done()
     if args.json:
         doc = {"outputs": [{"prompt": o.prompt, "text": o.text, "mean_logprob": o.mean_logprob,
                             "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
-                            "greedy": bool(args.greedy), "stop": stop, "checkpoint": str(lm.path),
+                            "greedy": bool(greedy), "stop": stop, "checkpoint": str(lm.path),
                             **_constraint_settings(args), **settings}}
         _print_json(doc)
         return
@@ -278,12 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most N samples per batch (default 256: larger batches are no faster)")
     s.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
     s.add_argument("--ckpt", default=None, help="checkpoint folder: the shipped model (default), one of ours, "
-                   "or a Hugging Face folder (llama, mistral, qwen2, gpt2)")
+                   "or a Hugging Face folder (docs/huggingface.md lists the families)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="a Hugging Face model's parameter and compute dtype (default float32; bfloat16 for "
                         "accelerators)")
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
     s.add_argument("--greedy", action="store_true", help="always take the most probable token")
+    s.add_argument("--no-generation-config", action="store_true",
+                   help="ignore a Hugging Face folder's generation_config.json defaults (temperature, top-k, "
+                        "top-p, repetition penalty, do_sample), which apply where no flag is given")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     s.add_argument("--stream", action="store_true",
                    help="stream text even when stdout is not a terminal (one sample; not with --json, "

@@ -375,3 +375,20 @@ def pick_tokens(processed, keys, greedy):
     if greedy is False:
         return drawn
     return jnp.where(greedy, jnp.argmax(processed, axis=-1).astype(jnp.int32), drawn)
+
+
+def default_settings(lm, settings: dict | None = None, greedy: bool = False,
+                     use_defaults: bool = True) -> tuple[dict, bool]:
+    """The decoding settings a request runs with: ``(settings, greedy)``, where ``settings`` are
+    :func:`jaxdecode.rules.make_rule` keywords. The user's ``settings`` (None values: unset) and
+    ``greedy`` win field by field over the model's folder defaults (``lm.generation_defaults``,
+    read from ``generation_config.json``); a user's greedy takes nothing from them, and a user's
+    sampling setting turns the folder's greedy (``do_sample: false``) into sampling. With
+    ``use_defaults`` false (``--no-generation-config``) the user's settings stand alone."""
+    user = {k: v for k, v in (settings or {}).items() if v is not None}
+    defaults = dict(getattr(lm, "generation_defaults", None) or {}) if use_defaults else {}
+    if greedy or not defaults:
+        return user, bool(greedy)
+    folder_greedy = bool(defaults.pop("greedy", False))
+    samples = any(k != "repetition_penalty" for k in user)
+    return defaults | user, folder_greedy and not samples

@@ -34,6 +34,7 @@ from jaxdecode.decoding.common import (
     Generation,
     batch_bucket,
     check_int,
+    default_settings,
     encode_prompts,
     finish_text,
     make_batch,
@@ -57,6 +58,7 @@ from jaxdecode.decoding.placement import (
     pad_batch,
 )
 from jaxdecode.models.base import DecodingModel
+from jaxdecode.rules import make_rule
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
@@ -355,7 +357,7 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
              stop: str | Sequence[str] | None = None, include_stop: bool = True, chunk: int | None = None,
              on_text: Callable[[int, str], None] | None = None, constraint=None,
              memory_budget: int | str | None = None, max_rows: int | None = None,
-             progress: bool | str = False, mesh=None) -> list[Generation]:
+             progress: bool | str = False, mesh=None, generation_config: bool = True) -> list[Generation]:
     """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
 
     Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
@@ -374,7 +376,14 @@ def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequ
     :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
     ``progress``: a bar on stderr. ``mesh``: split each batch over devices (see
     :func:`sample_tokens`).
+
+    With neither ``rule`` nor ``greedy``, a Hugging Face folder's ``generation_config.json``
+    defaults apply (its temperature, top-k, top-p, repetition penalty, or greedy decoding: see
+    :func:`~jaxdecode.decoding.common.default_settings`); ``generation_config=False`` ignores them.
     """
+    if rule is None and not greedy and generation_config:
+        settings, greedy = default_settings(lm)
+        rule = make_rule(**settings)
     prompts, rows = encode_prompts(lm, prompts, num_samples)
     stops = stop_automaton(lm, stop)
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)

@@ -25,6 +25,9 @@ class LanguageModel:
     decoder: Any = None
     backend: dataclasses.InitVar[str | None] = None
     eos_ids: tuple[int, ...] = ()  # end-of-sequence token ids: a row ends at the first one it generates
+    # a folder's generation_config.json defaults: make_rule settings and "greedy" (applied by
+    # jaxdecode.decoding.common.default_settings when a request sets none)
+    generation_defaults: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self, backend):
         if self.decoder is None:

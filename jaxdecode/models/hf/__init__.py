@@ -12,7 +12,7 @@ import json
 import warnings
 from pathlib import Path
 
-from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens
+from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, generation_defaults
 from jaxdecode.models.hf.families import read_config
 from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
 from jaxdecode.models.hf.transformer import HFCache, HFDecoder
@@ -54,6 +54,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
         cfg, raw = read_config(folder)
         vocab = HFTokenizer(folder / "tokenizer.json", cfg.V)
         eos = end_tokens(folder, raw, cfg.V, vocab.size)
+        defaults = generation_defaults(folder)
         params = read_params(folder, cfg, getattr(jnp, dtype))
     except (ConfigError, TokenizerError, WeightsError) as e:
         raise HFError(str(e)) from None
@@ -61,11 +62,13 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
     decoder = HFDecoder(cfg, dtype, max_length)
     meta = {"model_type": cfg.model_type, "format": "huggingface", "dtype": dtype,
             "architectures": raw.get("architectures"), "eos_token_id": list(eos)}
+    if defaults:  # generate and the command line apply them when the user sets none
+        meta["generation_defaults"] = defaults
     if cfg.multimodal:
         meta["note"] = VISION_UNUSED
         warnings.warn(f"{folder}: {VISION_UNUSED}", stacklevel=2)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
-                         eos_ids=eos)
+                         eos_ids=eos, generation_defaults=defaults)
 
 
 __all__ = ["DTYPES", "HFCache", "HFConfig", "HFDecoder", "HFError", "HFTokenizer", "SUPPORTED",

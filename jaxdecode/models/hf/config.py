@@ -181,6 +181,45 @@ def no_model_type(path) -> str:
             "model's config.json has V, T, d, L, heads and chars instead)")
 
 
+GENERATION_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def generation_defaults(folder: Path) -> dict:
+    """The decoding defaults of ``generation_config.json`` as settings of
+    :func:`jaxdecode.rules.make_rule` plus ``greedy``: what transformers and vLLM apply when the
+    user sets none. Only the fields the file holds count (vLLM's reading; transformers adds its
+    own ``top_k=50`` when sampling without one): ``do_sample: false`` is greedy decoding (with its
+    ``repetition_penalty``); otherwise ``temperature``, ``top_k``, ``top_p`` and
+    ``repetition_penalty`` where they change anything (``temperature`` 0 is greedy). A bad value
+    is refused in one line naming the file and the field."""
+    from jaxdecode.rules import RuleError, make_rule
+
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        g = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(g, dict):
+        return {}
+    out: dict = {}
+    penalty = g.get("repetition_penalty")
+    if penalty is not None and penalty != 1.0:
+        out["repetition_penalty"] = penalty
+    if g.get("do_sample") is False or g.get("temperature") == 0:
+        out["greedy"] = True
+    else:
+        for name, neutral in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+            if g.get(name) is not None and g[name] != neutral:
+                out[name] = g[name]
+    try:
+        make_rule(**{k: v for k, v in out.items() if k != "greedy"})
+    except (RuleError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return out
+
+
 def end_tokens(folder: Path, raw: dict, V: int | None = None, known: int | None = None) -> tuple[int, ...]:
     """The end-of-sequence ids: ``eos_token_id`` (an int or a list) of ``generation_config.json``
     when it has one, else of ``config.json``; () when neither does. Each id must lie in the

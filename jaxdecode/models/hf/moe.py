@@ -8,8 +8,9 @@ is the weighted sum of the chosen experts' outputs, plus Qwen2-MoE's shared expe
 
 Two ways to compute it, chosen by the number of tokens ``N`` of the call (a static shape):
 
-- ``gather`` (decode steps, few tokens): each token's chosen experts' matrices are gathered
-  (``[N, top_k, d, F]``) and only they are multiplied: a step reads ``top_k`` experts, not all;
+- ``gather`` (decode steps, few tokens): for each token and each of its chosen experts, that
+  expert's matrices are sliced out (``dynamic_slice`` on the expert axis: contiguous, no gather
+  of scattered rows) and multiplied: a step reads ``top_k`` experts, not all;
 - ``dense`` (prefill, many tokens): every expert runs on every token and the outputs are
   combined with weights that are zero off the chosen experts: no gather, but ``experts / top_k``
   times the arithmetic. It wins once ``N * top_k`` reaches about ``GATHER_LIMIT * experts``
@@ -17,8 +18,8 @@ Two ways to compute it, chosen by the number of tokens ``N`` of the call (a stat
 
 Parameters of a layer (``E`` experts, ``F`` the expert width)::
 
-    router [d, E]; e_gate, e_up [E, d, F]; e_down [E, F, d];
-    s_gate, s_up [d, Fs], s_down [Fs, d], s_router [d, 1] (shared expert only)
+    router [d, E]; e_gu [E, 2F, d] (each expert's gate rows, then its up rows, as stored);
+    e_down [E, F, d]; s_gate, s_up [d, Fs], s_down [Fs, d], s_router [d, 1] (shared expert only)
 """
 
 from __future__ import annotations
@@ -41,20 +42,25 @@ def route(cfg, p, x):
 
 
 def gathered(p, x, weights, idx, act):
-    """Only the chosen experts: their matrices gathered per token."""
-    gate = jnp.einsum("nd,nkdf->nkf", x, p["e_gate"][idx])
-    up = jnp.einsum("nd,nkdf->nkf", x, p["e_up"][idx])
-    mid = act(gate) * up * weights[:, :, None]
-    return jnp.einsum("nkf,nkfd->nd", mid, p["e_down"][idx])
+    """Only the chosen experts: each sliced out of the stacked matrices, token by token."""
+    F = p["e_down"].shape[1]
+    rows = []
+    for n in range(x.shape[0]):
+        out = jnp.zeros_like(x[n])
+        for j in range(idx.shape[1]):
+            gu = jax.lax.dynamic_index_in_dim(p["e_gu"], idx[n, j], 0, keepdims=False) @ x[n]  # [2F]
+            mid = act(gu[:F]) * gu[F:] * weights[n, j]
+            out = out + mid @ jax.lax.dynamic_index_in_dim(p["e_down"], idx[n, j], 0, keepdims=False)
+        rows.append(out)
+    return jnp.stack(rows)
 
 
 def dense(p, x, weights, idx, act):
     """Every expert on every token, combined with zero weight off the chosen ones."""
-    E = p["e_gate"].shape[0]
+    E, F = p["e_down"].shape[:2]
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=x.dtype) * weights[:, :, None], axis=1)  # [N, E]
-    gate = jnp.einsum("nd,edf->nef", x, p["e_gate"])
-    up = jnp.einsum("nd,edf->nef", x, p["e_up"])
-    mid = act(gate) * up * combine[:, :, None]
+    gu = jnp.einsum("nd,efd->nef", x, p["e_gu"])
+    mid = act(gu[..., :F]) * gu[..., F:] * combine[:, :, None]
     return jnp.einsum("nef,efd->nd", mid, p["e_down"])
 
 

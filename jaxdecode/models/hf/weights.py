@@ -20,8 +20,9 @@ which a decode step reads in place)::
 Every matrix is stored as ``x @ W`` wants it: ``nn.Linear`` weights ([out, in]) are transposed
 here, GPT-2's ``Conv1D`` weights ([in, out]) are not. Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are split into the separate matrices; the experts' per-expert matrices are stacked
-(``e_gate/3`` in the table is expert 3 of ``e_gate``). The text decoder of a Gemma 3 image-text
-folder is read from its ``language_model`` tensors; the vision tower's are skipped.
+(``e_gate/3`` in the table is expert 3 of ``e_gate``; gate and up are then joined, :mod:`.moe`).
+The text decoder of a Gemma 3 image-text folder is read from its ``language_model`` tensors; the
+vision tower's are skipped.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def _expert_table(cfg: HFConfig, i: int) -> dict:
     table = {mlp + "gate.weight": ("router", i, "T", (cfg.experts, d))}
     for j in range(cfg.experts):
         e = f"{mlp}experts.{j}."
-        table |= {e + names[0] + ".weight": (f"e_gate/{j}", i, "T", (F, d)),
-                  e + names[1] + ".weight": (f"e_up/{j}", i, "T", (F, d)),
+        table |= {e + names[0] + ".weight": (f"e_gate/{j}", i, None, (F, d)),
+                  e + names[1] + ".weight": (f"e_up/{j}", i, None, (F, d)),
                   e + names[2] + ".weight": (f"e_down/{j}", i, "T", (d, F))}
     if Fs:
         s = mlp + "shared_expert."
@@ -303,6 +304,9 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
     layers = {k: v for k, v in layers.items() if "/" not in k}
     for base, per_layer in stacked.items():
         layers[base] = [None if any(a is None for a in e) else np.stack(e) for e in per_layer]
+    if "e_gate" in layers:  # [E, F, d] each: one [E, 2F, d] read per chosen expert
+        layers["e_gu"] = [None if g is None else np.concatenate([g, u], axis=1)
+                          for g, u in zip(layers.pop("e_gate"), layers.pop("e_up"))]
     flat["layers"] = tuple({k: jnp.asarray(v[i], dtype) for k, v in layers.items() if v[i] is not None}
                            for i in range(cfg.L))
     return flat
