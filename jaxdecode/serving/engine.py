@@ -535,6 +535,16 @@ class Engine(PagedRows):
         """The rows in the slots now (read-only)."""
         return [r for r in self._slots if r is not None]
 
+    @property
+    def rule_layout(self) -> tuple | None:
+        """The rule layout the decode programs run now (None before the first request), and
+        whether it was pinned at construction (``layout=``) or follows the requests."""
+        return self._layout
+
+    @property
+    def layout_pinned(self) -> bool:
+        return self._pinned
+
     def kv_blocks(self) -> tuple[int, int]:
         """KV cache blocks ``(in use, free)``: the paged pool's, or a dense cache's slots (a slot is
         one block of the window)."""

@@ -84,7 +84,7 @@ class PagedRows:
             tokens += size
             for r in rows:
                 r.prefilled = start + size
-        self.executor.prefill_pieces(pieces, self.allocator.tables(run, width=self._width))
+        self.executor.prefill_pieces(pieces, self.allocator.tables(run, width=self.table_width))
         for leader in run:
             for r in groups[leader]:  # their full blocks are now written: shareable by later prompts
                 self.allocator.mark_computed(r.seq, r.prefilled)
@@ -100,20 +100,21 @@ class PagedRows:
         for the positions the call writes (its ``k`` tokens, but never its last one: within what
         :meth:`_reserved` keeps for it)."""
         a = self.allocator
-        tables = np.zeros((self.S, self._width), np.int32)
+        tables = np.zeros((self.S, self.table_width), np.int32)
         n = np.zeros((self.S,), np.int32)
         copies = []
         slots = np.flatnonzero(decoding)
         rows = [self._slots[s] for s in slots]
         for row in rows:  # (positions already reserved for tokens not yet read back stay reserved)
             copies += a.reserve(row.seq, row.pending + min(k, row.n - 1 - len(row.tokens) - row.pending))
-        tables[slots] = a.tables([row.seq for row in rows], width=self._width)
+        tables[slots] = a.tables([row.seq for row in rows], width=self.table_width)
         n[slots] = [row.n for row in rows]
         self._note_peak()
         return self.executor.decode_many(decoding, steps, lengths, k, tables, copies, n, **self._fetch_kw)
 
     @property
-    def _width(self) -> int:
+    def table_width(self) -> int:
+        """A paged engine's block-table width: the blocks of one full window."""
         return -(-self.T // self.allocator.block_size)
 
     def cache_stats(self) -> dict | None:

@@ -23,7 +23,7 @@ import contextlib
 import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
-from jaxdecode.serving.requests import _embed, _kind
+from jaxdecode.serving.requests import _embed, _kind, make_rows
 
 
 @contextlib.contextmanager
@@ -73,12 +73,12 @@ def warm_up(engine, requests) -> int:
     idle; its state does not change."""
     if not engine.idle:
         raise ValueError("warm_up needs an idle engine (nothing queued, running or still to arrive)")
-    rows = [row for i, r in enumerate(requests) for row in engine._make_rows(r, i)]
+    rows = [row for i, r in enumerate(requests) for row in make_rows(engine, r, i)]
     if not rows:
         return 0
     ex, S = engine.executor, engine.S
-    if engine._pinned:
-        layouts = [engine._layout]
+    if engine.layout_pinned:
+        layouts = [engine.rule_layout]
     else:  # each chain of kinds among the rows (the engine's layout is one of the rows' chains)
         layouts = list({tuple(_kind(p) for p in r.parts): r.parts for r in rows}.values())
     prompts = sorted({len(r.prompt) for r in rows})
@@ -107,8 +107,8 @@ def warm_up(engine, requests) -> int:
                     _decodes(engine, steps, prompts[0], longest)
         if cons:
             ex.constrain([None] * S)  # an idle engine's slots hold no constraint
-        if engine._layout is not None:
-            ex.set_layout(engine._layout)  # back to the layout the engine runs
+        if engine.rule_layout is not None:
+            ex.set_layout(engine.rule_layout)  # back to the layout the engine runs
     return counted[0]
 
 
@@ -130,7 +130,7 @@ def _prefills(engine, widths, more, groups):
         for W in sorted(widths):
             tokens = [np.zeros((W,), np.int32)] * len(pieces)
             if engine.paged:
-                tables = np.zeros((len(pieces), engine._width), np.int32)
+                tables = np.zeros((len(pieces), engine.table_width), np.int32)
                 ex.prefill_pieces([(s, 0, t) for s, t in zip(pieces, tokens)], tables)
             else:
                 ex.prefill(list(zip(pieces, tokens)), [])
@@ -146,7 +146,7 @@ def _decodes(engine, steps, shortest, longest):
     zeros = np.zeros((S,), np.int32)
     for k in steps:
         if engine.paged:
-            tables = np.zeros((S, engine._width), np.int32)
+            tables = np.zeros((S, engine.table_width), np.int32)
             copies = [(0, 0)]  # one copy on write: the block copies' program too
             ex.decode_many(decoding, zeros, zeros, k, tables, copies, np.full((S,), k + 1, np.int32))
             continue
