@@ -6,6 +6,7 @@ on the shipped model."""
 
 import functools
 import itertools
+import json
 import math
 import re
 
@@ -398,6 +399,78 @@ def test_divergences():
     assert smc.kl_divergence({"a": 1.0}, {"a": 0.5, "b": 0.5}) == pytest.approx(math.log(2))
     assert smc.kl_divergence({"a": 0.5, "b": 0.5}, {"a": 1.0}) == math.inf
     assert smc.total_variation({"a": 1.0}, {"b": 1.0}) == 1.0
+
+
+# ----------------------------------------------------------------------------- a JSON schema
+
+# An array of at most two of 1 and 2, or an integer. Within 4 characters outlines-core's regex allows
+# 39 strings: "[]", "[ ]", "[  ]", "[1]", "[ 1]", "[2 ]" and the like, and the integers spelled with
+# 1 and 2 ("2", "12", "1212", ...). An integer can always go on: its stop term is the mass of the
+# other tokens. The tiny model's shape (V = 12) with another alphabet: the same compiled programs,
+# spelled in JSON's characters.
+SCHEMA = {"anyOf": [{"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}, {"type": "integer"}]}
+SCHEMA_VOCAB = '[]12, "abtre'
+SCHEMA_N = 4
+SCHEMA_PROMPT = "ab"
+
+
+def _satisfies_schema(text: str) -> bool:
+    """The schema checked by hand on the parsed text."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    if isinstance(doc, list):
+        return len(doc) <= 2 and all(type(x) is int and x in (1, 2) for x in doc)
+    return type(doc) is int
+
+
+@pytest.fixture(scope="module")
+def schema_case(tiny_model):
+    """(model on the JSON alphabet, the compiled schema, the brute force over its regex)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    from jaxdecode.io.vocab import Vocab
+    from jaxdecode.models.checkpoint import LanguageModel
+
+    cfg, params, _ = tiny_model
+    lm = LanguageModel(params=params, cfg=cfg, vocab=Vocab(SCHEMA_VOCAB), meta={}, backend="portable")
+    b = Brute(lm, build_regex_from_schema(json.dumps(SCHEMA)), SCHEMA_N, SCHEMA_PROMPT)
+    texts = {lm.vocab.decode(np.array(y, np.int32)) for y in b.lang}
+    assert all(_satisfies_schema(t) for t in texts)
+    assert {"[]", "[ ]", "[1]", "[2 ]", "2", "1212"} <= texts and len(texts) == 39
+    return lm, C.compile_json_schema(SCHEMA, lm.vocab), b
+
+
+@pytest.mark.quick
+def test_json_schema_in_smc(schema_case):
+    """A JSON schema conditions SMC as a pattern does: the exact conditional is the brute force's
+    over the strings the schema's regex matches, and without resampling each particle is one of
+    them, weighted P(y) / Q(y) with P and Q from the brute force."""
+    lm, c, b = schema_case
+    P = smc.exact_conditional(lm, SCHEMA_PROMPT, SCHEMA_N, c)
+    _assert_close(P, _normalized(b.P()))
+    want_P, want_Q = b.P(), b.Q()
+    res = smc.smc_generate(lm, SCHEMA_PROMPT, SCHEMA_N, c, 300, seed=4, ess_threshold=0.0)
+    assert res.resampled == [] and len(set(res.texts)) > 5
+    assert all(_satisfies_schema(t) and t in want_P for t in res.texts)
+    ratio = np.array([want_P[t] / want_Q[t] for t in res.texts])
+    np.testing.assert_allclose(res.weights, ratio / ratio.sum(), rtol=1e-4)
+
+
+@pytest.mark.quick
+def test_json_schema_in_exact_mode_search(schema_case):
+    """Exact mode search under the schema returns the most probable of the strings the schema
+    allows (the brute force's argmax of P, stop term included), with its log-probability."""
+    from jaxdecode.decoding.search import mode_search
+
+    lm, c, b = schema_case
+    want = b.P()
+    best = max(want, key=want.get)
+    prompt = np.asarray(lm.vocab.encode(SCHEMA_PROMPT), np.int32)
+    tokens, logprob, _ = mode_search(lm.decoder, lm.params, prompt, SCHEMA_N, constraint=c)
+    assert lm.vocab.decode(tokens) == best and _satisfies_schema(best)
+    assert logprob == pytest.approx(math.log(want[best]), abs=1e-4)
 
 
 # ----------------------------------------------------------------------------- the study
