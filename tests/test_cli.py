@@ -889,3 +889,91 @@ def test_speculative_with_the_shipped_draft_model(capsys):
     assert spec["settings"]["speculative"] == "draft" and spec["settings"]["gamma"] == 2
     st = spec["stats"]
     assert st["accepted"] > 0 and st["passes"] < 24  # the draft is right often enough to save passes
+
+
+# ----------------------------------------------------------------------------- serve-bench's engine flags
+
+BENCH = ["serve-bench", "--requests", "4", "--rate", "50", "--slots", "2", "-n", "6", "--prefill-chunk", "4",
+         "--sweep", "2", "--json", "--out", "", "--seed", "3", "--quiet"]
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """Every serving engine a command builds, as the engine took its settings."""
+    from jaxdecode.serving import engine as E
+
+    made = []
+
+    class Recorded(E.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(E, "Engine", Recorded)
+    return made
+
+
+def _plain_texts(lm, requests) -> list:
+    """Each request of a serve-bench report generated alone (``jaxdecode.generate``, its rule
+    rebuilt from the report's settings): (text, finish reason)."""
+    import jaxdecode
+    from jaxdecode import rules
+
+    out = []
+    for r in requests:
+        rule = None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                     rules.top_p(r["rule"]["TopP"]))
+        g = jaxdecode.generate(lm, r["prompt"], r["n"], seed=r["seed"], rule=rule, greedy=r["greedy"],
+                               stop=r["stop"])[0]
+        out.append((g.text, g.finish_reason))
+    return out
+
+
+def test_serve_bench_engine_flags_change_no_text(tiny_ckpt, tiny_corpus, tmp_path, capsys, engines):
+    """``--admit-batch``, ``--prefill-budget`` and ``--step-model`` (simulated) and ``--no-overlap``
+    (wall clock) each reach the engine or its clock, and each leaves every text as the defaults
+    give it, which is what ``generate`` gives each request alone."""
+    from jaxdecode.serving.engine import RealClock
+
+    base = BENCH + ["--ckpt", tiny_ckpt, "--data", tiny_corpus]
+
+    def run(*flags):
+        engines.clear()
+        assert main(base + list(flags)) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["identical_outputs"] is True and engines
+        return doc, [(r["text"], r["finish_reason"]) for r in doc["requests"]]
+
+    default, texts = run("--simulate")
+    assert texts == _plain_texts(_load_tiny(tiny_ckpt), default["requests"])
+    assert all(e.admit_batch == 1 and e.prefill_budget is None for e in engines)
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"a": 0.05, "b": 0.01, "c": 0.002}))
+    for flags, took in ((["--admit-batch", "2"], lambda e: e.admit_batch == 2),
+                        (["--prefill-budget", "3"], lambda e: e.prefill_budget == 3),
+                        (["--step-model", str(steps)], lambda e: e.clock.step_model.a == 0.05)):
+        doc, got = run("--simulate", *flags)
+        assert all(took(e) for e in engines), flags
+        assert got == texts, flags
+        if flags[0] != "--admit-batch":  # a budget below the chunk and a slower clock: other schedules
+            assert doc["runs"] != default["runs"], flags
+    _, got = run("--no-overlap")
+    assert all(not e.overlap for e in engines) and got == texts
+    # without the flag an engine on the wall clock overlaps: the flag has something to turn off
+    from jaxdecode.serving.engine import Engine
+
+    assert Engine(_load_tiny(tiny_ckpt), 2, clock=RealClock()).overlap
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, message", [
+    (["--admit-batch", "0"], "--admit-batch must be an integer from 1 to --slots (2), got 0"),
+    (["--admit-batch", "3"], "--admit-batch must be an integer from 1 to --slots (2), got 3"),
+    (["--prefill-budget", "0"], "--prefill-budget must be an integer >= 1, got 0"),
+    (["--step-model", "missing.json"], "cannot read a step-time model from missing.json"),
+    (["--admit-batch", "two"], "--admit-batch: invalid int value: 'two'"),
+])
+def test_serve_bench_bad_engine_flags_are_one_line(tiny_ckpt, tiny_corpus, capsys, flags, message):
+    assert main(BENCH + ["--ckpt", tiny_ckpt, "--data", tiny_corpus, "--simulate"] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
