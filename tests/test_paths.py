@@ -4,16 +4,19 @@ independent reference on the tiny Hugging Face fixtures:
 - the CLI's ``--json-schema`` success path, against ``generate`` with the compiled schema and a
   hand check of the schema;
 - the int8 KV cache of the engine (dense and paged) on the Llama, after a warm-up, on the wall
-  clock with overlap, against the float cache;
+  clock with overlap, against the float cache; and from the CLI (``serve-bench --kv-dtype int8``),
+  against the engine's Python API;
 - the CLI's ``--dtype bfloat16``, against ``generate`` on ``load(dtype="bfloat16")``;
 - the end token in speculative sampling and contrastive search on the Llama;
 - Mistral, Qwen2 and GPT-2 beyond logits: seeded sampling equal across ``generate`` and the
   engine, and beam search (k = 2) equal to a plain loop written here;
 - the past-window path (prompt + n past the 256 positions), against a plain loop of full forwards
-  over the last T tokens.
+  over the last T tokens;
+- ``chunk_step``'s cache on the Llama: no copy of the cache in the compiled step loop.
 """
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -132,6 +135,102 @@ def test_int8_kv_cache_on_llama_after_warm_up(cache):
         k = next((i for i, (a, b) in enumerate(zip(t, u)) if a != b), min(len(t), len(u)))
         agree.append(k)
     assert min(agree) >= INT8_SAME_PREFIX, agree
+
+
+def test_int8_kv_cache_from_the_cli(capsys, tmp_path, monkeypatch):
+    """``serve-bench --kv-dtype int8`` on the Llama folder: the engines it builds store keys and
+    values in int8, and every request's text and finish reason is what the Python API gives it
+    (``Engine(lm, 2, kv_dtype="int8")`` on the report's requests, rebuilt from their settings)."""
+    from jaxdecode import rules
+    from jaxdecode.cli.app import main
+    from jaxdecode.serving import engine as E
+
+    made = []
+
+    class Recorded(E.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(E, "Engine", Recorded)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("ROMEO:\nWhat light through yonder window breaks? The café is shut.\n\n" * 200)
+    argv = ["serve-bench", "--ckpt", LLAMA, "--data", str(corpus), "--kv-dtype", "int8", "--requests", "3",
+            "--rate", "50", "--slots", "2", "-n", "8", "--sweep", "2", "--simulate", "--json", "--out", "",
+            "--seed", "5", "--quiet"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert made and all(e.kv_dtype == "int8" for e in made)
+    monkeypatch.undo()
+    reqs = [E.Request(r["prompt"], r["n"], seed=r["seed"], greedy=r["greedy"], stop=r["stop"],
+                      rule=None if r["greedy"] else rules.chain(rules.temperature(r["rule"]["Temperature"]),
+                                                                rules.top_p(r["rule"]["TopP"])))
+            for r in doc["requests"]]
+    assert any(not r.greedy for r in reqs)
+    report = E.Engine(model("llama"), 2, kv_dtype="int8").run(reqs)
+    want = [(res.outputs[0].text, res.outputs[0].finish_reason) for res in report.results]
+    assert [(r["text"], r["finish_reason"]) for r in doc["requests"]] == want
+
+
+# ----------------------------------------------------------------------------- chunk_step's cache
+
+
+def _cache_sized_ops(hlo: str, shape: str) -> list[tuple[str, str]]:
+    """(opcode, what it computes) of each instruction in the compiled program's while-loop bodies
+    (and what they call) that produces an array of ``shape`` other than by passing it along; a
+    fusion is named by its called computation's root opcode."""
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo):
+        m = re.match(r"(?:ENTRY )?%(\S+) ", block)
+        if m:
+            comps[m.group(1)] = block
+    root = lambda name: re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", comps[name]).group(1)
+    todo = [name for block in comps.values() for name in re.findall(r"while\(.*?body=%([\w.\-]+)", block)]
+    seen, found = set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name].splitlines()[1:]:
+            m = re.match(r"\s*(?:ROOT )?%\S+ = (\S+) ([\w\-]+)\(", line)
+            if not m or m.group(2) in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+                continue
+            if m.group(2) in ("while", "call", "conditional"):  # walked on their own
+                todo += re.findall(r"(?:body|to_apply)=%([\w.\-]+)", line)
+                todo += re.findall(r"%([\w.\-]+)", line.partition("branch_computations=")[2])
+            elif m.group(1).startswith(shape):
+                called = re.search(r"calls=%([\w.\-]+)", line)
+                found.append((m.group(2), root(called.group(1)) if called else m.group(2)))
+    return found
+
+
+@pytest.mark.quick
+def test_no_cache_copy_in_the_step_loop_on_the_llama():
+    """``chunk_step`` on a model other than the reference one (the Llama's decoder, which keeps the
+    interface's default: each step extends the loop-carried cache): in the compiled chunk loop of
+    ``sample_tokens`` the only instructions that produce a cache-sized array write a step's keys or
+    values into the cache in place (a scatter or a dynamic-update-slice, alone or as a fusion's
+    root), two per layer; no copy of the cache and nothing else rebuilds it."""
+    from jaxdecode.decoding import sampling as S
+
+    lm = model("llama")
+    m, B, C = lm.decoder, 4, 256
+    p = m.prepare(lm.params, B)
+    batch = S.make_batch([np.array([1, 2, 3])] * B, 10, m.V, m.T)
+    logits, cache = S._prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=m, capacity=C)
+    state = S.SamplingState(logits, jnp.asarray(batch.recent), jnp.asarray(batch.length), None,
+                            jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jnp.int32(0))
+    row_ids = jnp.zeros((B,), jnp.uint32)
+    hlo = S._cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), row_ids, None, np.int32(10),
+                               model=m, chunk=16, greedy=False).compile(
+        compiler_options={"xla_cpu_use_fusion_emitters": True}).as_text()
+    k = jax.tree_util.tree_leaves(cache)[0]
+    assert k.ndim == 4 and k.shape[0] == B and k.shape[2] == C  # [B, KV heads, C, head_dim]
+    ops = _cache_sized_ops(hlo, f"f32[{','.join(map(str, k.shape))}]")
+    assert len(ops) == 2 * m.cfg.L, ops
+    assert all(what in ("scatter", "dynamic-update-slice") for _, what in ops), ops
 
 
 # ----------------------------------------------------------------------------- 4. end token
