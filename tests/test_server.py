@@ -1100,3 +1100,29 @@ def test_sigterm_finishes_the_request_in_flight(processes, char_lm):
         assert "Traceback" not in "".join(server.stderr), server.tail()
     finally:
         server.kill()
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fields, defaults, want_rule, want_greedy", [
+    ({}, {}, {}, False),
+    ({}, {"temperature": 0.6, "top_p": 0.95, "top_k": 20}, {"temperature": 0.6, "top_k": 20, "top_p": 0.95}, False),
+    ({"temperature": 1.0}, {"temperature": 0.6, "top_k": 20}, {"top_k": 20}, False),  # the request's 1.0 wins
+    ({"top_k": -1}, {"top_k": 20}, {}, False),  # vLLM's "no top-k", set: it wins
+    ({"temperature": 0}, {"temperature": 0.6, "top_p": 0.9}, {}, True),  # greedy takes nothing from the folder
+    ({}, {"greedy": True, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}, True),  # do_sample: false
+    ({"top_p": 0.5}, {"greedy": True}, {"top_p": 0.5}, False),  # a sampling field turns it into sampling
+    ({"presence_penalty": 0.5}, {"temperature": 0.7}, {"presence_penalty": 0.5, "temperature": 0.7}, False),
+])
+def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(fields, defaults, want_rule, want_greedy):
+    """The folder's generation_config.json settings apply where the request sets nothing, as vLLM
+    applies them; a field the request sets wins, even at its neutral value."""
+    from jaxdecode.rules import make_rule
+    from jaxdecode.server.handlers import sampling
+    from jaxdecode.server.protocol import CompletionRequest
+
+    got = sampling(CompletionRequest(prompt="a", seed=1, **fields), 100, defaults)
+    assert got["greedy"] == want_greedy
+    assert repr(got["rule"]) == repr(make_rule(**want_rule) if want_rule else None)

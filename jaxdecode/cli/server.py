@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import signal
+import time
 
 
 def add_serve(sub) -> None:
@@ -43,6 +44,13 @@ def add_serve(sub) -> None:
                    help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
+    s.add_argument("--no-generation-config", action="store_true",
+                   help="ignore a Hugging Face folder's generation_config.json defaults (temperature, top-k, "
+                        "top-p, repetition penalty, do_sample), which apply to the fields a request leaves out")
+    s.add_argument("--warm-up", action="store_true",
+                   help="compile every program the engine can run before listening, so that no request "
+                        "waits for the compiler (about a minute for the shipped model on 2 CPU cores; with "
+                        "$JAX_COMPILATION_CACHE_DIR set, later starts read them back)")
     s.add_argument("--engine-thread", action="store_true",
                    help="run the engine in a thread of the server's process, not in a process of its own "
                         "(slower under load: the HTTP side and the engine's host work share one GIL)")
@@ -72,7 +80,7 @@ def cmd_serve(args):
     options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", slots=args.slots,
                    cache=args.cache, num_blocks=args.num_blocks, block_size=args.block_size,
                    kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-                   prefill_budget=args.prefill_budget, decode_steps=args.decode_steps)
+                   prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, warm_up=args.warm_up)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.ckpt)) if args.ckpt
                                       else "shakespeare-char")
     kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
@@ -83,14 +91,19 @@ def cmd_serve(args):
             engine = _engine(lm, options)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        server = Server(lm.vocab, engine, **kw)
+        server = Server(lm.vocab, engine, defaults=_defaults(lm, args), **kw)
+        compiled = engine.compiled_at_start
     else:  # the model is loaded in the engine's process only; it sends its vocabulary back
         runner = ProcessRunner(functools.partial(build_engine, options))
         try:
             runner.launch()
         except EngineStartError as e:
             raise UsageError(str(e)) from None
-        server = Server(runner.vocab, runner=runner, **kw)
+        server = Server(runner.vocab, runner=runner, defaults={} if args.no_generation_config else runner.defaults,
+                        **kw)
+        compiled = runner.compiled_at_start
+    if args.warm_up:
+        print(f"jaxdecode: warm-up compiled {compiled[0]} programs in {compiled[1]:.1f} s", flush=True)
     app = build_app(server)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -104,13 +117,25 @@ def cmd_serve(args):
     return 0
 
 
+def _defaults(lm, args) -> dict:
+    return {} if args.no_generation_config else dict(lm.generation_defaults)
+
+
 def _engine(lm, options: dict):
-    from jaxdecode.serving.engine import Engine
+    from jaxdecode.serving.engine import Engine, Request
     from jaxdecode.server.handlers import server_layout
 
     o = dict(options)
-    return Engine(lm, o.pop("slots"), layout=server_layout(lm.decoder.V),
-                  **{k: v for k, v in o.items() if k not in ("ckpt", "dtype")})
+    engine = Engine(lm, o.pop("slots"), layout=server_layout(lm.decoder.V),
+                    **{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "warm_up")})
+    engine.compiled_at_start = (0, 0.0)
+    if o.get("warm_up"):
+        # a request of every prompt length with the rest of the window to generate: every prompt
+        # piece, batch and span the engine can meet (constrained programs compile on first use)
+        start = time.perf_counter()
+        count = engine.warm_up([Request([0] * P, engine.T - P) for P in range(1, engine.T)])
+        engine.compiled_at_start = (count, time.perf_counter() - start)
+    return engine
 
 
 def build_engine(options: dict):
@@ -124,7 +149,7 @@ def build_engine(options: dict):
         lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"]))
     except UsageError as e:
         raise ValueError(str(e)) from None
-    return _engine(lm, options), lm.vocab
+    return _engine(lm, options), lm.vocab, dict(lm.generation_defaults)
 
 
 def _uvicorn_server():

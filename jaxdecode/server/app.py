@@ -41,8 +41,10 @@ class Server:
     or ``runner``: a launched runner of another kind (:class:`jaxdecode.server.core.ProcessRunner`)."""
 
     def __init__(self, vocab, engine=None, *, runner=None, model_name: str, api_key: str | None = None,
-                 chat_template=None, max_waiting: int | None = None):
+                 chat_template=None, max_waiting: int | None = None, defaults: dict | None = None):
         self.vocab, self.name = vocab, model_name
+        # the folder's generation_config.json settings, for the fields a request leaves out
+        self.defaults = dict(defaults or {})
         self.api_key, self.template, self.max_waiting = api_key, chat_template, max_waiting
         self.metrics = Metrics()
         if runner is None:

@@ -51,7 +51,7 @@ class ConstraintSpec:
 class ProcessRunner:
     """The server's side of the engine's process (see the module docstring); the interface of
     :class:`~jaxdecode.server.runner.EngineRunner`. ``build``: a picklable callable that returns
-    the engine, called in the new process; ``metrics``: a
+    the engine, the vocabulary and the model's generation defaults, called in the new process; ``metrics``: a
     :class:`~jaxdecode.server.metrics.Metrics`, or None."""
 
     def __init__(self, build, metrics=None):
@@ -67,7 +67,8 @@ class ProcessRunner:
         self.waiting = 0  # submitted, not yet taken by the engine
         self.queued = 0  # the engine's rows waiting for a slot, as of its last step
         self.running = 0
-        self.T = self.V = self.vocab = None  # the engine's window and vocabulary, once launched
+        # the engine's window and vocabulary, the model's generation defaults, once launched
+        self.T = self.V = self.vocab = self.defaults = None
 
     def launch(self, timeout: float = STARTUP_S):
         """Start the process and wait until its engine is built (before the server listens)."""
@@ -85,7 +86,7 @@ class ProcessRunner:
         if message[0] == "failed":
             self._proc.join(30)
             raise EngineStartError(message[1])
-        _, self.T, self.V, self.vocab = message
+        _, self.T, self.V, self.vocab, self.defaults, self.compiled_at_start = message
 
     def start(self):
         """Begin reading the engine's answers (on the running event loop)."""
@@ -187,14 +188,14 @@ def core_main(conn, build):
     for sig in (signal.SIGINT, signal.SIGTERM):  # the server stops it, after its requests, on a signal
         signal.signal(sig, signal.SIG_IGN)
     try:
-        engine, vocab = build()
+        engine, vocab, defaults = build()
     except Exception as e:  # noqa: BLE001 (a checkpoint error, options the engine refused, ...)
         known = isinstance(e, (ValueError, OSError))
         if not known:
             log.debug("building the engine failed", exc_info=True)
         conn.send(("failed", str(e) if known else f"the engine could not be built: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.T, engine.V, vocab))
+    conn.send(("ready", engine.T, engine.V, vocab, defaults, getattr(engine, "compiled_at_start", (0, 0.0))))
     loop, stopping = EngineLoop(engine), False
     while True:
         try:

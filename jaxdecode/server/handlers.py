@@ -14,6 +14,7 @@ import time
 import uuid
 import weakref
 
+from jaxdecode.decoding.common import default_settings
 from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
 from jaxdecode.rules import NEUTRAL, RuleError, make_rule
 from jaxdecode.serving.engine import Request
@@ -32,23 +33,37 @@ def server_layout(V: int):
     return make_rule(**{name: V if NEUTRAL[name] == "V" else NEUTRAL[name] for name in LAYOUT})
 
 
-def sampling(body, V: int) -> dict:
-    """The engine settings of a request's sampling fields: ``rule``, ``greedy`` and ``seed``."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    greedy = temperature == 0.0
-    settings = dict(
-        repetition_penalty=None if body.repetition_penalty in (None, 1.0) else body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty or None, presence_penalty=body.presence_penalty or None,
-        temperature=None if greedy or temperature == 1.0 else temperature,
-        top_k=body.top_k if body.top_k not in (None, -1, 0) and body.top_k < V else None,
-        top_p=None if body.top_p in (None, 1.0) else body.top_p,
-        min_p=body.min_p or None)
+def sampling(body, V: int, defaults: dict | None = None) -> dict:
+    """The engine settings of a request's sampling fields: ``rule``, ``greedy`` and ``seed``.
+    ``defaults``: the model folder's ``generation_config.json`` settings
+    (:func:`~jaxdecode.decoding.common.default_settings`), which apply to the fields the request
+    leaves out (as vLLM applies them)."""
+    top_k = body.top_k
+    if top_k is not None and (top_k in (-1, 0) or top_k >= V):
+        top_k = V  # "no top-k", set: it wins over a folder's top_k
+    asked = dict(repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+                 presence_penalty=body.presence_penalty, temperature=body.temperature, top_k=top_k,
+                 top_p=body.top_p, min_p=body.min_p)
+    greedy = body.temperature == 0.0
+    if greedy:
+        asked["temperature"] = None
+    settings, greedy = default_settings(_Defaults(defaults), asked, greedy)
+    # each setting at its neutral value leaves the logits unchanged: left out of the chain
+    neutral = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, temperature=1.0,
+                   top_k=V, top_p=1.0, min_p=0.0)
+    settings = {k: (None if greedy and k == "temperature" or v == neutral[k] else v)
+                for k, v in settings.items() if k in neutral}
     try:
         rule = make_rule(**settings)
     except (RuleError, ValueError) as e:
         raise APIError(400, str(e)) from None
     seed = secrets.randbelow(2**31) if body.seed is None else body.seed
     return dict(rule=rule, greedy=greedy, seed=seed)
+
+
+class _Defaults:  # what default_settings reads: a model's generation_defaults
+    def __init__(self, defaults):
+        self.generation_defaults = dict(defaults or {})
 
 
 def stops(body) -> list[str]:

@@ -16,7 +16,7 @@ from jaxdecode.server.protocol import APIError, ChatRequest, CompletionRequest
 
 
 def _requests(server, body, prompts, n_new, top, stop, field) -> list[Request]:
-    settings = H.sampling(body, server.V)
+    settings = H.sampling(body, server.V, server.defaults)
     constraint = H.constraint(body, server.vocab)
     stop = H.writable_stops(stop, server.vocab)
     out = []
