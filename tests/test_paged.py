@@ -1,6 +1,9 @@
 """The paged KV cache: the host-side block allocator (property test over 1,000 random requests with
-a simulated device pool), paged attention on every implementation against dense attention, the
-paged decoding model against the dense one in the decoding loops, and the serving operations."""
+a simulated device pool), paged attention on every implementation against attention written out
+plainly here (one row, head and query at a time, keys read through the tables one position at a
+time), the paged decoding model against the dense one in the decoding loops, and the serving
+operations against a plain numpy forward of each sequence. The references share no code with the
+model: a bug in its attention (which the dense model shares) fails them."""
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +337,19 @@ def test_allocator_property_random_requests():
 # ----------------------------------------------------------------------------- paged attention
 
 
+def _through_tables(pool, tables, length):
+    """Each row's first ``length`` positions read one at a time through its table: position ``t``
+    of row ``b`` is offset ``t % block_size`` of block ``tables[b, t // block_size]``.
+    ``[B, H, length, D]``."""
+    pool, tables = np.asarray(pool), np.asarray(tables)
+    bs = pool.shape[2]
+    out = np.zeros((tables.shape[0], pool.shape[1], length, pool.shape[3]), pool.dtype)
+    for b in range(tables.shape[0]):
+        for t in range(length):
+            out[b, :, t] = pool[tables[b, t // bs], :, t % bs]
+    return out
+
+
 def _layout(rng, lengths, H, D, bs, Mb, spare=3):
     """A random pool and tables in shuffled block order holding rows of ``lengths`` positions, and
     the same keys and values as a dense cache ``[B, H, Mb * bs, D]``."""
@@ -343,8 +359,7 @@ def _layout(rng, lengths, H, D, bs, Mb, spare=3):
     tables = perm[:B * Mb].reshape(B, Mb).astype(np.int32)
     k_pool = rng.normal(size=(N, H, bs, D)).astype(np.float32)
     v_pool = rng.normal(size=(N, H, bs, D)).astype(np.float32)
-    k_dense = k_pool[tables].transpose(0, 2, 1, 3, 4).reshape(B, H, Mb * bs, D)
-    v_dense = v_pool[tables].transpose(0, 2, 1, 3, 4).reshape(B, H, Mb * bs, D)
+    k_dense, v_dense = _through_tables(k_pool, tables, Mb * bs), _through_tables(v_pool, tables, Mb * bs)
     # garbage in the table past each row's blocks must not matter
     used = -(-np.asarray(lengths) // bs)
     for b in range(B):
@@ -353,9 +368,28 @@ def _layout(rng, lengths, H, D, bs, Mb, spare=3):
 
 
 def _dense_attention(q, k, v, lim, scale):
-    visible = M.visible_below(k.shape[2], lim)
-    out = M.attend(jnp.asarray(q), [(jnp.asarray(k), jnp.asarray(v), visible)], scale)
-    return np.where(np.asarray(lim)[:, None, :, None] > 0, np.asarray(out), 0.0)
+    """Attention written plainly, in float64, one row, head and query at a time: query ``s`` of row
+    ``b`` sees positions ``t < lim[b, s]`` of its row's dense keys and values (``k, v``
+    ``[B, H, T, D]``; at most the ``T`` there are); softmax of the scaled dot products, the
+    weighted sum of the values; zeros for a query that sees nothing."""
+    q, k, v, lim = (np.asarray(a, np.float64) for a in (q, k, v, lim))
+    B, H, S, D = q.shape
+    out = np.zeros((B, H, S, D))
+    for b in range(B):
+        for h in range(H):
+            for s in range(S):
+                n = min(int(lim[b, s]), k.shape[2])
+                if n <= 0:
+                    continue
+                z = np.array([q[b, h, s] @ k[b, h, t] for t in range(n)]) * scale
+                w = np.exp(z - z.max())
+                out[b, h, s] = sum(w[t] * v[b, h, t] for t in range(n)) / w.sum()
+    return out
+
+
+def _last(lengths, S):
+    """``[B, S]``: the positions each of a row's last ``S`` queries sees (causal among them)."""
+    return np.asarray(lengths)[:, None] - S + 1 + np.arange(S)[None, :]
 
 
 @pytest.mark.parametrize("impl", ["portable", "native", "pallas"])
@@ -373,7 +407,8 @@ def test_paged_attention_matches_dense(impl):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
     # S new positions per row, causal among themselves (chunked prefill), and a query that sees nothing
     q4 = rng.normal(size=(B, H, S, D)).astype(np.float32)
-    lim = np.array(query_limits(jnp.asarray(lengths + S - 1), S))
+    lim = _last(lengths + S - 1, S)
+    np.testing.assert_array_equal(query_limits(jnp.asarray(lengths + S - 1), S), lim)
     lim[0, 0] = 0
     out = paged_attention(jnp.asarray(q4), kp, vp, tables, jnp.asarray(lim), impl=impl)
     ref = _dense_attention(q4, kd, vd, jnp.asarray(lim), scale)
@@ -382,7 +417,7 @@ def test_paged_attention_matches_dense(impl):
     # lengths [B]: the queries are each row's last S positions
     L = np.minimum(lengths + S - 1, Mb * bs)
     out = paged_attention(jnp.asarray(q4), kp, vp, tables, jnp.asarray(L), impl=impl)
-    ref = _dense_attention(q4, kd, vd, query_limits(jnp.asarray(L), S), scale)
+    ref = _dense_attention(q4, kd, vd, _last(L, S), scale)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
 
 
@@ -426,7 +461,7 @@ def test_int8_pool_attention_matches_dequantized_dense(impl):
     assert isinstance(kp, Int8Blocks) and kp.q.dtype == jnp.int8
     kd, vd = _np_quantized(k)[0].astype(np.float32), _np_quantized(v)[0].astype(np.float32)
     q4 = rng.normal(size=(B, H, S, D)).astype(np.float32)
-    lim = np.array(query_limits(jnp.asarray(lengths + S - 1), S))
+    lim = _last(lengths + S - 1, S)
     lim[3, 0] = 0  # a query that sees nothing: zeros
     out = paged_attention(jnp.asarray(q4), kp, vp, jnp.asarray(tables), jnp.asarray(lim), impl=impl)
     ref = _dense_attention(q4, kd, vd, jnp.asarray(lim), 1 / np.sqrt(D))
@@ -567,7 +602,37 @@ def test_reorder_truncate_extend_match_dense(models):
         sum(np.asarray(cb.length) // bs))
 
 
-_forward = jax.jit(M.forward, static_argnums=1)
+def _plain_forward(params, cfg, tokens):
+    """The character model's logits at every position of one sequence, written out in numpy
+    (float64, one position and head at a time): token and position embeddings; per layer a
+    pre-norm causal self-attention and a pre-norm GELU feed-forward, each added to its input; the
+    final LayerNorm; logits against the token embeddings."""
+    from scipy.special import erf
+
+    P = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+
+    def ln(x, p):
+        m, var = x.mean(-1, keepdims=True), ((x - x.mean(-1, keepdims=True)) ** 2).mean(-1, keepdims=True)
+        return (x - m) / np.sqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+    dense = lambda x, p: x @ p["kernel"] + p["bias"]
+    t, H, hd = len(tokens), cfg.heads, cfg.d // cfg.heads
+    h = P["tok"]["embedding"][np.asarray(tokens)] + P["pos"]["embedding"][:t]
+    for i in range(cfg.L):
+        b = P[f"block_{i}"]
+        qkv = dense(ln(h, b["ln1"]), b["attn"]["qkv"]).reshape(t, 3, H, hd)
+        out = np.zeros((t, H, hd))
+        for s in range(t):
+            for j in range(H):
+                z = np.array([qkv[s, 0, j] @ qkv[u, 1, j] for u in range(s + 1)]) / np.sqrt(hd)
+                w = np.exp(z - z.max())
+                out[s, j] = (w / w.sum()) @ qkv[:s + 1, 2, j]
+        h = h + dense(out.reshape(t, H * hd), b["attn"]["proj"])
+        x = dense(ln(h, b["ln2"]), b["ff1"])
+        h = h + dense(0.5 * x * (1 + erf(x / np.sqrt(2))), b["ff2"])
+    return ln(h, P["ln"]) @ P["tok"]["embedding"].T
+
+
 _pool_prefill = jax.jit(PagedCharLM.pool_prefill, static_argnums=0)
 
 
@@ -576,7 +641,8 @@ def test_serving_operations(models, attention):
     """What an engine does: allocate blocks on the host, prefill a request into its blocks, reuse a
     cached prefix (the rest of that prompt as one chunk), chunked prefill beside other rows, fork
     beams with copy on write, batched decode steps through the tables, idle slots; every pass
-    is one program of 5 slots x 5 positions, checked against the dense forward of each sequence."""
+    is one program of 5 slots x 5 positions, checked against a plain numpy forward of each
+    sequence (written in this file: no code of the model's)."""
     cfg, params, _ = models
     bs, width = 4, 5
     model = PagedCharLM(cfg, block_size=bs, attention=attention)
@@ -585,10 +651,8 @@ def test_serving_operations(models, attention):
     rng = np.random.default_rng(4)
     slots = ["a", "b", "c", "b1", "b2"]
 
-    def ref(tokens):  # dense logits at every position of a sequence (causal: padding is harmless)
-        padded = np.zeros((1, cfg.T), np.int32)
-        padded[0, :len(tokens)] = tokens
-        return np.asarray(_forward(params, cfg, jnp.asarray(padded)))[0, :len(tokens)]
+    def ref(tokens):  # the logits at every position of a sequence, by the plain forward
+        return _plain_forward(params, cfg, tokens)
 
     step = jax.jit(model.pool_forward)
 

@@ -206,7 +206,6 @@ def _cache_sized_ops(hlo: str, shape: str) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.quick
 def test_no_cache_copy_in_the_step_loop_on_the_llama():
     """``chunk_step`` on a model other than the reference one (the Llama's decoder, which keeps the
     interface's default: each step extends the loop-carried cache): in the compiled chunk loop of

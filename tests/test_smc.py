@@ -442,7 +442,6 @@ def schema_case(tiny_model):
     return lm, C.compile_json_schema(SCHEMA, lm.vocab), b
 
 
-@pytest.mark.quick
 def test_json_schema_in_smc(schema_case):
     """A JSON schema conditions SMC as a pattern does: the exact conditional is the brute force's
     over the strings the schema's regex matches, and without resampling each particle is one of
