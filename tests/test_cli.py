@@ -972,6 +972,7 @@ def test_serve_bench_engine_flags_change_no_text(tiny_ckpt, tiny_corpus, tmp_pat
     (["--prefill-budget", "0"], "--prefill-budget must be an integer >= 1, got 0"),
     (["--step-model", "missing.json"], "cannot read a step-time model from missing.json"),
     (["--admit-batch", "two"], "--admit-batch: invalid int value: 'two'"),
+    (["--no-overlap=yes"], "--no-overlap: ignored explicit argument 'yes'"),
 ])
 def test_serve_bench_bad_engine_flags_are_one_line(tiny_ckpt, tiny_corpus, capsys, flags, message):
     assert main(BENCH + ["--ckpt", tiny_ckpt, "--data", tiny_corpus, "--simulate"] + flags) == 2
