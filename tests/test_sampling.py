@@ -474,3 +474,18 @@ def test_no_cache_copy_in_the_step_loop(backend):
         compiler_options=LIBRARY_COMPILER).as_text()
     assert _loop_body_ops(hlo, f"f32[{B},{cfg.heads},{C},{cfg.head_dim}]") == []
     assert ("jaxdecode_decode_layer" in hlo) == (backend == "native")
+
+
+@pytest.mark.quick
+def test_sample_keys_are_prngkey_of_each_seed():
+    """sample_keys builds the keys on the host; each must be jax.random.PRNGKey of its seed, the
+    seeds at the edges of 32 and 64 bits and negative ones included."""
+    from jaxdecode.decoding.common import sample_keys
+
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 7, 2**63 - 1, -1, -5, -(2**31), -(2**63),
+             np.int64(7), np.uint32(9)] + [int(x) for x in rng.integers(-(2**63), 2**63 - 1, 20)]
+    keys, row_ids = sample_keys(len(seeds), 2, seeds)
+    want = np.stack([np.asarray(jax.random.PRNGKey(int(s))) for s in seeds for _ in range(2)])
+    assert np.asarray(keys).dtype == want.dtype and np.array_equal(np.asarray(keys), want)
+    assert row_ids.tolist() == [0, 1] * len(seeds)

@@ -161,11 +161,23 @@ def sample_keys(n_prompts: int, num_samples: int, seed=0, key=None):
         for s in seeds:
             if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not -2**63 <= s < 2**64:
                 raise ValueError(f"a seed must be an integer, got {s!r}")
-        distinct = list(dict.fromkeys(int(s) for s in seeds))
-        base = jnp.stack([jax.random.PRNGKey(s) for s in distinct])
-        index = {s: i for i, s in enumerate(distinct)}
-        keys = base[np.repeat([index[int(s)] for s in seeds], num_samples)]
+        seeds = [int(s) for s in seeds]
+        if _plain_keys() and all(s < 2**63 for s in seeds):
+            # PRNGKey(s) without a device call per seed: threefry's key of a seed held as a 32-bit
+            # integer is [0, its low 32 bits] (tests/test_sampling.py checks it against PRNGKey)
+            keys = jnp.asarray(np.repeat(np.array([[0, s & 0xFFFFFFFF] for s in seeds], np.uint32),
+                                         num_samples, axis=0))
+        else:
+            distinct = list(dict.fromkeys(seeds))
+            base = jnp.stack([jax.random.PRNGKey(s) for s in distinct])
+            index = {s: i for i, s in enumerate(distinct)}
+            keys = base[np.repeat([index[s] for s in seeds], num_samples)]
     return keys, np.tile(np.arange(num_samples), n_prompts)
+
+
+def _plain_keys() -> bool:
+    """Whether PRNGKey makes raw threefry keys from 32-bit seeds (JAX's defaults)."""
+    return not jax.config.jax_enable_x64 and str(jax.config.jax_default_prng_impl) == "threefry2x32"
 
 
 class _Incremental:
