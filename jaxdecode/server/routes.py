@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from jaxdecode.serving.engine import Request
@@ -114,7 +115,7 @@ async def completions(body: CompletionRequest, request: HTTPRequest):
              "logprobs": None if body.logprobs is None else _completion_logprobs(
                  vocab, c.tokens, c.logprobs, c.top, 0, True)}
             for i, c in enumerate(choices)], usage=_usage(prompt_tokens, choices))
-        return body_out
+        return JSONResponse(body_out)  # (a dict would go through FastAPI's jsonable_encoder first)
 
     choices = [_Choice() for _ in range(len(reqs) * N)]
     offsets = [0] * len(choices)
@@ -227,10 +228,10 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest):
         for _, deltas in out:
             for d in deltas:
                 choices[d.sample].add(d)
-        return dict(head, choices=[
+        return JSONResponse(dict(head, choices=[
             {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish,
              "logprobs": _chat_logprobs(vocab, c.tokens, c.logprobs, c.top, top > 0) if body.logprobs else None}
-            for i, c in enumerate(choices)], usage=_usage(len(tokens), choices))
+            for i, c in enumerate(choices)], usage=_usage(len(tokens), choices)))
 
     head = dict(head, object="chat.completion.chunk")
     choices = [_Choice() for _ in range(N)]
