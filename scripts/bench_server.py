@@ -10,8 +10,17 @@ For each arrival rate, the same requests (prompts, lengths, seeds) are served tw
 - **server**: ``jaxdecode serve`` in a subprocess on 127.0.0.1, one streaming HTTP client per
   request (httpx, asyncio) sent at its arrival time; a token's time is when its chunk arrives.
 
+Each rate runs ``--rounds`` times, the two arms alternating (the machine's load drifts). Every
+arm's CPU time is counted per process (the benchmark's own, which runs the clients or the
+in-process engine; the server's HTTP process; its engine process), per generated token.
+
+``--pin`` adds a saturation row with the engine on CPU 0 in both arms (the in-process engine, and
+the server's engine process) and everything else (the server's HTTP process, the clients) on
+CPU 1: the server's cost when the engine has the same core to itself in both arms.
+
 Then ``--clients`` (default 256) concurrent streaming clients at once, each checked to complete
-with no error. Every loop is bounded in count and time. The server is started and stopped here.
+with no error. Every loop is bounded in count and time. The server is started (``--warm-up``: no
+compiling inside a timed run) and stopped here.
 """
 
 from __future__ import annotations
@@ -42,13 +51,21 @@ def make_requests(count: int, rate: float, seed: int, n_range=(32, 128)):
                  seed=int(rng.integers(1 << 30)), arrival=float(arrivals[i])) for i in range(count)]
 
 
+_ENGINES: dict = {}
+
+
 def engine_run(lm, reqs, slots: int) -> dict:
+    """The requests through one in-process engine (kept across calls), its programs compiled
+    first; CPU time counted around the run alone."""
     from jaxdecode.serving.engine import Engine, Request
     from jaxdecode.server.handlers import server_layout
 
-    engine = Engine(lm, slots, layout=server_layout(lm.decoder.V))
-    engine.run([Request(r["prompt"], r["n"], seed=r["seed"]) for r in reqs[:slots]])  # warm
-    report = engine.run([Request(r["prompt"], r["n"], seed=r["seed"], arrival=r["arrival"]) for r in reqs])
+    if slots not in _ENGINES:
+        _ENGINES[slots] = Engine(lm, slots, layout=server_layout(lm.decoder.V))
+    engine = _ENGINES[slots]
+    engine.warm_up([Request(r["prompt"], r["n"], seed=r["seed"]) for r in reqs])
+    with CPUClock({"bench (engine)": os.getpid()}) as clock:
+        report = engine.run([Request(r["prompt"], r["n"], seed=r["seed"], arrival=r["arrival"]) for r in reqs])
     res = report.results
     tokens = sum(r.tokens for r in res)
     span = max(r.finish for r in res) - min(r.arrival for r in res)
@@ -58,7 +75,7 @@ def engine_run(lm, reqs, slots: int) -> dict:
             itl.append(r.tpot)
     return {"tokens": tokens, "seconds": span, "throughput": tokens / span,
             "ttft": _pct([r.ttft for r in res]), "itl_mean_per_request": _pct(itl),
-            "texts": [g.text for r in res for g in r.outputs]}
+            "cpu_us_per_token": clock.per_token_us(tokens), "texts": [g.text for r in res for g in r.outputs]}
 
 
 def _pct(values) -> dict:
@@ -84,6 +101,9 @@ async def _client(http, base, r, t0, out, timeout):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if "error" in chunk:  # the server's error event ends the stream
+                        error = f"error event: {chunk['error'].get('message')}"
+                        break
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     if not chunk["choices"]:
@@ -122,11 +142,56 @@ def server_run(base, reqs, timeout=600.0, limit=512) -> dict:
             "itl": _pct(itl), "texts": {o["i"]: o["text"] for o in out}}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_process(server_pid: int) -> int | None:
+    """The server's engine process (multiprocessing's resource tracker is a child too), or None."""
+    try:
+        with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+            children = [int(x) for x in f.read().split()]
+        return next((c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()), None)
+    except OSError:
+        return None
+
+
+def pin(pid: int, cpus: set):
+    """Every thread of process ``pid`` onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # (a thread that has just ended)
+            pass
+
+
+class CPUClock:
+    """CPU seconds per generated token of each process of an arm, around a timed run."""
+
+    def __init__(self, pids: dict):
+        self.pids = {k: v for k, v in pids.items() if v is not None}
+
+    def __enter__(self):
+        self.start = {k: _cpu_seconds(p) for k, p in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc):
+        self.used = {k: _cpu_seconds(p) - self.start[k] for k, p in self.pids.items()}
+
+    def per_token_us(self, tokens: int) -> dict:
+        return {k: round(1e6 * v / max(1, tokens), 1) for k, v in self.used.items()}
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "jaxdecode.cli", "serve", "--port", "0", "--slots", str(args.slots)]
+    cmd = [sys.executable, "-m", "jaxdecode.cli", "serve", "--port", "0", "--slots", str(args.slots), "--warm-up"]
     cmd += ["--ckpt", args.ckpt] if args.ckpt else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
+    # the server's log to a file (a pipe nobody reads would fill and stall it)
+    log = open(getattr(args, "server_log", None) or os.devnull, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    deadline = time.time() + 900
     while time.time() < deadline:
         line = proc.stdout.readline()
         if "serving" in line and "http://" in line:
@@ -155,25 +220,47 @@ def main():
     p.add_argument("--rates", default="2,8,0", help="arrival rates per second; 0: all at once (saturation)")
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="runs of each rate, the arms alternating")
+    p.add_argument("--pin", action="store_true",
+                   help="also saturation with the engine on CPU 0 in both arms, the rest on CPU 1")
     p.add_argument("--out", default="bench_server.json")
+    p.add_argument("--server-log", default=None, help="write the server's log (stderr) here")
     args = p.parse_args()
     import jaxdecode
 
+    load_before = os.getloadavg()
     lm = jaxdecode.load(args.ckpt)
     proc, base = start_server(args)
+    core = engine_process(proc.pid)
+    me = os.getpid()
     rows = []
     try:
-        server_run(base, make_requests(args.slots, 0, args.seed + 99))  # warm the server's programs
-        for rate in [float(x) for x in args.rates.split(",")]:
+        server_run(base, make_requests(args.slots, 0, args.seed + 99))  # (warm: the HTTP side too)
+        plan = [(float(x), False) for x in args.rates.split(",")] + ([(0.0, True)] if args.pin else [])
+        for rate, pinned in plan:
             reqs = make_requests(args.requests, rate, args.seed)
-            eng = engine_run(lm, reqs, args.slots)
-            srv = server_run(base, reqs)
-            same = sum(srv["texts"].get(r["i"]) == t for r, t in zip(reqs, eng["texts"]))
-            eng.pop("texts"), srv.pop("texts")
-            rows.append({"rate": rate, "engine": eng, "server": srv, "same_texts": same, "requests": len(reqs),
-                         "throughput_ratio": srv["throughput"] / eng["throughput"],
-                         "ttft_p50_gap_ms": 1e3 * (srv["ttft"]["p50"] - eng["ttft"]["p50"])})
-            print(json.dumps(rows[-1]), flush=True)
+            if pinned:
+                pin(proc.pid, {1}), pin(core, {0})
+            for round_ in range(args.rounds):
+                if pinned:
+                    pin(me, {0})
+                eng = engine_run(lm, reqs, args.slots)
+                if pinned:
+                    pin(me, {1})
+                with CPUClock({"bench (clients)": me, "server http": proc.pid, "server engine": core}) as cs:
+                    srv = server_run(base, reqs)
+                same = sum(srv["texts"].get(r["i"]) == t for r, t in zip(reqs, eng["texts"]))
+                eng.pop("texts"), srv.pop("texts")
+                srv["cpu_us_per_token"] = cs.per_token_us(srv["tokens"])
+                rows.append({"rate": rate, "pinned": pinned, "round": round_, "engine": eng, "server": srv,
+                             "same_texts": same, "requests": len(reqs),
+                             "throughput_ratio": srv["throughput"] / eng["throughput"],
+                             "ttft_p50_gap_ms": 1e3 * (srv["ttft"]["p50"] - eng["ttft"]["p50"]),
+                             "load": os.getloadavg()[0]})
+                print(json.dumps(rows[-1]), flush=True)
+        pin(me, set(range(os.cpu_count()))), pin(proc.pid, set(range(os.cpu_count())))
+        if core is not None:
+            pin(core, set(range(os.cpu_count())))
         many = server_run(base, make_requests(args.clients, 0, args.seed + 7, (16, 48)))
         many.pop("texts")
         clients = {"clients": args.clients, **many}
@@ -181,7 +268,7 @@ def main():
     finally:
         code = stop_server(proc)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "load_before": os.getloadavg(), "ckpt": args.ckpt or "shakespeare-char", "slots": args.slots,
+              "load_before": load_before, "ckpt": args.ckpt or "shakespeare-char", "slots": args.slots,
               "rates": rows, "concurrent_clients": clients, "server_exit_code": code}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,5 +1,5 @@
 """A long soak of the server with clients that leave: every block must come back and the server's
-memory must stay flat.
+memory must stay flat (the HTTP process's and the engine process's, together).
 
     python scripts/soak_server.py --minutes 10 --out docs/soak_server.json
 
@@ -25,9 +25,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_server import PROMPTS, stop_server  # noqa: E402
+from bench_server import PROMPTS, engine_process, stop_server  # noqa: E402
 
 _cmd_default = ["--slots", "16", "--cache", "paged"]
+
+
+def server_rss_mb(pid: int, core: int | None) -> float:
+    """The server's resident memory: its process and its engine's process."""
+    return rss_mb(pid) + (rss_mb(core) if core is not None else 0.0)
 
 
 def rss_mb(pid: int) -> float:
@@ -76,6 +81,7 @@ async def worker(http, base, deadline, rng: random.Random, counts):
 async def soak(base, proc, minutes, clients, every, seed):
     import httpx
 
+    core = engine_process(proc.pid)
     counts = {"done": 0, "left": 0, "failed": 0}
     samples = []
     start = time.perf_counter()
@@ -84,7 +90,7 @@ async def soak(base, proc, minutes, clients, every, seed):
         tasks = [asyncio.ensure_future(worker(http, base, deadline, random.Random(seed + k), counts))
                  for k in range(clients)]
         while time.perf_counter() < deadline:
-            samples.append((time.perf_counter() - start, rss_mb(proc.pid)))
+            samples.append((time.perf_counter() - start, server_rss_mb(proc.pid, core)))
             await asyncio.sleep(every)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
         metrics = ""
@@ -93,7 +99,7 @@ async def soak(base, proc, minutes, clients, every, seed):
             if metric(metrics, "jaxdecode_requests_running") == 0 and metric(metrics, "jaxdecode_kv_blocks_used") == 0:
                 break
             await asyncio.sleep(0.2)
-    samples.append((time.perf_counter() - start, rss_mb(proc.pid)))
+    samples.append((time.perf_counter() - start, server_rss_mb(proc.pid, core)))
     return counts, samples, metrics
 
 
