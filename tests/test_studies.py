@@ -203,10 +203,10 @@ def test_cost_study_small(tiny, tmp_path, monkeypatch):
         work.append(("prefill", model.backend, np.asarray(lengths).tolist()))
         return real_prefill(params, tokens, lengths, model=model, capacity=capacity)
 
-    real_best_time, real_sample_tokens, real_prefill = cost.best_time, cost.sample_tokens, cost._prefill
+    real_best_time, real_sample_tokens, real_prefill = cost.best_time, cost.sample_tokens, cost.prefill
     monkeypatch.setattr(cost, "best_time", spy_timer)
     monkeypatch.setattr(cost, "sample_tokens", spy_sample_tokens)
-    monkeypatch.setattr(cost, "_prefill", spy_prefill)
+    monkeypatch.setattr(cost, "prefill", spy_prefill)
     n, batch_sizes, lengths, lat_batches, P = 4, (1, 2), (4, 8), (1,), 4
     res = cost.run(tiny, tmp_path, n=n, batch_sizes=batch_sizes, prompt_lengths=lengths, latency_batches=lat_batches,
                    throughput_prompt=P, repeats=1, progress=False)
