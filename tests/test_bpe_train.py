@@ -1,0 +1,172 @@
+"""``jaxdecode train --arch llama``: a Llama over a byte-level BPE vocabulary, written as a Hugging
+Face folder that transformers loads and decodes as jaxdecode does.
+
+The reference is transformers itself: ``scripts/make_bpe_fixtures.py`` loaded the committed folder
+``tests/fixtures/bpe/llama`` (written by the training command in that script's docstring, on the
+small text ``tests/fixtures/bpe/speeches.txt``) and stored its tokenization, logits, greedy tokens
+and chat-template renderings. Training runs here on the same small text, never on the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode.cli.app import main
+from jaxdecode.models import checkpoint
+
+FIX = Path(__file__).parent / "fixtures" / "bpe"
+FOLDER = FIX / "llama"
+TEXT = FIX / "speeches.txt"
+# the fixture's training command (scripts/make_bpe_fixtures.py), as arguments after the folder
+ARGS = ["--arch", "llama", "--data", str(TEXT), "--d", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--T", "64", "--batch", "4", "--steps", "200", "--warmup", "10", "--vocab-size", "300",
+        "--eval-every", "100", "--eval-windows", "4", "--lr", "1e-2", "--quiet"]
+
+pytestmark = pytest.mark.xdist_group("bpe_train")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    meta = json.loads((FIX / "llama.json").read_text())
+    return meta, dict(np.load(FIX / "llama.npz"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return checkpoint.load(FOLDER)
+
+
+@pytest.mark.quick
+def test_tokens_and_logits_equal_transformers(lm, ref):
+    meta, arrays = ref
+    for i, prompt in enumerate(meta["prompts"]):
+        ids = lm.vocab.encode(prompt).tolist()
+        assert ids == meta["prompt_ids"][i], prompt
+        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+        np.testing.assert_allclose(np.asarray(logits[0]), arrays[f"logits_{i}"], atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_equal_transformers(lm, ref):
+    """40 greedy tokens per prompt in one ragged batch, ending where transformers' generate ends
+    (at the end token the folder names, kept in the tokens and not in the text)."""
+    meta, _ = ref
+    assert min(meta["min_gap"]) > 1e-3  # the fixture's argmaxes are not ties
+    assert lm.eos_ids == (meta["eos_token_id"],)
+    outs = jaxdecode.generate(lm, meta["prompts"], n=40, greedy=True)
+    for out, want in zip(outs, meta["greedy"]):
+        assert out.tokens.tolist() == want
+        ends = want[-1] == meta["eos_token_id"]
+        assert out.finish_reason == ("eos" if ends else "length")
+        assert out.text == lm.vocab.decode(want[:-1] if ends else want)
+
+
+def test_chat_template_renders_as_transformers(ref):
+    from jaxdecode.server.chat import ChatTemplateError, load_chat_template
+
+    meta, _ = ref
+    template = load_chat_template(FOLDER)
+    vocab = checkpoint.load(FOLDER).vocab
+    for row in meta["chat"]:
+        for gen in (False, True):
+            kind = "gen" if gen else "plain"
+            text = template.render(row["messages"], add_generation_prompt=gen)
+            assert text == row[f"text_{kind}"]
+            assert vocab.encode(text).tolist() == row[f"ids_{kind}"]
+    with pytest.raises(ChatTemplateError, match="user \\(ROMEO\\) and assistant \\(JULIET\\)"):
+        template.render(meta["refused"]["messages"])
+    assert meta["refused"]["error"] in str(pytest.raises(ChatTemplateError, template.render,
+                                                         meta["refused"]["messages"]).value)
+
+
+def test_training_writes_the_fixture_folder(tmp_path, lm):
+    """The fixture's command, run again: the same tokenizer and config, weights equal to float
+    noise (the same program on the same seed), and a folder that loads."""
+    out = tmp_path / "llama"
+    assert main(["train", str(out), *ARGS]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_text() == (FOLDER / name).read_text(), name
+    mine, theirs = (json.loads((f / "config.json").read_text()) for f in (out, FOLDER))
+    for c in (mine, theirs):
+        c["training"].pop("wall_time_s")
+    assert abs(mine["training"].pop("held_out_loss") - theirs["training"].pop("held_out_loss")) < 1e-3
+    curves = [np.asarray(c["training"].pop("loss_curve")) for c in (mine, theirs)]
+    np.testing.assert_allclose(curves[0], curves[1], atol=1e-3)
+    mine["training"].pop("train_loss"), theirs["training"].pop("train_loss")
+    assert mine == theirs
+    again = checkpoint.load(out)
+    for a, b in zip(jax_leaves(again.params), jax_leaves(lm.params)):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    from jaxdecode.models.charlm.train import STATE_FILE, TrainConfig, train
+
+    tc = TrainConfig(arch="llama", d=16, L=1, heads=2, T=16, batch=2, steps=6, warmup=1, eval_every=2,
+                     eval_windows=2, vocab_size=270, lr=1e-2)
+    whole = train(tmp_path / "whole", tc, data_path=TEXT, progress=False, log=lambda *_: None)
+    train(tmp_path / "split", tc, data_path=TEXT, progress=False, stop_after=3, log=lambda *_: None)
+    assert (tmp_path / "split" / STATE_FILE).is_file()
+    split = train(tmp_path / "split", tc, data_path=TEXT, resume=True, progress=False, log=lambda *_: None)
+    assert split == whole
+    a, b = (checkpoint.load(tmp_path / f) for f in ("whole", "split"))
+    for x, y in zip(jax_leaves(a.params), jax_leaves(b.params)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_held_out_loss_is_nats_per_character(lm):
+    """The recorded held-out loss, recomputed by a plain loop: each window's targets scored one
+    position at a time, divided by the characters of their text (the end token standing for
+    the blank line it replaced)."""
+    from jaxdecode.io import data as data_lib
+    from jaxdecode.models.training import TrainConfig
+
+    meta = json.loads((FOLDER / "config.json").read_text())["training"]
+    tc = TrainConfig(**meta["train_config"])
+    _, val = data_lib.split(TEXT.read_text())
+    eos = lm.eos_ids[0]
+    stream = []
+    for speech in val.split("\n\n"):
+        if speech:
+            stream += lm.vocab.encode(speech).tolist() + [eos]
+    windows = data_lib.eval_windows(np.asarray(stream), tc.T, tc.eval_windows)
+    assert windows.shape[0] == meta["held_out_windows"]
+    nats = chars = 0.0
+    for w in windows:
+        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([w[:-1]]))
+        logp = np.asarray(jax_log_softmax(logits[0]))
+        for p, t in enumerate(w[1:]):
+            nats -= float(logp[p, t])
+            chars += 2 if t == eos else len(lm.vocab.decode([int(t)]))
+    assert chars == meta["held_out_chars"]
+    assert nats / chars == pytest.approx(meta["held_out_loss"], abs=1e-4)
+
+
+def jax_log_softmax(x):
+    import jax
+
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vocab-size", "100"], "vocab_size must lie in [258, 65536]"),
+    (["--heads", "3", "--d", "32"], "d=32 is not divisible by heads=3"),
+    (["--kv-heads", "3"], "heads=4 is not a multiple of kv_heads=3"),
+])
+def test_bad_settings_are_one_line(tmp_path, capsys, args, message):
+    assert main(["train", str(tmp_path / "x"), "--arch", "llama", "--data", str(TEXT), "--steps", "2",
+                 "--warmup", "0", *args]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "x").exists()
