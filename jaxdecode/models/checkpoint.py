@@ -38,6 +38,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_NAME = "shakespeare-char"
 DRAFT_NAME = "shakespeare-char-draft"
+BPE_NAME = "shakespeare-bpe"  # the Llama with a byte-level BPE vocabulary (jaxdecode train --arch llama)
+BPE_DRAFT_NAME = "shakespeare-bpe-draft"
+SHIPPED = (DEFAULT_NAME, DRAFT_NAME, BPE_NAME, BPE_DRAFT_NAME)
 
 
 class CheckpointError(ValueError):
@@ -215,7 +218,7 @@ def resolve(path: str | os.PathLike | None) -> Path:
     if path is None:
         return default_checkpoint()
     p = Path(path)
-    if not p.exists() and str(path) in (DEFAULT_NAME, DRAFT_NAME):
+    if not p.exists() and str(path) in SHIPPED:
         return default_checkpoint(str(path))
     return p
 

@@ -209,3 +209,28 @@ def recipe(text: str, tc: TrainConfig, out_dir: Path | None = None, resume: bool
         train_tokens=train_tokens, windows=windows, window_chars=window_chars,
         corpus_sha=data_lib.sha256(text), num_params=cfg.num_params(), decayed=DECAYED, save=save,
         load_params=lambda folder: read_params(Path(folder), cfg, jnp.float32))
+
+
+def export(src, dst, dtype: str = "bfloat16") -> Path:
+    """Copy the model folder ``src`` (no training state) to ``dst`` with its weights stored as
+    ``dtype`` (``"bfloat16"`` halves the file; loading widens them back to float32)."""
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from jaxdecode.models.checkpoint import atomic_folder
+
+    kinds = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+    if dtype not in kinds:
+        raise ValueError(f"export: dtype must be one of {', '.join(kinds)}, got {dtype!r}")
+    src = Path(src)
+    with atomic_folder(dst) as tmp:
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copyfile(src / name, tmp / name)
+        tensors = {k: v.astype(kinds[dtype]) for k, v in load_file(str(src / "model.safetensors")).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((tmp / "config.json").read_text())
+        config["torch_dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return Path(dst)

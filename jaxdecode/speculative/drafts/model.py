@@ -97,10 +97,21 @@ class ModelDraft(Draft):
             state.base)
 
 
+def draft_folder(lm):
+    """The draft of ``lm``: the folder ``<name>-draft`` beside its own (as the shipped pairs are
+    laid out), else the shipped character draft."""
+    path = getattr(lm, "path", None)
+    if path is not None:
+        sibling = path.parent / f"{path.name}-draft"
+        if (sibling / "config.json").is_file():
+            return sibling
+    return DRAFT_NAME
+
+
 def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> ModelDraft:
     _no_backoff(backoff)
-    small = load(DRAFT_NAME)
+    small = load(draft_folder(lm))
     if small.vocab.chars != lm.vocab.chars:
         raise ValueError("the draft model's vocabulary differs from the target's")
     return ModelDraft.from_lm(small)
