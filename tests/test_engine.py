@@ -265,6 +265,18 @@ def test_requests_are_checked(lm_portable):
         Engine(lm_portable, 2, policy="fifo")
     with pytest.raises(ValueError, match="slots must be an integer >= 1"):
         Engine(lm_portable, 0)
+    from jaxdecode.serving.config import EngineConfig
+
+    # the settings as one object: the same engine as the keywords, never both, an unknown one named
+    config = EngineConfig(3, prefill_chunk=5, decode_steps=2)
+    by_keywords = Engine(lm_portable, 3, prefill_chunk=5, decode_steps=2)
+    assert Engine(lm_portable, config=config).config == by_keywords.config and by_keywords.chunk == 5
+    with pytest.raises(ValueError, match="either as config= or as keywords"):
+        Engine(lm_portable, 3, config=config)
+    with pytest.raises(TypeError, match="Engine.*prefil_chunk"):
+        Engine(lm_portable, 3, prefil_chunk=5)
+    with pytest.raises(ValueError, match="admit_batch must be at most the slots"):
+        EngineConfig(2, admit_batch=3)
     pinned = Engine(lm_portable, 2, layout=rules.chain(rules.temperature(1.0), rules.top_p(1.0)),
                     executor=ReplayExecutor(2), clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
     with pytest.raises(ValueError, match=r"request 0: its rule chain \(TopK\) does not fit the engine's layout "

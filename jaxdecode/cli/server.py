@@ -122,12 +122,13 @@ def _defaults(lm, args) -> dict:
 
 
 def _engine(lm, options: dict):
+    from jaxdecode.serving.config import EngineConfig
     from jaxdecode.serving.engine import Engine, Request
     from jaxdecode.server.handlers import server_layout
 
     o = dict(options)
-    engine = Engine(lm, o.pop("slots"), layout=server_layout(lm.decoder.V),
-                    **{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "warm_up")})
+    config = EngineConfig(**{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "warm_up")})
+    engine = Engine(lm, config=config, layout=server_layout(lm.decoder.V))
     engine.compiled_at_start = (0, 0.0)
     if o.get("warm_up"):
         # a request of every prompt length with the rest of the window to generate: every prompt

@@ -21,6 +21,7 @@ of every row per step).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
@@ -79,6 +80,21 @@ from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
 
 __all__ = ["Generation", "SamplingState", "StepOutput", "TokenResult", "generate", "sample_tokens", "sharded_generate",
            "PROMPT_BUCKET", "SPAN_BUCKET", "batch_bucket", "round_up", "pad_rule", "push_recent"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How every row of a batch is decoded: the settings :func:`sample_tokens` hands each batch
+    as one object. ``rule``: a rule (or chain) or None; ``greedy``: argmax instead of sampling;
+    ``stops``: a :class:`~jaxdecode.decoding.stops.StopAutomaton` or None; ``chunk``: steps
+    between host round trips (None: chosen per batch); ``constraint``: one constraint, one per
+    row, or None."""
+
+    rule: object = None
+    greedy: bool = False
+    stops: object = None
+    chunk: int | None = None
+    constraint: object = None
 
 
 def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: int, key: jax.Array,
@@ -156,11 +172,12 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                     full_t[sel], full_e[sel] = tokens, emitted
                     on_chunk(full_t, full_e)
 
+            how = Decoding(rule if len(parts) == 1 else rule_rows(sel), greedy, stops, chunk,
+                           constraint if cons is None else [cons[i] for i in sel])
             results.append(_sample_batch(
-                model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel],
-                rule=rule if len(parts) == 1 else rule_rows(sel), greedy=greedy, row_ids=ids[sel], stops=stops,
-                chunk=chunk, on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
-                constraint=constraint if cons is None else [cons[i] for i in sel], mesh=mesh))
+                model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel], how,
+                row_ids=ids[sel], on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
+                mesh=mesh))
     finally:
         if bar is not None:
             bar.close()
@@ -200,13 +217,15 @@ def _rule_per_row(rule, B: int):
     return cut
 
 
-def _sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
-                  on_chunk=None, constraint=None, mesh=None, placement=None) -> TokenResult:
-    """:func:`sample_tokens` for one batch (``key``: one, or one per row), its arrays placed and
-    its programs run by ``placement`` (default: one device, or split over ``mesh``)."""
+def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, on_chunk=None, mesh=None,
+                  placement=None) -> TokenResult:
+    """:func:`sample_tokens` for one batch (``key``: one, or one per row) decoded as ``how`` says,
+    its arrays placed and its programs run by ``placement`` (default: one device, or split over
+    ``mesh``)."""
     if placement is None:
         placement = ONE_DEVICE if mesh is None else Placement(mesh)
-    stops = as_automaton(stops, model.V)
+    rule, greedy, chunk, constraint = how.rule, how.greedy, how.chunk, how.constraint
+    stops = as_automaton(how.stops, model.V)
     batch = pad_batch(make_batch(prompts, n, model.V, model.T, row_ids), placement.ways)
     B, Bb, T = batch.B, batch.Bb, model.T
     local = Bb // placement.ways  # the rows of each device

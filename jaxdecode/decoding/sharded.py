@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdecode.decoding.placement import AXIS, Placement, make_mesh, pad_batch
-from jaxdecode.decoding.sampling import _sample_batch
+from jaxdecode.decoding.sampling import Decoding, _sample_batch
 from jaxdecode.decoding.steps import TokenResult
 from jaxdecode.models.base import DecodingModel
 
@@ -55,17 +55,16 @@ def sharded_sample_tokens(model: DecodingModel, params, prompts: Sequence[np.nda
     axis (default: :func:`make_mesh`, every device). Same arguments and result; the result is on
     the host of every process. ``key``: one PRNG key, or one per prompt (``[B, 2]``). In a
     multi-process cluster every process passes the same request."""
-    return sample_batch(model, params, prompts, n, key, rule=rule, greedy=greedy, row_ids=row_ids,
-                        stops=stops, chunk=chunk, on_chunk=on_chunk, constraint=constraint,
-                        placement=Placement(make_mesh() if mesh is None else mesh))
+    return sample_batch(model, params, prompts, n, key, Decoding(rule, greedy, stops, chunk, constraint),
+                        row_ids=row_ids, on_chunk=on_chunk, placement=Placement(make_mesh() if mesh is None else mesh))
 
 
-def sample_batch(model, params, prompts, n, key, rule=None, greedy=False, row_ids=None, stops=(), chunk=None,
-                 on_chunk=None, constraint=None, *, placement: Placement) -> TokenResult:
+def sample_batch(model, params, prompts, n, key, how: Decoding | None = None, row_ids=None, on_chunk=None, *,
+                 placement: Placement) -> TokenResult:
     """One batch of :func:`jaxdecode.decoding.sampling.sample_tokens` (the same loop and programs),
-    with every array placed and every program run by ``placement``."""
-    return _sample_batch(model, params, prompts, n, key, rule=rule, greedy=greedy, row_ids=row_ids,
-                         stops=stops, chunk=chunk, on_chunk=on_chunk, constraint=constraint,
+    decoded as ``how`` says (default: plain sampling), with every array placed and every program
+    run by ``placement``."""
+    return _sample_batch(model, params, prompts, n, key, how or Decoding(), row_ids=row_ids, on_chunk=on_chunk,
                          placement=placement)
 
 

@@ -102,21 +102,18 @@ from jaxdecode.serving.blocks import BlockAllocator
 from jaxdecode.serving.paging import PagedRows, _admitted
 from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
-from jaxdecode.models.base import KV_DTYPES
+from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, EngineConfig
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
     TOP_LOGPROBS, Request, _embed, _kind, best_layout, make_rows, neutral_rule, rule_parts)
 from jaxdecode.serving.stream import RequestStream
 from jaxdecode.serving.warmup import warm_up
 
-__all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "ModelExecutor", "PagedExecutor",
+__all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineConfig", "ModelExecutor", "PagedExecutor",
            "RealClock", "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts",
            "percentiles"]
 
-POLICIES = ("continuous", "static")
-CACHES = ("dense", "paged")
 LAYOUT_LOOKAHEAD = 64  # rows in line an empty engine looks at to choose its rule layout
-DEFAULT_PREFILL_CHUNK = 128
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -133,7 +130,9 @@ def _cut_stop(text: str, stops: list[str]) -> str:
 class Engine(PagedRows):
     """Serve a stream of :class:`Request` objects with ``slots`` decode slots.
 
-    ``policy``: ``"continuous"`` or ``"static"`` (see the module docstring). ``prefill_chunk``:
+    The settings are one :class:`~jaxdecode.serving.config.EngineConfig`: ``config=``, or
+    ``slots`` and the settings as keywords (``Engine(lm, 8, cache="paged")``); ``self.config``
+    holds them. ``policy``: ``"continuous"`` or ``"static"`` (see the module docstring). ``prefill_chunk``:
     the most prompt tokens a row reads per step. ``layout``: a rule chain whose kinds every
     request must fit (its settings are ignored; default: chosen as requests come). ``clock``:
     :class:`RealClock` (default) or a virtual clock. ``executor``: the device side (default
@@ -156,26 +155,27 @@ class Engine(PagedRows):
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
     """
 
-    def __init__(self, lm, slots: int, *, policy: str = "continuous",
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 layout=None, clock=None, executor=None, cache: str = "dense", num_blocks: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True, attention: str | None = None,
-                 decode_steps: int = 1, kv_dtype: str = "float32", prefill_budget: int | None = None,
-                 overlap: bool = True, admit_batch: int = 1):
-        self.S = check_int("slots", slots, 1)
-        self.admit_batch = check_int("admit_batch", admit_batch, 1)
-        if self.admit_batch > self.S:
-            raise ValueError(f"admit_batch must be at most the slots ({self.S}), got {admit_batch}")
-        self.decode_steps = check_int("decode_steps", decode_steps, 1)
-        self.prefill_budget = (None if prefill_budget is None
-                               else check_int("prefill_budget", prefill_budget, 1))
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if cache not in CACHES:
-            raise ValueError(f"unknown cache {cache!r}: choose one of {', '.join(CACHES)}")
-        self.policy = policy
-        self.chunk = check_int("prefill_chunk", prefill_chunk, 1)
+    def __init__(self, lm, slots: int | None = None, *, config: EngineConfig | None = None, layout=None,
+                 clock=None, executor=None, **settings):
+        if config is None:
+            if slots is None:
+                raise ValueError("Engine needs the number of slots (or config=EngineConfig(...))")
+            try:
+                config = EngineConfig(slots, **settings)
+            except TypeError as e:  # an unknown keyword
+                raise TypeError(f"Engine: {e}".replace("EngineConfig.__init__()", "Engine()")) from None
+        elif slots is not None or settings:
+            raise ValueError("give the engine's settings either as config= or as keywords, not both")
+        self.config = config
+        self.S = config.slots
+        self.admit_batch = config.admit_batch
+        self.decode_steps = config.decode_steps
+        self.prefill_budget = config.prefill_budget
+        self.policy = config.policy
+        self.chunk = config.prefill_chunk
         self.lm = lm
+        cache, kv_dtype, num_blocks = config.cache, config.kv_dtype, config.num_blocks
+        block_size, prefix_caching, attention = config.block_size, config.prefix_caching, config.attention
         self.T, self.V = lm.decoder.T, lm.decoder.V
         self.paged = cache == "paged"
         self.layout = cache  # the cache as asked for (a quantized dense cache runs as a pool: below)
@@ -184,28 +184,21 @@ class Engine(PagedRows):
             # a quantized dense cache: every slot one block of the whole window, the dense cache's
             # [slots, heads, T, head_dim] layout, kept and read through the pool's code (no prefix
             # sharing; the samples of a request copy their prompt's block when they first write)
-            if num_blocks is not None:
-                raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
             self.paged, block_size, num_blocks, prefix_caching = True, self.T, self.S, False
         if self.paged:
-            block_size = check_int("block_size", block_size, 1)
             width = -(-self.T // block_size)
-            num_blocks = self.S * width if num_blocks is None else check_int("num_blocks", num_blocks, 1)
+            num_blocks = self.S * width if num_blocks is None else num_blocks
             self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
             if attention is None:
                 attention = "native" if getattr(lm.decoder, "backend", "") == "native" else "portable"
-            if kv_dtype not in KV_DTYPES:
-                raise ValueError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
             if executor is None:
-                executor = PagedExecutor(lm, slots, num_blocks, block_size, attention, kv_dtype)
-        elif num_blocks is not None:
-            raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
+                executor = PagedExecutor(lm, self.S, num_blocks, block_size, attention, kv_dtype)
         self.kv_dtype = kv_dtype
-        self.executor = ModelExecutor(lm, slots) if executor is None else executor
+        self.executor = ModelExecutor(lm, self.S) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
         # overlap on a real clock, with an executor whose calls can return before they finish
-        self.overlap = bool(overlap) and getattr(self.executor, "asynchronous", False) \
+        self.overlap = bool(config.overlap) and getattr(self.executor, "asynchronous", False) \
             and not getattr(self.clock, "virtual", False)
         self._fetch_kw = {"fetch": False} if self.overlap else {}
         self._inflight: DeviceCall | None = None  # the call sent last, its tokens not read yet
