@@ -170,3 +170,14 @@ def test_bad_settings_are_one_line(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_eval_reports_the_recorded_held_out_loss(capsys):
+    """``jaxdecode eval`` on the folder recomputes its training record's held-out loss (nats per
+    character over the same windows, tokenized as training tokenized them)."""
+    record = json.loads((FOLDER / "config.json").read_text())["training"]
+    assert main(["eval", "--ckpt", str(FOLDER), "--data", str(TEXT), "--windows", str(record["held_out_windows"]),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["held_out_loss"] == pytest.approx(record["held_out_loss"], abs=1e-4)
+    assert out["recorded_held_out_loss"] == record["held_out_loss"]

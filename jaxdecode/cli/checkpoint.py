@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from jaxdecode.cli.common import UsageError, _encode, _print_json, _unescape
 
 
@@ -76,13 +78,20 @@ def cmd_eval(args):
     out = {"checkpoint": str(lm.path)}
     if args.text is None or args.held_out:
         text = data_lib.read_corpus(args.data)
-        _, val = data_lib.split(text)
-        held = _encode(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")
-        windows = data_lib.eval_windows(held, lm.cfg.T, args.windows)
-        out["held_out_loss"] = held_out_loss(lm.params, lm.cfg, windows)
-        out["held_out_windows"] = int(windows.shape[0])
-        if "held_out_loss" in lm.meta and lm.meta.get("held_out_windows") == windows.shape[0]:
-            out["recorded_held_out_loss"] = lm.meta["held_out_loss"]
+        if lm.meta.get("format") == "huggingface":  # nats per character, whatever a token is
+            from jaxdecode.models.hf.train import held_out_loss as hf_held_out_loss
+
+            out["held_out_loss"], out["held_out_windows"] = hf_held_out_loss(lm, text, count=args.windows)
+            record = json.loads((lm.path / "config.json").read_text()).get("training") or {}
+        else:
+            _, val = data_lib.split(text)
+            held = _encode(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")
+            windows = data_lib.eval_windows(held, lm.cfg.T, args.windows)
+            out["held_out_loss"] = held_out_loss(lm.params, lm.cfg, windows)
+            out["held_out_windows"] = int(windows.shape[0])
+            record = lm.meta
+        if "held_out_loss" in record and record.get("held_out_windows") == out["held_out_windows"]:
+            out["recorded_held_out_loss"] = record["held_out_loss"]
     if args.text is not None:
         from jaxdecode.decoding.score import score_texts
 

@@ -234,3 +234,25 @@ def export(src, dst, dtype: str = "bfloat16") -> Path:
         config["torch_dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return Path(dst)
+
+
+def held_out_loss(lm, text: str, T: int | None = None, count: int = 32) -> tuple[float, int]:
+    """The held-out loss of an HF model in nats per character, and the number of windows: over
+    ``count`` fixed windows of ``T`` tokens (default: the model's window) of the last 10% of
+    ``text``, tokenized as training does (speeches ended by the end token) for a model this
+    module trained (its ``config.json`` has a ``"training"`` record), else as plain text."""
+    from jaxdecode.models.training import window_nats
+
+    _, val = data_lib.split(text)
+    tok = lm.vocab.tok
+    trained = lm.path is not None and "training" in json.loads((Path(lm.path) / "config.json").read_text())
+    if trained and tok.token_to_id(EOS) is not None:
+        stream = token_stream(tok, val)
+        lengths = char_lengths(tok)
+    else:
+        stream = np.asarray(lm.vocab.encode(val), np.int32)
+        lengths = np.asarray([len(lm.vocab.decode([i])) for i in range(lm.decoder.V)], np.int64)
+    T = min(T or lm.decoder.T, len(stream) - 1)
+    windows = data_lib.eval_windows(stream, T, count)
+    chars = float(lengths[windows[:, 1:]].sum())
+    return window_nats(lm.params, _Logits(lm.decoder), windows) / chars, int(windows.shape[0])
