@@ -181,3 +181,11 @@ def test_eval_reports_the_recorded_held_out_loss(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["held_out_loss"] == pytest.approx(record["held_out_loss"], abs=1e-4)
     assert out["recorded_held_out_loss"] == record["held_out_loss"]
+
+
+def test_cli_counts_tokens_on_a_subword_model(capsys):
+    """Past the window the command line's note counts tokens, not characters, on a BPE model."""
+    n_prompt = len(checkpoint.load(FOLDER).vocab.encode("ROMEO:\n"))
+    assert main(["generate", "--ckpt", str(FOLDER), "ROMEO:\\n", "-n", str(66 - n_prompt), "--greedy"]) == 0
+    err = capsys.readouterr().err
+    assert "jaxdecode: note: 2 of the" in err and "tokens lie past the model's window T=64" in err

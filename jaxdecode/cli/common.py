@@ -285,14 +285,15 @@ def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None,
     T = lm.decoder.T
     if prompt_len + n <= T or n == 0:
         return on_text, lambda: None
+    unit = "tokens" if getattr(lm.vocab, "subword", False) else "characters"
     if prompt_len > T:
-        _note(args, f"the prompt has {prompt_len} characters: the model sees only the last {T} (its window "
-                    f"T), and each character generated past T runs the exact window path (a forward over "
-                    f"the last {T} characters per step), much slower than within T")
+        _note(args, f"the prompt has {prompt_len} {unit}: the model sees only the last {T} (its window "
+                    f"T), and each {unit[:-1]} generated past T runs the exact window path (a forward over "
+                    f"the last {T} {unit} per step), much slower than within T")
     else:
         past = prompt_len + n - T
-        _note(args, f"{past} of the {n} characters {'lies' if past == 1 else 'lie'} past the model's window "
-                    f"T={T}: each runs the exact window path (a forward over the last {T} characters per step), much "
+        _note(args, f"{past} of the {n} {unit} {'lies' if past == 1 else 'lie'} past the model's window "
+                    f"T={T}: each runs the exact window path (a forward over the last {T} {unit} per step), much "
                     f"slower than within T")
     if not bar or args.quiet or (on_text is not None and sys.stdout.isatty()):
         return on_text, lambda: None
