@@ -189,3 +189,19 @@ def test_cli_counts_tokens_on_a_subword_model(capsys):
     assert main(["generate", "--ckpt", str(FOLDER), "ROMEO:\\n", "-n", str(66 - n_prompt), "--greedy"]) == 0
     err = capsys.readouterr().err
     assert "jaxdecode: note: 2 of the" in err and "tokens lie past the model's window T=64" in err
+
+
+def test_a_draft_shares_its_targets_tokenizer(tmp_path, capsys):
+    """``--tokenizer FOLDER``: the run uses that folder's vocabulary (as a draft must), recorded in
+    its training settings; a folder without one is refused in one line."""
+    out = tmp_path / "draft"
+    assert main(["train", str(out), "--arch", "llama", "--data", str(TEXT), "--tokenizer", str(FOLDER),
+                 "--vocab-size", "400", "--d", "16", "--layers", "1", "--heads", "2", "--T", "16", "--batch", "2",
+                 "--steps", "2", "--warmup", "0", "--eval-every", "2", "--eval-windows", "2", "--quiet"]) == 0
+    assert (out / "tokenizer.json").read_text() == (FOLDER / "tokenizer.json").read_text()
+    assert json.loads((out / "config.json").read_text())["training"]["train_config"]["tokenizer"] == str(FOLDER)
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "x"), "--arch", "llama", "--data", str(TEXT), "--tokenizer",
+                 str(tmp_path), "--steps", "2", "--warmup", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer.json to share" in err[0]

@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ffn", type=int, default=None, help="llama: the MLP's width (default: 8d/3, rounded up to 32)")
     s.add_argument("--vocab-size", type=int, default=1024,
                    help="llama: BPE tokens, the end-of-text token included (default 1024)")
+    s.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="llama: use this folder's tokenizer instead of training one (a draft shares its "
+                        "target's vocabulary)")
     s.add_argument("--T", type=int, default=512, help="training window (characters, or tokens for llama)")
     s.add_argument("--batch", type=int, default=8, help="windows per optimizer step")
     s.add_argument("--steps", type=int, default=3000, help="optimizer steps")

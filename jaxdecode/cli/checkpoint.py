@@ -59,7 +59,8 @@ def cmd_train(args):
     tc = TrainConfig(d=args.d, L=args.layers, heads=args.heads, T=args.T, batch=args.batch,
                      steps=args.steps, lr=args.lr, warmup=args.warmup, seed=args.seed,
                      eval_every=args.eval_every, eval_windows=args.eval_windows, arch=args.arch,
-                     kv_heads=args.kv_heads, ffn=args.ffn, vocab_size=args.vocab_size)
+                     kv_heads=args.kv_heads, ffn=args.ffn, vocab_size=args.vocab_size,
+                     tokenizer=args.tokenizer)
     train(args.out_dir, tc, data_path=args.data, resume=args.resume, progress=not args.quiet)
 
 

@@ -60,6 +60,7 @@ class TrainConfig:
     kv_heads: int | None = None  # llama: key/value heads (default: heads)
     ffn: int | None = None  # llama: the MLP's width (default: 8d/3 rounded up to a multiple of 32)
     vocab_size: int = 1024  # llama: BPE vocabulary, the end-of-text token included
+    tokenizer: str | None = None  # llama: a folder whose tokenizer.json to use instead (a draft's)
 
     def __post_init__(self):
         for name in ("d", "L", "heads", "T", "batch", "steps", "eval_every", "eval_windows"):

@@ -186,6 +186,13 @@ def recipe(text: str, tc: TrainConfig, out_dir: Path | None = None, resume: bool
     saved = out_dir / "tokenizer.json" if out_dir is not None else None
     if resume and saved is not None and saved.is_file():
         tok = Tokenizer.from_file(str(saved))
+    elif tc.tokenizer is not None:  # another model's vocabulary (a draft shares its target's)
+        given = Path(tc.tokenizer) / "tokenizer.json"
+        if not given.is_file():
+            raise ValueError(f"train: {tc.tokenizer} has no tokenizer.json to share")
+        tok = Tokenizer.from_file(str(given))
+        if tok.token_to_id(EOS) is None:
+            raise ValueError(f"train: the tokenizer of {tc.tokenizer} has no {EOS} token to end speeches with")
     else:
         tok = train_tokenizer(train_text, tc.vocab_size)
     V = tok.get_vocab_size()
