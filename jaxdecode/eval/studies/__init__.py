@@ -6,7 +6,9 @@ returns the numbers it wrote. With one seed a second run writes the same JSON, b
 (except ``cost``, whose numbers are timings).
 
 Modules are imported only when their study runs, so a study whose module is not installed
-(``tradeoff`` before it is written) makes only that study fail, with a clear message.
+(``tradeoff`` before it is written) makes only that study fail, with a clear message. A module may
+also have ``unsuitable(lm)``: a one-line reason why it cannot run on that model (``tokenization``
+on a character model), or None; ``all`` skips such a study with that reason as a note.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ STUDIES: Registry[Study] = Registry("study", (
           options=(("prompts", "n_prompts"), ("n", "n"), ("budget", "node_budget"))),
     Study("constrained", "constrained", "masked against exact conditional sampling of a choice of names (SMC)"),
     Study("cost", "cost", "prefill against decode, throughput against batch size (timings)"),
+    Study("tokenization", "tokenization", "non-canonical tokenizations, mass lost at token boundaries, "
+          "masked against conditional over strings, token healing (a subword model)"),
 ))
 
 
@@ -90,7 +94,8 @@ def run_command(name: str, lm, out: str | None, *, seed: int | None = None, data
     ``lm``: a loaded model, or a function that loads one (called once, after the study is found,
     so that an unknown or missing study fails before any loading). With ``all`` a study that is
     not installed is skipped with a note on stderr, and options go only to the studies that take
-    them. Returns the folders written; ``echo`` reports each."""
+    them; a study whose module finds the model unsuitable (its ``unsuitable(lm)``) is skipped with
+    a note on stderr. Returns the folders written; ``echo`` reports each."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
     if name == "all":
         names = []
@@ -108,6 +113,10 @@ def run_command(name: str, lm, out: str | None, *, seed: int | None = None, data
     written = []
     for n in names:
         if name == "all":
+            reason = getattr(load_study(n), "unsuitable", lambda _: None)(model)
+            if reason:
+                print(f"jaxdecode: skipping {n}: {reason}", file=sys.stderr)
+                continue
             folder = Path(out or "results") / n
             mine = {k: v for k, v in options.items() if k in dict(STUDIES[n].options)}
         else:
