@@ -205,6 +205,9 @@ def _mark_quick(config, items):
 UNIT_SECONDS = {
     "file:test_engine_constraints.py": 106,
     "file:test_hf.py": 81,
+    "file:test_tokenization_study.py": 35,
+    "file:test_hf_families.py": 31,
+    "bpe_train": 30,
     "file:test_server.py": 74,
     "file:test_sampling.py": 68,
     "file:test_constrained_beam.py": 62,

@@ -138,11 +138,19 @@ def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n:
     seed 0 gives the published numbers: toy 0, sweep 1).
 
     ``draft`` defaults to the trigram table of the corpus at ``data_path`` (see
-    :func:`jaxdecode.io.data.locate_corpus`).
+    :func:`jaxdecode.io.data.locate_corpus`), and on a subword model to the model draft in the
+    folder ``<name>-draft`` beside the model's (``shakespeare-bpe-draft`` for ``shakespeare-bpe``).
     """
     if draft is None and getattr(lm.vocab, "subword", False):
-        raise ValueError("the speculative study on a subword model needs a draft model with the same tokenizer: "
-                         "--draft FOLDER (the chapter's trigram table over a subword vocabulary does not apply)")
+        from jaxdecode.models.checkpoint import load
+        from jaxdecode.speculative.drafts.model import DRAFT_NAME, draft_folder
+
+        folder = draft_folder(lm)  # the folder "<name>-draft" beside the model's, as shipped
+        if folder == DRAFT_NAME:
+            raise ValueError("the speculative study on a subword model needs a draft model with the same "
+                             "tokenizer: --draft FOLDER (the chapter's trigram table over a subword vocabulary "
+                             "does not apply)")
+        draft = SP.ModelDraft.from_lm(load(folder))
     n = min(n, lm.decoder.T - len(lm.vocab.encode(prompt)) - max(gammas) - 1)  # within the window
     out = output_folder(out_dir)
     with progress_bar(2 + len(gammas), NAME, progress) as bar:
