@@ -31,20 +31,43 @@ ARGS = ["--arch", "llama", "--data", str(TEXT), "--d", "32", "--layers", "2", "-
 pytestmark = pytest.mark.xdist_group("bpe_train")
 
 
+# the folders transformers' outputs were stored for: the fixture, and the shipped model
+FOLDERS = {"llama": FOLDER, "shakespeare-bpe": checkpoint.BPE_NAME}
+
+
 @pytest.fixture(scope="module")
 def ref():
-    meta = json.loads((FIX / "llama.json").read_text())
-    return meta, dict(np.load(FIX / "llama.npz"))
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = (json.loads((FIX / f"{name}.json").read_text()), dict(np.load(FIX / f"{name}.npz")))
+        return cache[name]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def lm():
-    return checkpoint.load(FOLDER)
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = checkpoint.load(FOLDERS[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def lm(models):
+    return models("llama")
 
 
 @pytest.mark.quick
-def test_tokens_and_logits_equal_transformers(lm, ref):
-    meta, arrays = ref
+@pytest.mark.parametrize("name", FOLDERS)
+def test_tokens_and_logits_equal_transformers(models, ref, name):
+    lm, (meta, arrays) = models(name), ref(name)
     for i, prompt in enumerate(meta["prompts"]):
         ids = lm.vocab.encode(prompt).tolist()
         assert ids == meta["prompt_ids"][i], prompt
@@ -52,10 +75,11 @@ def test_tokens_and_logits_equal_transformers(lm, ref):
         np.testing.assert_allclose(np.asarray(logits[0]), arrays[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
-def test_greedy_tokens_equal_transformers(lm, ref):
+@pytest.mark.parametrize("name", FOLDERS)
+def test_greedy_tokens_equal_transformers(models, ref, name):
     """40 greedy tokens per prompt in one ragged batch, ending where transformers' generate ends
     (at the end token the folder names, kept in the tokens and not in the text)."""
-    meta, _ = ref
+    lm, (meta, _) = models(name), ref(name)
     assert min(meta["min_gap"]) > 1e-3  # the fixture's argmaxes are not ties
     assert lm.eos_ids == (meta["eos_token_id"],)
     outs = jaxdecode.generate(lm, meta["prompts"], n=40, greedy=True)
@@ -66,12 +90,13 @@ def test_greedy_tokens_equal_transformers(lm, ref):
         assert out.text == lm.vocab.decode(want[:-1] if ends else want)
 
 
-def test_chat_template_renders_as_transformers(ref):
+@pytest.mark.parametrize("name", FOLDERS)
+def test_chat_template_renders_as_transformers(models, ref, name):
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
 
-    meta, _ = ref
-    template = load_chat_template(FOLDER)
-    vocab = checkpoint.load(FOLDER).vocab
+    meta, _ = ref(name)
+    vocab = models(name).vocab
+    template = load_chat_template(models(name).path)
     for row in meta["chat"]:
         for gen in (False, True):
             kind = "gen" if gen else "plain"
@@ -205,3 +230,26 @@ def test_a_draft_shares_its_targets_tokenizer(tmp_path, capsys):
                  str(tmp_path), "--steps", "2", "--warmup", "0"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no tokenizer.json to share" in err[0]
+
+
+def test_the_shipped_pair(models):
+    """``shakespeare-bpe`` and its one-layer draft: found by name, sharing one vocabulary, within
+    25 MB together, the draft found beside the model, and speculative greedy decoding with it
+    equal to greedy decoding (through the end token)."""
+    from jaxdecode import speculative
+    from jaxdecode.speculative.drafts.model import draft_folder
+
+    lm = models("shakespeare-bpe")
+    draft = checkpoint.load(checkpoint.BPE_DRAFT_NAME)
+    assert draft.vocab.chars == lm.vocab.chars and draft.eos_ids == lm.eos_ids
+    assert draft_folder(lm) == draft.path and draft.cfg.L == 1
+    size = sum(f.stat().st_size for folder in (lm.path, draft.path) for f in folder.iterdir())
+    assert size <= 25e6
+    record = json.loads((lm.path / "config.json").read_text())["training"]
+    assert record["held_out_loss"] < 1.608  # the character model's, in the same unit
+    prompts = ["ROMEO:\n", "JULIET:\nO, "]
+    plain = jaxdecode.generate(lm, prompts, n=60, greedy=True)
+    spec = speculative.speculative_generate(lm, prompts, 60, draft=speculative.ModelDraft.from_lm(draft), gamma=3,
+                                            greedy=True)
+    for a, b in zip(plain, spec):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.text == b.text
