@@ -33,3 +33,19 @@ def test_a_model_without_a_template_is_refused_in_one_line(capsys):
     assert main(["chat"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--chat-template" in err
+
+
+def test_the_shipped_subword_model_by_name_uses_its_own_template(monkeypatch, capsys):
+    """``--ckpt shakespeare-bpe`` (a name, not a path) finds the folder's template: the reply is
+    ``generate`` on the conversation as that template renders it, ended by the end token."""
+    from jaxdecode.server.chat import load_chat_template
+    from jaxdecode.models.checkpoint import BPE_NAME, resolve
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who art thou?\n"))
+    assert main(["chat", "--ckpt", BPE_NAME, "-n", "40", "--seed", "5"]) == 0
+    reply = capsys.readouterr().out.split("model> ", 1)[1].split("\nyou> ")[0]
+    lm = jaxdecode.load(BPE_NAME)
+    prompt = load_chat_template(resolve(BPE_NAME)).render([{"role": "user", "content": "Who art thou?"}])
+    assert prompt == "ROMEO:\nWho art thou?<|endoftext|>JULIET:\n"
+    want = jaxdecode.generate(lm, prompt, n=40, seed=5, rule=jaxdecode.make_rule(temperature=0.7, top_p=0.95))[0]
+    assert reply.rstrip("\n") == want.text.rstrip("\n")

@@ -28,6 +28,7 @@ def add_chat(sub, seed_type) -> None:
 
 def cmd_chat(args):
     from jaxdecode.cli.common import UsageError, _load
+    from jaxdecode.models.checkpoint import resolve
     from jaxdecode.rules import make_rule
     from jaxdecode.serving.engine import Engine, Request
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
@@ -39,7 +40,7 @@ def cmd_chat(args):
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     try:
-        template = load_chat_template(args.ckpt, args.chat_template)
+        template = load_chat_template(resolve(args.ckpt), args.chat_template)  # a path or a shipped name
     except ChatTemplateError as e:
         raise UsageError(str(e)) from None
     if template is None:

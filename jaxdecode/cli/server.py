@@ -66,6 +66,7 @@ def cmd_serve(args):
     from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK
     from jaxdecode.server.app import Server, build_app
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
+    from jaxdecode.models.checkpoint import resolve as resolve_checkpoint
     from jaxdecode.server.core import EngineStartError, ProcessRunner
 
     if not 0 <= args.port < 65536:
@@ -73,8 +74,8 @@ def cmd_serve(args):
     if args.max_waiting is not None and args.max_waiting < 1:
         raise UsageError(f"--max-waiting must be at least 1, got {args.max_waiting}")
     try:
-        template = load_chat_template(args.ckpt, args.chat_template) if args.ckpt or args.chat_template \
-            else None
+        folder = resolve_checkpoint(args.ckpt) if args.ckpt else None  # a path, or a shipped model's name
+        template = load_chat_template(folder, args.chat_template) if folder or args.chat_template else None
     except ChatTemplateError as e:
         raise UsageError(str(e)) from None
     options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", slots=args.slots,
