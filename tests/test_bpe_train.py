@@ -253,3 +253,10 @@ def test_the_shipped_pair(models):
                                             greedy=True)
     for a, b in zip(plain, spec):
         assert a.tokens.tolist() == b.tokens.tolist() and a.text == b.text
+
+
+def test_study_all_skips_the_character_only_tradeoff_study(lm, tiny_ckpt):
+    from jaxdecode.eval.studies import tradeoff
+
+    assert "subword model's window" in tradeoff.unsuitable(lm)
+    assert tradeoff.unsuitable(checkpoint.load(tiny_ckpt)) is None

@@ -449,6 +449,16 @@ def _plot(result: dict, path) -> bool:
 # ----------------------------------------------------------------------------- the study
 
 
+def unsuitable(lm) -> str | None:
+    """Why ``study all`` skips this study on ``lm``: on a subword model its 300 steps a prompt are
+    tokens, not the characters its human continuations and measures are cut to, and they run past
+    a 256-token window on the slow exact path (``study tradeoff`` still runs it when asked)."""
+    if getattr(lm.vocab, "subword", False):
+        return ("the tradeoff study is cut to characters (n = 300) and would run past a subword model's "
+                "window on the slow exact path; run it alone with 'jaxdecode study tradeoff' if wanted")
+    return None
+
+
 def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n: int = 300,
         n_prompts: int = 24, families: dict | None = None, contrastive: bool = True,
         examples: int = 2) -> dict:
