@@ -94,6 +94,8 @@ def backends(lm) -> tuple[list[tuple[str, object]], str]:
 
     if getattr(lm, "cfg", None) is None:
         return [(lm.decoder.backend, lm)], "the model's own decoder (not the reference transformer)"
+    if (lm.meta or {}).get("format") == "huggingface":
+        return [(lm.decoder.backend, lm)], "a Hugging Face folder: the portable path only"
     if kernels.available():
         return ([("native", lm.with_backend("native")), ("portable", lm.with_backend("portable"))],
                 "native and portable")
@@ -176,8 +178,9 @@ def _plot_throughput(result: dict, path) -> None:
         ax.plot([r["batch"] for r in rows], [r["chars_per_s"] for r in rows], "o-", label=name)
     bs = result["settings"]["batch_sizes"]
     ax.set_ylim(bottom=0)
-    ax.set(xscale="log", xlabel="batch size (rows)", ylabel="characters per second",
-           title=f"sampling throughput, {result['settings']['n']} characters per row")
+    unit = result.get("unit", "character")
+    ax.set(xscale="log", xlabel="batch size (rows)", ylabel=f"{unit}s per second",
+           title=f"sampling throughput, {result['settings']['n']} {unit}s per row")
     ax.set_xticks(bs, [str(b) for b in bs])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(alpha=0.3)
@@ -206,17 +209,17 @@ def _plot_tokens(result: dict, path) -> None:
 
 
 def _markdown(result: dict) -> str:
-    m, s = result["machine"], result["settings"]
+    m, s, unit = result["machine"], result["settings"], result.get("unit", "character")
     names = list(result["backends"])
     parts = ["# What decoding costs\n",
              f"**Timings, not reproducible numbers**: {NOTE}. Machine: {m['cpu_model'] or m['processor']} "
              f"({m['cpu_count']} cores), JAX {m['jax']} on {m['jax_backend']}; backends: "
              f"{result['backends_note']}. Model `{result['checkpoint']}` "
              f"({result['parameters']:,} parameters).\n",
-             f"## Throughput ({s['n']} characters after {s['throughput_prompt']}-token prompts, "
+             f"## Throughput ({s['n']} {unit}s after {s['throughput_prompt']}-token prompts, "
              "sampling)\n"]
     by_batch = {name: {r["batch"]: r for r in result["backends"][name]["throughput"]} for name in names}
-    parts.append(md_table(["batch"] + [f"{n} chars/s" for n in names],
+    parts.append(md_table(["batch"] + [f"{n} {unit}s/s" for n in names],
                           [[b] + [fmt(by_batch[n][b]["chars_per_s"], ",.0f") for n in names]
                            for b in s["batch_sizes"]]) + "\n")
     parts.append(f"![throughput against batch size]({NAME}_throughput.png)\n")
@@ -228,7 +231,7 @@ def _markdown(result: dict) -> str:
         fmt(by_len[n][P]["prefill_ms_per_token"], ".3f"), fmt(by_len[n][P]["decode_ms_per_token"], ".3f"))]
         for P in s["prompt_lengths"]]) + "\n")
     parts.append(f"![prefill and decode time per token]({NAME}_tokens.png)\n")
-    parts.append(f"## Latency ({s['throughput_prompt']}-token prompts, {s['n']} characters)\n")
+    parts.append(f"## Latency ({s['throughput_prompt']}-token prompts, {s['n']} {unit}s)\n")
     parts.append(md_table(["backend", "batch", "time to first token (ms)", "time per output token (ms)"],
                           [[n, r["batch"], fmt(r["ttft_ms"]), fmt(r["tpot_ms"], ".3f")]
                            for n in names for r in result["backends"][n]["latency"]]))
@@ -240,8 +243,12 @@ def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n:
         latency_batches: Sequence[int] = LATENCY_BATCHES, throughput_prompt: int = THROUGHPUT_PROMPT,
         repeats: int = 3, budget_s: float = 1.0) -> dict:
     """All three measurements on every backend; writes ``cost.json``, ``cost_throughput.png``,
-    ``cost_tokens.png`` and ``cost.md``. ``seed`` draws the prompts and the sampling key;
+    ``cost_tokens.png`` and ``cost.md``. The default prompt lengths longer than the window allows
+    (with ``n``) give way to the longest that fits. ``seed`` draws the prompts and the sampling key;
     ``data_path`` is accepted for a uniform interface (no corpus is read)."""
+    if prompt_lengths is PROMPT_LENGTHS and max(PROMPT_LENGTHS) + n > lm.decoder.T:
+        # a smaller window (a subword model's): the defaults that fit, and the longest prompt that does
+        prompt_lengths = sorted({p for p in PROMPT_LENGTHS if p + n <= lm.decoder.T} | {lm.decoder.T - n})
     batch_sizes, prompt_lengths = [int(b) for b in batch_sizes], [int(p) for p in prompt_lengths]
     latency_batches = [int(b) for b in latency_batches]
     _check(lm.decoder.T, n, prompt_lengths, batch_sizes, latency_batches, throughput_prompt)
@@ -264,7 +271,7 @@ def run(lm, out_dir, *, seed: int = 0, data_path=None, progress: bool = True, n:
     doc = {"study": NAME, "deterministic": False, "note": NOTE, "seed": seed, "machine": machine(),
            "checkpoint": None if ckpt is None else ckpt.name,
            "parameters": int(sum(np.size(a) for a in jax.tree_util.tree_leaves(lm.params))),
-           "backends_note": why,
+           "backends_note": why, "unit": "token" if getattr(lm.vocab, "subword", False) else "character",
            "settings": {"n": n, "batch_sizes": batch_sizes, "prompt_lengths": prompt_lengths,
                         "latency_batches": latency_batches, "throughput_prompt": throughput_prompt,
                         "repeats": repeats, "budget_s": budget_s},
