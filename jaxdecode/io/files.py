@@ -3,6 +3,7 @@ complete or not at all; a reader or a second run never sees half of one."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -112,3 +113,18 @@ def atomic_folder(target, overwrite: bool = True, error: type[Exception] = FileE
     replaces ``target`` in one rename (on an exception it is removed). ``error``: what is raised when
     ``target`` is a file, or exists and ``overwrite`` is False."""
     return _AtomicFolder(Path(target), overwrite, error)
+
+
+def read_json(path, error: type[Exception] = ValueError, *, object_only: bool = True):
+    """The JSON value in ``path``; a file that cannot be read or parsed (or, with ``object_only``,
+    holds no JSON object) is one ``error`` sentence naming the file and the problem."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    if object_only and not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object")
+    return value

@@ -45,6 +45,15 @@ import jax
 import jax.numpy as jnp
 
 
+def added_positions(model, cache, capacity: int) -> int:
+    """What ``grow(cache, capacity)`` adds: ``capacity`` less the cache's (0: nothing to do); a
+    capacity below the cache's is refused."""
+    have = model.capacity(cache)
+    if capacity < have:
+        raise ValueError(f"grow: capacity {capacity} is below the current {have}")
+    return capacity - have
+
+
 class DecodingModel:
     """Base class of decoding models (see the module docstring for the contract)."""
 

@@ -252,14 +252,7 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     cfile, wfile = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfile.is_file():
         raise CheckpointError(f"{path}: not a checkpoint folder, it has no {CONFIG_FILE}")
-    try:
-        meta = json.loads(cfile.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfile}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise CheckpointError(f"{cfile}: cannot be read ({e.strerror or e})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{cfile}: expected a JSON object")
+    meta = files.read_json(cfile, CheckpointError)
     if "model_type" in meta and "chars" not in meta:  # a Hugging Face folder
         try:
             return load_hf(path, dtype=dtype, max_length=max_length)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.io.vocab import TokenVocab
-from jaxdecode.models.base import DecodingModel, prefill_by_extend, window_by_forward
+from jaxdecode.models.base import DecodingModel, added_positions, prefill_by_extend, window_by_forward
 
 
 class ToyCache(NamedTuple):
@@ -209,9 +209,7 @@ class TinyTransformer(DecodingModel):
         return cache._replace(length=jnp.asarray(lengths, jnp.int32))
 
     def grow(self, cache, capacity):
-        pad = capacity - self.capacity(cache)
-        if pad < 0:
-            raise ValueError(f"grow: capacity {capacity} is below the current {self.capacity(cache)}")
+        pad = added_positions(self, cache, capacity)
         if pad == 0:
             return cache
         return cache._replace(kv=jnp.pad(cache.kv, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))))

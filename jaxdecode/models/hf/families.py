@@ -21,10 +21,10 @@ absent, as transformers' own config classes apply them):
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from jaxdecode.io.files import read_json
 from jaxdecode.models.hf.config import (
     ACTIVATIONS,
     DEFAULT_THETA,
@@ -209,14 +209,7 @@ def decoder_config(raw: dict, where: str) -> HFConfig:
 def read_config(folder: Path) -> tuple[HFConfig, dict]:
     """The decoder shape of a Hugging Face folder and the raw ``config.json``."""
     path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+    raw = read_json(path, ConfigError)
     mt = raw.get("model_type")
     if mt is None:
         raise ConfigError(no_model_type(path))

@@ -39,6 +39,7 @@ from jaxdecode.models.base import (
     DecodingModel,
     PagedKV,
     PagedPool,
+    added_positions,
     empty_blocks,
     gather_blocks,
     prefill_by_extend,
@@ -305,9 +306,7 @@ class HFDecoder(DecodingModel):
         return cache._replace(length=jnp.asarray(lengths, jnp.int32))
 
     def grow(self, cache, capacity):
-        pad = capacity - self.capacity(cache)
-        if pad < 0:
-            raise ValueError(f"grow: capacity {capacity} is below the current {self.capacity(cache)}")
+        pad = added_positions(self, cache, capacity)
         if pad == 0:
             return cache
         widths = ((0, 0), (0, 0), (0, pad), (0, 0))

@@ -27,12 +27,12 @@ vision tower's are skipped.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
+from jaxdecode.io.files import read_json
 from jaxdecode.models.hf.config import HFConfig
 
 
@@ -151,12 +151,7 @@ def shard_files(folder: Path) -> tuple[dict[str, Path], Path]:
     single = folder / SINGLE_FILE
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            raw = json.loads(index.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightsError(f"{index}: not valid JSON ({e})") from None
-        except OSError as e:
-            raise WeightsError(f"{index}: cannot be read ({e.strerror or e})") from None
+        raw = read_json(index, WeightsError, object_only=False)
         if not isinstance(raw, dict) or "weight_map" not in raw:
             raise WeightsError(f"{index}: has no weight_map (the map from tensor names to shard files)")
         weight_map = raw["weight_map"]
