@@ -132,6 +132,8 @@ def server_run(base, reqs, timeout=600.0, limit=512) -> dict:
     out = asyncio.run(_load(base, reqs, timeout, limit))
     errors = [o["error"] for o in out if o["error"]]
     done = [o for o in out if not o["error"] and o["times"]]
+    if not done:  # every client failed: say how, instead of failing on the empty timings
+        return {"tokens": 0, "seconds": 0.0, "throughput": 0.0, "errors": len(errors), "first_errors": errors[:3]}
     tokens = sum(o["tokens"] for o in done)  # the usage chunk's completion tokens
     span = max(o["times"][-1][0] for o in done) - min(o["sent"] for o in done)
     # inter-token latency: a chunk of c tokens after a gap g counts as c gaps of g / c
@@ -262,7 +264,7 @@ def main():
         if core is not None:
             pin(core, set(range(os.cpu_count())))
         many = server_run(base, make_requests(args.clients, 0, args.seed + 7, (16, 48)))
-        many.pop("texts")
+        many.pop("texts", None)
         clients = {"clients": args.clients, **many}
         print(json.dumps(clients), flush=True)
     finally:

@@ -658,6 +658,27 @@ def test_concurrent_requests_equal_generate(char, char_lm):
     assert any(f == "stop" for _, f in got)  # a stop string hit under load
 
 
+def test_a_burst_of_submissions_waits_for_the_engine(char):
+    """400 requests at once, more than the pipe to the engine's process holds at a time: every one
+    is answered and the engine lives on. (The server's event loop, uvloop, would make a pipe it
+    watched non-blocking: the submissions then failed with BlockingIOError and the engine was
+    taken for dead.)"""
+    import httpx
+
+    async def main():
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=char.url, timeout=REQUEST_S, limits=limits) as http:
+            body = lambda i: {"model": char.name, "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i % 40),
+                              "max_tokens": 2, "seed": i, "temperature": 0}
+            return await asyncio.wait_for(asyncio.gather(*(http.post("/completions", json=body(i))
+                                                           for i in range(400))), REQUEST_S)
+
+    answers = asyncio.run(main())
+    assert [r.status_code for r in answers] == [200] * 400, {r.status_code: r.text for r in answers}
+    assert all(len(r.json()["choices"][0]["text"]) == 2 for r in answers)
+    assert httpx.get(char.root + "/health", timeout=REQUEST_S).status_code == 200
+
+
 def test_32_concurrent_streaming_clients(char, char_lm):
     """32 streaming clients at once (asyncio, the async client) over 8 slots, completions and chat:
     every text is generate's."""

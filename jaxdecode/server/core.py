@@ -10,10 +10,13 @@ the same way.
 The two sides talk over a pipe. The server sends ``("submit", key, request, include_stop)``,
 ``("abort", key)`` and ``("stop",)``; the process answers, once per engine step, ``("step",
 items, stats)``: every request's new items (a :class:`~jaxdecode.server.runner.Handle`'s queue
-items, by key) and the step's :class:`~jaxdecode.server.runner.Stats`. The event loop reads the
-pipe when it is readable (``loop.add_reader``): no thread of the server's waits on it. An idle
-engine process blocks on the pipe; it does not spin. It ends when told to stop (after the requests
-in flight) or when the server's side of the pipe closes.
+items, by key) and the step's :class:`~jaxdecode.server.runner.Stats`. On the server's side one
+thread blocks on the pipe and hands each message to the event loop (``call_soon_threadsafe``);
+the event loop only sends. The pipe stays blocking: an event loop that watched it (``add_reader``)
+would make it non-blocking under uvloop (libuv does), and a burst of submissions then fails with
+``BlockingIOError`` once the pipe's buffer is full instead of waiting the moment it takes the
+engine to read. An idle engine process blocks on the pipe; it does not spin. It ends when told to
+stop (after the requests in flight) or when the server's side of the pipe closes.
 
 A request's constraint crosses the pipe as the pattern it was compiled from (``("regex",
 pattern)``, ...) and is compiled again, once, on the engine's side: a compiled automaton over a
@@ -26,7 +29,9 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import os
 import signal
+import threading
 
 from jaxdecode.server.runner import FINISHED, EngineLoop, Handle
 
@@ -63,6 +68,8 @@ class ProcessRunner:
         self._handles: dict[int, Handle] = {}
         self._next = 0
         self._loop = None
+        self._reader: threading.Thread | None = None
+        self._stopped = threading.Event()  # the process said it stopped, or its pipe closed
         self._dead = False
         self.waiting = 0  # submitted, not yet taken by the engine
         self.queued = 0  # the engine's rows waiting for a slot, as of its last step
@@ -89,20 +96,23 @@ class ProcessRunner:
         _, self.T, self.V, self.vocab, self.defaults, self.compiled_at_start = message
 
     def start(self):
-        """Begin reading the engine's answers (on the running event loop)."""
+        """Begin reading the engine's answers (for the running event loop)."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._conn.fileno(), self._readable)
+        os.set_blocking(self._conn.fileno(), True)
+        self._reader = threading.Thread(target=self._read, name="jaxdecode-engine-pipe", daemon=True)
+        self._reader.start()
 
     def stop(self, timeout: float = 30.0):
         """Let the engine finish what is running, then end its process."""
-        if self._loop is not None and not self._dead:
-            self._loop.remove_reader(self._conn.fileno())
-        if self._proc.is_alive():
+        if self._proc.is_alive() and not self._dead:
             try:
                 self._conn.send(("stop",))
-                while self._conn.poll(timeout):  # (what is left of the requests: nobody listens now)
-                    if self._conn.recv()[0] == "stopped":
-                        break
+                if self._reader is not None:  # it reads what is left, until the process says it stopped
+                    self._stopped.wait(timeout)
+                else:
+                    while self._conn.poll(timeout):  # (what is left of the requests: nobody listens now)
+                        if self._conn.recv()[0] == "stopped":
+                            break
             except (EOFError, OSError):
                 pass
         self._proc.join(timeout)
@@ -141,15 +151,27 @@ class ProcessRunner:
         except OSError:
             self._died()
 
-    # --- on the event loop
-    def _readable(self):
-        try:
-            while self._conn.poll():
+    # --- the reader thread, and on the event loop
+    def _read(self):
+        """The reader thread: each message to the event loop, until the process stops or dies."""
+        while True:
+            try:
                 message = self._conn.recv()
-                if message[0] == "step":
-                    self._step(message[1], message[2])
-        except (EOFError, OSError):
-            self._died()
+            except (EOFError, OSError):
+                self._stopped.set()
+                self._call(self._died)
+                return
+            if message[0] == "stopped":
+                self._stopped.set()
+                return
+            if message[0] == "step":
+                self._call(self._step, message[1], message[2])
+
+    def _call(self, fn, *args):
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
 
     def _step(self, items, stats):
         handles = self._handles
@@ -172,8 +194,6 @@ class ProcessRunner:
         if self._dead:
             return
         self._dead = True
-        if self._loop is not None:
-            self._loop.remove_reader(self._conn.fileno())
         log.error("the engine's process stopped (exit code %s)", self._proc.exitcode)
         error = RuntimeError("the engine's process stopped")
         for handle in self._handles.values():
