@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from jaxdecode.cli.common import UsageError, _encode, _print_json, _unescape
 
 
@@ -80,10 +78,10 @@ def cmd_eval(args):
     if args.text is None or args.held_out:
         text = data_lib.read_corpus(args.data)
         if lm.meta.get("format") == "huggingface":  # nats per character, whatever a token is
-            from jaxdecode.models.hf.train import held_out_loss as hf_held_out_loss
+            from jaxdecode.models.hf.train import held_out_loss as hf_held_out_loss, training_record
 
             out["held_out_loss"], out["held_out_windows"] = hf_held_out_loss(lm, text, count=args.windows)
-            record = json.loads((lm.path / "config.json").read_text()).get("training") or {}
+            record = training_record(lm)
         else:
             _, val = data_lib.split(text)
             held = _encode(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")

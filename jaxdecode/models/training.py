@@ -211,19 +211,17 @@ def fit(out_dir, tc: TrainConfig, recipe: Recipe, resume: bool = False, progress
     unit = "char" if tc.arch == "char" else "token"
 
     def save(step):
+        char = unit == "char"  # a window's targets are its characters; a token's vary
         meta = {
-            "steps": step, f"{unit}s_seen": step * tc.batch * tc.T,
+            "steps": step, "characters_seen" if char else "tokens_seen": step * tc.batch * tc.T,
             "train_loss": round(train_loss, 4),
             "held_out_loss": round(history[-1][1], 4) if history else None,
             "held_out_windows": windows.shape[0], f"held_out_window_{unit}s": windows.shape[1] - 1,
-            "held_out_chars": round(recipe.window_chars),
+            **({} if char else {"held_out_chars": round(recipe.window_chars)}),
             "wall_time_s": round(wall, 1), "corpus_sha256": recipe.corpus_sha,
             "parameters": recipe.num_params, "train_config": dataclasses.asdict(tc),
             "loss_curve": [[s, round(v, 4)] for s, v in history],
         }
-        if unit == "char":
-            meta["characters_seen"] = meta.pop("chars_seen")
-            del meta["held_out_chars"]
         prog = {"step": step, "history": history, "wall_s": wall, "train_loss": train_loss,
                 "train_config": dataclasses.asdict(tc), "corpus_sha256": recipe.corpus_sha}
         recipe.save(out_dir, jax.device_get(params), meta, {

@@ -63,6 +63,3 @@ class EngineConfig:
             check_int("num_blocks", self.num_blocks, 1)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)

@@ -243,6 +243,13 @@ def export(src, dst, dtype: str = "bfloat16") -> Path:
     return Path(dst)
 
 
+def training_record(lm) -> dict:
+    """The ``"training"`` record of the folder ``lm`` was loaded from (empty if it has none)."""
+    if lm.path is None:
+        return {}
+    return json.loads((Path(lm.path) / "config.json").read_text(encoding="utf-8")).get("training") or {}
+
+
 def held_out_loss(lm, text: str, T: int | None = None, count: int = 32) -> tuple[float, int]:
     """The held-out loss of an HF model in nats per character, and the number of windows: over
     ``count`` fixed windows of ``T`` tokens (default: the model's window) of the last 10% of
@@ -252,8 +259,7 @@ def held_out_loss(lm, text: str, T: int | None = None, count: int = 32) -> tuple
 
     _, val = data_lib.split(text)
     tok = lm.vocab.tok
-    trained = lm.path is not None and "training" in json.loads((Path(lm.path) / "config.json").read_text())
-    if trained and tok.token_to_id(EOS) is not None:
+    if training_record(lm) and tok.token_to_id(EOS) is not None:
         stream = token_stream(tok, val)
         lengths = char_lengths(tok)
     else:
