@@ -207,6 +207,7 @@ UNIT_SECONDS = {
     "file:test_hf.py": 81,
     "file:test_tokenization_study.py": 35,
     "file:test_hf_families.py": 31,
+    "file:test_hf_weights.py": 40,
     "bpe_train": 30,
     "file:test_server.py": 74,
     "file:test_sampling.py": 68,

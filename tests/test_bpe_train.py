@@ -264,11 +264,12 @@ def test_study_all_skips_the_character_only_tradeoff_study(lm, tiny_ckpt):
 
 def test_cost_study_fits_its_prompts_to_a_small_window(lm, tmp_path):
     """On a 64-token window with n = 16 the default prompt lengths (32, 128, 256) become the ones
-    that fit and the longest that does (32, 48), timed on the portable path an HF folder runs on."""
+    that fit and the longest that does (32, 48), timed on the path the HF folder was loaded on."""
     from jaxdecode.eval.studies import cost
 
     res = cost.run(lm, tmp_path, n=16, batch_sizes=(1, 2), latency_batches=(1,), throughput_prompt=8, repeats=1,
                    budget_s=0.01, progress=False)
     assert res["settings"]["prompt_lengths"] == [32, 48]
-    assert list(res["backends"]) == ["portable"] and res["backends_note"].startswith("a Hugging Face folder")
-    assert [r["prompt_length"] for r in res["backends"]["portable"]["prefill_vs_decode"]] == [32, 48]
+    path = lm.decoder.backend
+    assert list(res["backends"]) == [path] and res["backends_note"].startswith("a Hugging Face folder")
+    assert [r["prompt_length"] for r in res["backends"][path]["prefill_vs_decode"]] == [32, 48]

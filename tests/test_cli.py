@@ -360,7 +360,7 @@ def test_study_decoders(tiny_ckpt, tmp_path):
 NON_RULE_FLAGS = {"-n", "--help", "--num-samples", "--memory-budget", "--max-rows", "--seed", "--ckpt", "--stop", "--greedy", "--json", "--stream", "--quiet",
                   "--beam", "--length-penalty", "--n-best", "--speculative", "--gamma", "--ngram-order",
                   "--ngram-backoff", "--data", "--contrastive", "--regex", "--choice", "--json-schema", "--smc",
-                  "--dtype", "--no-generation-config"}
+                  "--dtype", "--weights", "--no-generation-config"}
 
 
 def _generate_parser():

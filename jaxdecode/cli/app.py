@@ -9,6 +9,7 @@ import sys
 
 from jaxdecode.cli.common import (
     UsageError,
+    add_weights_flag,
     _Parser,
     _argument_hint,
     _draft_kind,
@@ -34,7 +35,7 @@ from jaxdecode.cli.common import (
     _print_samples,
     _stops,
 )
-from jaxdecode.cli.checkpoint import cmd_convert, cmd_eval, cmd_info, cmd_train
+from jaxdecode.cli.checkpoint import cmd_convert, cmd_eval, cmd_info, cmd_quantize, cmd_train
 
 
 MAX_NEW_TOKENS = 10_000_000  # -n: beyond this a request is a typo, not a study
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="a Hugging Face model's parameter and compute dtype (default float32; bfloat16 for "
                         "accelerators)")
+    add_weights_flag(s)
     s.add_argument("--stop", action="append", help="stop a sample once it produces this string (repeatable)")
     s.add_argument("--greedy", action="store_true", help="always take the most probable token")
     s.add_argument("--no-generation-config", action="store_true",
@@ -373,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 
+    s = sub.add_parser("quantize", help="a Hugging Face folder's weight matrices in int8, saved as a folder that "
+                                         "loads back as it was written")
+    s.add_argument("src", help="the Hugging Face folder (or a shipped model's name)")
+    s.add_argument("out_dir")
+    s.add_argument("--force", action="store_true", help="replace an existing output folder")
+    s.set_defaults(func=cmd_quantize)
+
     s = sub.add_parser("convert", help="convert the book's .pt into a checkpoint folder (no code from the file runs)")
     s.add_argument("pt")
     s.add_argument("out_dir")
@@ -415,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", default=None, help="score this text (mean log-probability per character)")
     s.add_argument("--prompt", default=None, help="condition --text on this prompt")
     s.add_argument("--held-out", action="store_true", help="with --text, also compute the held-out loss")
+    add_weights_flag(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_eval)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from jaxdecode.cli.common import add_weights_flag
 
 def add_chat(sub, seed_type) -> None:
     s = sub.add_parser("chat", help="an interactive chat with a checkpoint, through its chat template")
@@ -23,6 +24,7 @@ def add_chat(sub, seed_type) -> None:
     s.add_argument("--seed", type=seed_type, default=0, help="seed of the first reply; reply k uses seed + k")
     s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
+    add_weights_flag(s)
     s.set_defaults(func=cmd_chat)
 
 

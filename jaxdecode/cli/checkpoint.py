@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxdecode.cli.common import UsageError, _encode, _print_json, _unescape
+from jaxdecode.cli.common import UsageError, _encode, _load, _print_json, _unescape
 
 
 def cmd_info(args):
@@ -51,6 +51,28 @@ def cmd_convert(args):
     print(f"wrote {out} ({lm.num_params:,} parameters, V={lm.cfg.V}, T={lm.cfg.T})")
 
 
+def cmd_quantize(args):
+    import os
+
+    from jaxdecode.models import checkpoint
+    from jaxdecode.models.hf.quantized import QuantizedError, save_int8
+
+    if os.path.exists(args.out_dir) and not args.force:
+        raise UsageError(f"{args.out_dir} exists (--force replaces it)")
+    try:
+        lm = checkpoint.load(args.src, weights="int8", backend="portable")
+    except checkpoint.CheckpointError as e:
+        if "applies to Hugging Face folders" in str(e):
+            raise UsageError(f"quantize takes a Hugging Face folder; {args.src} is a character model") from None
+        raise
+    try:
+        out = save_int8(lm, args.out_dir)
+    except QuantizedError as e:
+        raise UsageError(str(e)) from None
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({lm.num_params:,} parameters, int8 matrices; {size / 1e6:.1f} MB)")
+
+
 def cmd_train(args):
     from jaxdecode.models.charlm.train import TrainConfig, train
 
@@ -73,8 +95,10 @@ def cmd_eval(args):
         raise UsageError("--prompt needs --text (the text to score after it)")
     if args.text is not None and not _unescape(args.text):
         raise UsageError("the text to score is empty")
-    lm = checkpoint.load(args.ckpt)
+    lm = _load(args)
     out = {"checkpoint": str(lm.path)}
+    if lm.meta.get("format") == "huggingface":
+        out["weights"] = lm.meta["weights"]
     if args.text is None or args.held_out:
         text = data_lib.read_corpus(args.data)
         if lm.meta.get("format") == "huggingface":  # nats per character, whatever a token is

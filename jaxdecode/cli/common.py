@@ -191,10 +191,25 @@ def _settings(args) -> dict:
             if getattr(args, spec.name) is not None}
 
 
+def add_weights_flag(s) -> None:
+    """``--weights``: how a Hugging Face model keeps its matrices (jaxdecode.models.hf.linear)."""
+    s.add_argument("--weights", default=None, choices=("auto", "float32", "stored", "bfloat16", "int8"),
+                   help="how a Hugging Face model keeps its weight matrices: auto (as stored on the native CPU "
+                        "path, float32 elsewhere), float32, stored (bfloat16/float16 stay so), bfloat16, or "
+                        "int8 (weight-only, quantized when loaded)")
+
+
 def _load(args):
     from jaxdecode.models import checkpoint
 
-    lm = checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32")
+    try:
+        lm = checkpoint.load(args.ckpt, dtype=getattr(args, "dtype", None) or "float32",
+                             weights=getattr(args, "weights", None) or "auto")
+    except checkpoint.CheckpointError as e:
+        if "applies to Hugging Face folders" in str(e):
+            raise UsageError(f"--weights {args.weights} applies to Hugging Face checkpoints; the character model "
+                             f"runs in float32") from None
+        raise
     if getattr(args, "dtype", None) not in (None, "float32") and not getattr(lm.vocab, "subword", False):
         raise UsageError(f"--dtype {args.dtype} applies to Hugging Face checkpoints; the character model runs "
                          f"in float32")

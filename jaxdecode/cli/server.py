@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+from jaxdecode.cli.common import add_weights_flag
+
 
 def add_serve(sub) -> None:
     """Register ``serve`` on the subcommand set ``sub``."""
@@ -44,6 +46,7 @@ def add_serve(sub) -> None:
                    help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
+    add_weights_flag(s)
     s.add_argument("--no-generation-config", action="store_true",
                    help="ignore a Hugging Face folder's generation_config.json defaults (temperature, top-k, "
                         "top-p, repetition penalty, do_sample), which apply to the fields a request leaves out")
@@ -78,7 +81,8 @@ def cmd_serve(args):
         template = load_chat_template(folder, args.chat_template) if folder or args.chat_template else None
     except ChatTemplateError as e:
         raise UsageError(str(e)) from None
-    options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", slots=args.slots,
+    options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", weights=args.weights,
+                   slots=args.slots,
                    cache=args.cache, num_blocks=args.num_blocks, block_size=args.block_size,
                    kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
                    prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, warm_up=args.warm_up)
@@ -128,7 +132,7 @@ def _engine(lm, options: dict):
     from jaxdecode.server.handlers import server_layout
 
     o = dict(options)
-    config = EngineConfig(**{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "warm_up")})
+    config = EngineConfig(**{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "weights", "warm_up")})
     engine = Engine(lm, config=config, layout=server_layout(lm.decoder.V))
     engine.compiled_at_start = (0, 0.0)
     if o.get("warm_up"):
@@ -148,7 +152,7 @@ def build_engine(options: dict):
     from jaxdecode.cli.common import UsageError, _load
 
     try:
-        lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"]))
+        lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"], weights=options.get("weights")))
     except UsageError as e:
         raise ValueError(str(e)) from None
     return _engine(lm, options), lm.vocab, dict(lm.generation_defaults)

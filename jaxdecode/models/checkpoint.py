@@ -224,14 +224,16 @@ def resolve(path: str | os.PathLike | None) -> Path:
 
 
 def load(path: str | os.PathLike | None = None, *, backend: str | None = None, dtype: str = "float32",
-         max_length: int | None = None) -> LanguageModel:
+         max_length: int | None = None, weights: str = "auto") -> LanguageModel:
     """Load a checkpoint folder (default: the shipped ``shakespeare-char``) onto ``backend``
     (``"native"``, ``"portable"``, or ``None``/``"auto"``: see :func:`jaxdecode.native.kernels.select`).
 
     A Hugging Face folder (a ``config.json`` with ``model_type`` llama, mistral, qwen2 or gpt2,
     safetensors weights, ``tokenizer.json``) loads through :func:`jaxdecode.models.hf.load_hf`
-    with ``dtype`` (``"float32"`` or ``"bfloat16"``) and an optional smaller window
-    ``max_length``; it runs on the portable path whatever ``backend`` says. A folder that cannot
+    with ``dtype`` (``"float32"`` or ``"bfloat16"``), an optional smaller window ``max_length``,
+    ``weights`` (how its matrices are kept: ``"auto"``, ``"float32"``, ``"stored"``,
+    ``"bfloat16"`` or ``"int8"``, see :mod:`jaxdecode.models.hf.linear`) and ``backend`` (the
+    native CPU layer runs its products). A folder that cannot
     be loaded (a corrupt or mismatched file, NaN weights, a config.json that is neither kind's) is
     refused with one :class:`CheckpointError` sentence naming the file and the problem."""
     from safetensors import SafetensorError
@@ -255,9 +257,12 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     meta = files.read_json(cfile, CheckpointError)
     if "model_type" in meta and "chars" not in meta:  # a Hugging Face folder
         try:
-            return load_hf(path, dtype=dtype, max_length=max_length)
+            return load_hf(path, dtype=dtype, max_length=max_length, weights=weights, backend=backend)
         except HFError as e:
             raise CheckpointError(str(e)) from None
+    if weights != "auto":
+        raise CheckpointError(f"weights={weights!r} applies to Hugging Face folders; {path} is a character "
+                              f"model (float32)")
     if "chars" not in meta and "V" not in meta:  # neither a Hugging Face nor a character model's
         raise CheckpointError(no_model_type(cfile))
     if not wfile.is_file():

@@ -28,6 +28,9 @@ class LanguageModel:
     # a folder's generation_config.json defaults: make_rule settings and "greedy" (applied by
     # jaxdecode.decoding.common.default_settings when a request sets none)
     generation_defaults: dict = dataclasses.field(default_factory=dict)
+    # reload(backend=...): the same folder loaded on another backend (a Hugging Face folder, whose
+    # matrices are kept per path); None where the decoder is rebuilt from cfg
+    reload: Any = None
 
     def __post_init__(self, backend):
         if self.decoder is None:
@@ -48,10 +51,12 @@ class LanguageModel:
         from jaxdecode.models.charlm.decoder import CharLMDecoder, decoder_for
 
         if not isinstance(self.decoder, CharLMDecoder):
-            if backend in ("portable", "auto", None):
+            if backend in ("auto", None) or backend == getattr(self.decoder, "backend", "portable"):
                 return self
-            raise ValueError("only the reference transformer has a native backend; this model runs on the "
-                             "portable jax.numpy path")
+            if self.reload is not None:  # a Hugging Face folder: its weights are packed per path, read again
+                return self.reload(backend=backend)
+            raise ValueError("only the reference transformer and Hugging Face folders have a native backend; "
+                             "this model runs on the portable jax.numpy path")
         return dataclasses.replace(self, decoder=decoder_for(self.cfg, backend))
 
     @property

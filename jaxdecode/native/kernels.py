@@ -49,6 +49,10 @@ _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
 _PAGED_LAYER = "jaxdecode_paged_layer"
+_LINEAR = {"float32": ("jaxdecode_linear_f32", "JaxdecodeLinearF32"),
+           "bfloat16": ("jaxdecode_linear_bf16", "JaxdecodeLinearBF16"),
+           "float16": ("jaxdecode_linear_f16", "JaxdecodeLinearF16"),
+           "int8": ("jaxdecode_linear_s8", "JaxdecodeLinearS8")}
 PAGED_TARGET = "jaxdecode_paged_attention"  # called by the CharLM's paged form (models/charlm/paged.py)
 PAGED_INT8_TARGET = "jaxdecode_paged_attention_int8"  # the same over an int8 pool (models/base.py, Int8Blocks)
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
@@ -158,6 +162,8 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
         jax.ffi.register_ffi_target(_PAGED_LAYER, jax.ffi.pycapsule(lib.JaxdecodePagedLayer), platform="cpu")
+        for target, symbol in _LINEAR.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_INT8_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttentionInt8),
                                     platform="cpu")
@@ -272,6 +278,26 @@ def packed_dense(x, wp, b):
     """``x @ w + b`` natively with ``wp = pack(w)`` (for a few rows)."""
     check_float32(x, wp, b)
     return _rows_kernel(_PACKED, x, 16 * wp.shape[0])(x, wp, b)
+
+
+def linear(x, wp, scale=None):
+    """``x @ W`` natively for ``x`` ``[..., K]`` float32 (any number of rows) and ``W`` ``[K, N]``
+    packed by :func:`pack` in the dtype it is kept in: float32, bfloat16, float16, or int8 with
+    ``scale`` ``[N]`` float32 (``W = Q * scale`` per column). The kernel widens each weight to
+    float32 as it reads it, and reads each panel of 16 columns once for all the rows (csrc/linear.cc).
+    A row's result does not depend on the other rows of the call."""
+    name = jnp.dtype(wp.dtype).name
+    if name not in _LINEAR:
+        raise TypeError(f"the native linear layer takes float32, bfloat16, float16 or int8 weights, got {name}")
+    if (name == "int8") != (scale is not None):
+        raise TypeError("the native linear layer needs a scale with int8 weights, and only with them")
+    check_float32(x)
+    scale = jnp.zeros((0,), jnp.float32) if scale is None else jnp.asarray(scale, jnp.float32)
+    lead, K = x.shape[:-1], x.shape[-1]
+    M, N = math.prod(lead), 16 * wp.shape[0]
+    _registered()
+    call = jax.ffi.ffi_call(_LINEAR[name][0], jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    return call(x.reshape(M, K), wp, scale).reshape(*lead, N)
 
 
 SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}

@@ -95,7 +95,7 @@ def backends(lm) -> tuple[list[tuple[str, object]], str]:
     if getattr(lm, "cfg", None) is None:
         return [(lm.decoder.backend, lm)], "the model's own decoder (not the reference transformer)"
     if (lm.meta or {}).get("format") == "huggingface":
-        return [(lm.decoder.backend, lm)], "a Hugging Face folder: the portable path only"
+        return [(lm.decoder.backend, lm)], f"a Hugging Face folder: the path it was loaded on ({lm.decoder.backend})"
     if kernels.available():
         return ([("native", lm.with_backend("native")), ("portable", lm.with_backend("portable"))],
                 "native and portable")

@@ -8,12 +8,15 @@ sharded (:mod:`.weights`), ``generation_config.json`` for the end tokens, and ``
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
 
 from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, generation_defaults
 from jaxdecode.models.hf.families import read_config
+from jaxdecode.models.hf.linear import STORED, WEIGHTS, mode, prepare
+from jaxdecode.models.hf.quantized import QuantizedError, is_quantized, packed, read_int8
 from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
 from jaxdecode.models.hf.transformer import HFCache, HFDecoder
 from jaxdecode.models.hf.weights import WeightsError, read_params
@@ -36,10 +39,15 @@ def is_hf_folder(folder: Path) -> bool:
     return isinstance(raw, dict) and "model_type" in raw and "chars" not in raw
 
 
-def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
+def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, weights: str = "auto",
+            backend: str | None = None):
     """Load a Hugging Face folder. ``dtype``: the parameters' and the computation's (norms,
     softmax and logits stay float32); ``max_length``: a window smaller than the config's
-    ``max_position_embeddings`` (the loops allocate and re-read up to the window)."""
+    ``max_position_embeddings`` (the loops allocate and re-read up to the window); ``weights``:
+    how the matrices are kept (:mod:`.linear`: ``"auto"``, ``"float32"``, ``"stored"``,
+    ``"bfloat16"``, ``"int8"``); ``backend``: ``"native"`` (the C++ products on the CPU),
+    ``"portable"``, or ``None``/``"auto"`` (:func:`jaxdecode.native.kernels.select`). The native
+    path computes in float32: with ``dtype="bfloat16"``, ``"auto"`` is the portable path."""
     import jax.numpy as jnp
 
     from jaxdecode.models.lm import LanguageModel
@@ -50,25 +58,59 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None):
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                    or max_length < 2):
         raise HFError(f"max_length must be an integer >= 2, got {max_length!r}")
+    native, how = _choose(dtype, weights, backend)
+    stored: set = set()
     try:
         cfg, raw = read_config(folder)
         vocab = HFTokenizer(folder / "tokenizer.json", cfg.V)
         eos = end_tokens(folder, raw, cfg.V, vocab.size)
         defaults = generation_defaults(folder)
-        params = read_params(folder, cfg, getattr(jnp, dtype))
-    except (ConfigError, TokenizerError, WeightsError) as e:
+        if is_quantized(raw):  # saved by `jaxdecode quantize`: read back as written
+            if weights not in ("auto", "int8") or dtype != "float32":
+                raise HFError(f"{folder} holds int8 weights: load it with weights 'auto' or 'int8' and dtype "
+                              f"float32")
+            params, how, kept = read_int8(folder, cfg), "int8", "int8"
+            params = packed(params) if native else params
+        else:
+            params = read_params(folder, cfg, getattr(jnp, dtype), stored)
+    except (ConfigError, TokenizerError, WeightsError, QuantizedError) as e:
         raise HFError(str(e)) from None
+    if not is_quantized(raw):
+        kept = STORED.get(stored.pop(), "float32") if len(stored) == 1 else "float32"
+        params = prepare(params, cfg, how, kept, native)
     vocab.eos_ids = eos  # constraints allow them in final states
-    decoder = HFDecoder(cfg, dtype, max_length)
+    decoder = HFDecoder(cfg, dtype, max_length, "native" if native else "portable")
     meta = {"model_type": cfg.model_type, "format": "huggingface", "dtype": dtype,
+            "weights": {"float32": dtype, "stored": kept}.get(how, how),
             "architectures": raw.get("architectures"), "eos_token_id": list(eos)}
     if defaults:  # generate and the command line apply them when the user sets none
         meta["generation_defaults"] = defaults
     if cfg.multimodal:
         meta["note"] = VISION_UNUSED
         warnings.warn(f"{folder}: {VISION_UNUSED}", stacklevel=2)
+    kept_option = "auto" if dtype != "float32" else {"float16": "stored"}.get(meta["weights"], meta["weights"])
+    reload = functools.partial(load_hf, folder, dtype=dtype, max_length=max_length, weights=kept_option)
     return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
-                         eos_ids=eos, generation_defaults=defaults)
+                         eos_ids=eos, generation_defaults=defaults, reload=reload)
+
+
+def _choose(dtype: str, weights: str, backend: str | None) -> tuple[bool, str]:
+    """``(native, how the matrices are kept)`` for a load's options (one-line HFError if refused)."""
+    from jaxdecode.native import kernels
+
+    if weights not in WEIGHTS:
+        raise HFError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if dtype != "float32":
+        if backend == "native":
+            raise HFError(f"the native CPU layer computes in float32, not {dtype}")
+        if weights not in ("auto", "float32"):
+            raise HFError(f"weights={weights!r} needs dtype float32 (dtype {dtype} keeps every weight in {dtype})")
+        return False, "float32"
+    try:
+        native, _ = kernels.select(None if backend in (None, "auto") else backend)
+    except kernels.KernelError as e:
+        raise HFError(str(e)) from None
+    return native, mode(weights, native)
 
 
 __all__ = ["DTYPES", "HFCache", "HFConfig", "HFDecoder", "HFError", "HFTokenizer", "SUPPORTED",

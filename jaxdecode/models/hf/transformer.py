@@ -47,6 +47,7 @@ from jaxdecode.models.base import (
     write_blocks,
 )
 from jaxdecode.models.hf.config import HFConfig
+from jaxdecode.models.hf.linear import fused_split, matmul
 from jaxdecode.models.hf.moe import moe_mlp
 
 
@@ -136,6 +137,7 @@ class HFDecoder(DecodingModel):
     cfg: HFConfig
     dtype: str = "float32"
     T_limit: int | None = None  # a smaller window than the config's, if asked for
+    backend: str = "portable"  # "native": the parameters' matrices are packed for the CPU kernel (.linear)
 
     @property
     def V(self):
@@ -167,7 +169,7 @@ class HFDecoder(DecodingModel):
         return (out if rd == x.shape[-1] else jnp.concatenate([out, rest], axis=-1)).astype(x.dtype)
 
     def _embed(self, params, tokens, pos):
-        x = params["embed"][tokens]
+        x = params["embed"][tokens].astype(self.dtype)  # (a matrix may be kept in another dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d), rounded to the parameters' dtype as transformers does
             x = x * jnp.asarray(math.sqrt(self.cfg.d), x.dtype)
         if self.cfg.positions == "learned":
@@ -178,7 +180,10 @@ class HFDecoder(DecodingModel):
         cfg = self.cfg
         B, S, _ = x.shape
         h = x if cfg.layout == "post" else _norm(cfg, x, p["norm1_w"], p.get("norm1_b"))
-        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if "qkv" in p:  # fused on the native path (.linear)
+            q, k, v = fused_split(cfg, p, matmul(h, p["qkv"]), "qkv")
+        else:
+            q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
         if "bq" in p:
             q, k, v = q + _vec(p["bq"], 3), k + _vec(p["bk"], 3), v + _vec(p["bv"], 3)
         if cfg.qk_norm == "all":
@@ -216,25 +221,30 @@ class HFDecoder(DecodingModel):
 
     def _finish(self, p, x, att, layer):
         cfg = self.cfg
-        a = att @ p["wo"] + (_vec(p["bo"], 3) if "bo" in p else 0)
+        a = matmul(att, p["wo"]) + (_vec(p["bo"], 3) if "bo" in p else 0)
         x = x + (a if cfg.layout == "pre" else _norm(cfg, a, p["norm_pa"]))
         h = x if cfg.layout == "post" else _norm(cfg, x, p["norm2_w"], p.get("norm2_b"))
         if cfg.is_moe(layer):
             out = moe_mlp(cfg, p, h, lambda z: _act(cfg.act, z))
         else:
-            up = h @ p["w_up"] + (_vec(p["b_up"], 3) if "b_up" in p else 0)
+            if "gu" in p:  # fused on the native path (.linear)
+                gate, up = fused_split(cfg, p, matmul(h, p["gu"]), "gu")
+            else:
+                up = matmul(h, p["w_up"])
+                gate = matmul(h, p["w_gate"]) if cfg.mlp == "gated" else None
+            up = up + (_vec(p["b_up"], 3) if "b_up" in p else 0)
             if cfg.mlp == "gated":
-                gate = h @ p["w_gate"] + (_vec(p["b_gate"], 3) if "b_gate" in p else 0)
+                gate = gate + (_vec(p["b_gate"], 3) if "b_gate" in p else 0)
                 mid = _act(cfg.act, gate) * up
             else:
                 mid = _act(cfg.act, up)
-            out = mid @ p["w_down"] + (_vec(p["b_down"], 3) if "b_down" in p else 0)
+            out = matmul(mid, p["w_down"]) + (_vec(p["b_down"], 3) if "b_down" in p else 0)
         return x + (out if cfg.layout == "pre" else _norm(cfg, out, p["norm_pf"]))
 
     def _head(self, params, x):
         hidden = _norm(self.cfg, x, params["norm_w"], params.get("norm_b"))
         if "head" in params:
-            logits = jnp.einsum("bsd,dv->bsv", hidden, params["head"], preferred_element_type=jnp.float32)
+            logits = matmul(hidden, params["head"], jnp.float32)
         else:
             logits = jnp.einsum("bsd,vd->bsv", hidden, params["embed"], preferred_element_type=jnp.float32)
         return _softcap(logits, self.cfg.final_softcap), hidden.astype(jnp.float32)
@@ -294,7 +304,7 @@ class HFDecoder(DecodingModel):
         return window_by_forward(self.forward, self.T, params, history, lengths)
 
     def paged(self, block_size, attention="portable"):
-        if attention != "portable":
+        if attention not in ("portable", "native"):  # (native: its products; the attention is portable)
             raise NotImplementedError(f"{self.cfg.model_type} runs paged attention on the portable path "
                                       f"only, not {attention!r}")
         return HFPaged(self, int(block_size))

@@ -256,10 +256,11 @@ def _checked(f, held: set, name: str, path: Path, shape: tuple, index: Path | No
     return a
 
 
-def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
+def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -> dict:
     """The parameter tree of ``folder``'s weights as ``dtype`` device arrays (float32 storage,
-    bfloat16 or float16 are read alike). Every tensor is checked before use: its dtype, shape, and
-    values (NaN, infinities, and values that ``dtype`` cannot hold are refused, naming the tensor)."""
+    bfloat16 or float16 are read alike; ``stored``, a set, collects the storage dtypes met, as
+    safetensors names them). Every tensor is checked before use: its dtype, shape, and values (NaN,
+    infinities, and values that ``dtype`` cannot hold are refused, naming the tensor)."""
     import jax.numpy as jnp
     from safetensors import safe_open
 
@@ -281,6 +282,8 @@ def read_params(folder: Path, cfg: HFConfig, dtype) -> dict:
                 for canon in names:
                     param, layer, how, shape = table[canon]
                     a = _checked(f, held, found[canon][0], path, shape, index, dtype)
+                    if stored is not None:
+                        stored.add(f.get_slice(found[canon][0]).get_dtype())
                     for pname, part in _split(cfg, param, how, a):
                         if layer is None:
                             flat[pname] = jnp.asarray(part, dtype)

@@ -1,0 +1,130 @@
+"""The decoder's weight matrices as they are kept in memory, and the one product that reads them.
+
+A decode step at a small batch is bound by reading the weights, so how they are kept decides its
+speed. ``weights`` (``load(..., weights=...)``, ``--weights``) chooses for the matrices of the
+attention, the MLP and the output layer (norms, biases, the router and the experts of a mixture
+stay in the compute dtype):
+
+- ``"auto"`` (default): ``"stored"`` on the native CPU path, ``"float32"`` on the portable one
+  (XLA CPU widens a bfloat16 matrix into a float32 copy at every product, so keeping it saves no
+  reading there);
+- ``"float32"``: widened when loaded (the compute dtype's, to be exact);
+- ``"stored"``: bfloat16 and float16 matrices stay in that dtype, and each product widens them
+  as it reads them;
+- ``"bfloat16"``: every matrix rounded to bfloat16 when loaded (half the bytes of float32);
+- ``"int8"``: weight-only int8, symmetric, one float32 scale per output column
+  (``W[:, n] = Q[:, n] * s[n]``, ``s[n] = max|W[:, n]| / 127``), quantized when loaded from the
+  float32 values; the product is ``(x @ Q) * s``.
+
+A matrix is one of three leaves of the parameter tree, and :func:`matmul` dispatches on which:
+
+- an array ``[K, N]`` (any float dtype): ``x @ W``, widened to ``x``'s dtype;
+- ``{"q": int8 [K, N], "scale": [N]}``: the portable int8 product (XLA; on an accelerator the
+  conversion fuses into the product);
+- ``{"packed": [N / 16, K, 16], "scale"?}``: the native CPU kernel
+  (:func:`jaxdecode.native.kernels.linear`), which reads each weight once per call for all rows.
+  On this path q, k and v are one packed matrix (``qkv``), and so are the MLP's gate and up
+  (``gu``): one call each.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHTS = ("auto", "float32", "stored", "bfloat16", "int8")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+FUSED = {"qkv": ("wq", "wk", "wv"), "gu": ("w_gate", "w_up")}
+
+
+def quantize(w) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` ``[K, N]`` -> ``(q int8 [K, N], scale float32 [N])`` with ``w ≈ q * scale``, one
+    symmetric scale per column (a column of zeros gets scale 1)."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=0) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def matmul(h, w, out_dtype=None):
+    """``h [..., K] @ W -> [..., N]`` for a matrix kept in any of the module's forms, in
+    ``out_dtype`` (default ``h``'s dtype)."""
+    out_dtype = out_dtype or h.dtype
+    if isinstance(w, dict):
+        if "packed" in w:
+            from jaxdecode.native import kernels
+
+            return kernels.linear(h.astype(jnp.float32), w["packed"], w.get("scale")).astype(out_dtype)
+        y = jnp.matmul(h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32)
+        return (y * w["scale"].reshape((1,) * (y.ndim - 1) + (-1,))).astype(out_dtype)
+    return jnp.matmul(h, w if w.dtype == h.dtype else w.astype(h.dtype), preferred_element_type=out_dtype)
+
+
+def mode(weights: str, native: bool) -> str:
+    """The concrete mode of ``weights`` (``"auto"`` resolved for the path)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "auto":
+        return "stored" if native else "float32"
+    return weights
+
+
+def _kept(a, how: str, stored: str, native: bool):
+    """Matrix ``a`` ``[K, N]`` (numpy float32) in mode ``how``."""
+    if how == "int8":
+        q, scale = quantize(a)
+        if native and q.shape[1] % 16 == 0:
+            from jaxdecode.native import kernels
+
+            return {"packed": kernels.pack(jnp.asarray(q)), "scale": jnp.asarray(scale)}
+        return {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
+    dtype = {"float32": None, "stored": stored, "bfloat16": "bfloat16"}[how]
+    a = jnp.asarray(a, dtype or jnp.float32)
+    if native and a.shape[1] % 16 == 0:
+        from jaxdecode.native import kernels
+
+        return {"packed": kernels.pack(a)}
+    return a
+
+
+def prepare(params: dict, cfg, how: str, stored: str, native: bool) -> dict:
+    """``params`` (as read, in float32) with their matrices kept in mode ``how``;
+    ``stored``: the dtype the folder holds them in; ``native``: packed for the CPU kernel (q, k and
+    v fused, gate and up fused). A tied output layer gets a matrix of its own (``head``,
+    ``embed.T``) where the form differs from the embedding's array."""
+    if how == "float32" and not native:
+        return params
+    layers = []
+    for p in params["layers"]:
+        p = dict(p)
+        if native:
+            for fused, parts in FUSED.items():
+                if all(k in p for k in parts):
+                    p[fused] = np.concatenate([np.asarray(p.pop(k), np.float32) for k in parts], axis=1)
+        for k in (*MATRICES, *FUSED):
+            if k in p:
+                p[k] = _kept(np.asarray(p[k], np.float32), how, stored, native)
+        layers.append(p)
+    out = dict(params, layers=tuple(layers))
+    head = params.get("head")
+    if head is None and (native or how == "int8"):
+        head = np.asarray(params["embed"], np.float32).T
+    if head is not None:
+        out["head"] = _kept(np.asarray(head, np.float32), how, stored, native)
+    if how in ("stored", "bfloat16"):
+        out["embed"] = jnp.asarray(np.asarray(params["embed"], np.float32), stored if how == "stored" else how)
+    return out
+
+
+def fused_split(cfg, p, y, fused: str):
+    """The parts of a fused product ``y`` (q, k, v or gate, up)."""
+    if fused == "qkv":
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return y[..., :q], y[..., q:q + kv], y[..., q + kv:]
+    F = y.shape[-1] // 2
+    return y[..., :F], y[..., F:]
+
+
+__all__ = ["MATRICES", "STORED", "WEIGHTS", "fused_split", "matmul", "mode", "prepare", "quantize"]

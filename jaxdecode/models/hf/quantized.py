@@ -1,0 +1,136 @@
+"""A Hugging Face folder quantized to int8 once, saved, and loaded back exactly (``jaxdecode quantize``).
+
+The folder keeps the source's ``config.json`` (with a ``"jaxdecode_weights"`` record added),
+tokenizer and generation files, and one ``model.safetensors`` holding jaxdecode's parameter tree
+as it is after :func:`jaxdecode.models.hf.linear.prepare` with ``weights="int8"``: every int8
+matrix as ``<path>.q`` (int8 ``[K, N]``) and ``<path>.scale`` (float32 ``[N]``), every other
+parameter as loaded. Loading it reads those tensors back as they were written, so its outputs
+equal those of the model it was saved from, on either path. It is jaxdecode's own layout:
+transformers cannot read it (there is no transformers format for weight-only int8 without a
+quantization library).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+MARK = "jaxdecode_weights"
+RECORD = {"format": "int8", "scheme": "symmetric, one float32 scale per output column",
+          "layout": "jaxdecode parameter tree (not readable by transformers)"}
+COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+          "special_tokens_map.json")
+
+
+class QuantizedError(ValueError):
+    """A quantized folder that cannot be written or read (one line naming the problem)."""
+
+
+def _flatten(params) -> dict[str, np.ndarray]:
+    from jaxdecode.native import kernels
+
+    flat: dict[str, np.ndarray] = {}
+
+    def put(prefix, value):
+        if isinstance(value, dict) and "scale" in value:  # an int8 matrix, portable or packed
+            q = value["q"] if "q" in value else kernels.unpack(value["packed"])
+            flat[prefix + ".q"] = np.asarray(q)
+            flat[prefix + ".scale"] = np.asarray(value["scale"], np.float32)
+        elif isinstance(value, dict):
+            raise QuantizedError(f"parameter {prefix} is not int8 (load the model with weights='int8')")
+        else:
+            flat[prefix] = np.asarray(value)
+
+    for name, value in params.items():
+        if name == "layers":
+            for i, layer in enumerate(value):
+                for k, v in layer.items():
+                    put(f"layers.{i}.{k}", v)
+        else:
+            put(name, value)
+    return flat
+
+
+def save_int8(lm, dst) -> Path:
+    """Write ``lm`` (a Hugging Face model loaded with ``weights="int8"``) as an int8 folder."""
+    from safetensors.numpy import save_file
+
+    from jaxdecode.io.files import atomic_folder
+
+    if lm.meta.get("format") != "huggingface" or lm.meta.get("weights") != "int8":
+        raise QuantizedError("quantize: the model must be a Hugging Face folder loaded with weights='int8'")
+    src = Path(lm.path)
+    flat = _flatten(lm.params)
+    with atomic_folder(dst, error=QuantizedError) as tmp:
+        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        config[MARK] = dict(RECORD, source=str(src))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name in COPIED:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        save_file(flat, str(tmp / "model.safetensors"), metadata={"format": "jaxdecode-int8"})
+    return Path(dst)
+
+
+def is_quantized(raw: dict) -> bool:
+    return MARK in raw
+
+
+def read_int8(folder: Path, cfg) -> dict:
+    """The parameter tree of an int8 folder (int8 matrices as ``{"q", "scale"}``), checked
+    against its config: every layer present, shapes as the config implies for the matrices named."""
+    import jax.numpy as jnp
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = folder / "model.safetensors"
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise QuantizedError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+    params: dict = {}
+    layers: list[dict] = [{} for _ in range(cfg.L)]
+    for key, a in state.items():
+        parts = key.split(".")
+        if parts[0] == "layers":
+            if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) >= cfg.L:
+                raise QuantizedError(f"{path}: tensor {key!r} names no layer of this config ({cfg.L} layers)")
+            target, name, rest = layers[int(parts[1])], parts[2], parts[3:]
+        else:
+            target, name, rest = params, parts[0], parts[1:]
+        if rest:
+            target.setdefault(name, {})[rest[0]] = jnp.asarray(a)
+        else:
+            target[name] = jnp.asarray(a)
+    if any(not layer for layer in layers) or "embed" not in params:
+        raise QuantizedError(f"{path}: the int8 folder lacks layers or the embedding its config implies")
+    for where in (params, *layers):
+        for name, v in where.items():
+            if isinstance(v, dict) and (set(v) != {"q", "scale"} or v["q"].dtype != jnp.int8
+                                        or v["scale"].shape != (v["q"].shape[1],)):
+                raise QuantizedError(f"{path}: matrix {name!r} is not an int8 matrix with one scale per column")
+    if params["embed"].shape != (cfg.V, cfg.d):
+        raise QuantizedError(f"{path}: the embedding has shape {tuple(params['embed'].shape)}, the config "
+                             f"implies {(cfg.V, cfg.d)}")
+    params["layers"] = tuple(layers)
+    return params
+
+
+def packed(params: dict) -> dict:
+    """An int8 tree's matrices packed for the native kernel (where their width allows it)."""
+    from jaxdecode.native import kernels
+
+    def pack(v):
+        if isinstance(v, dict) and v["q"].shape[1] % 16 == 0:
+            return {"packed": kernels.pack(v["q"]), "scale": v["scale"]}
+        return v
+
+    out = {k: pack(v) for k, v in params.items() if k != "layers"}
+    out["layers"] = tuple({k: pack(v) for k, v in layer.items()} for layer in params["layers"])
+    return out
+
+
+__all__ = ["MARK", "QuantizedError", "is_quantized", "packed", "read_int8", "save_int8"]

@@ -1,0 +1,229 @@
+// The linear layers of the Hugging Face decoder: y = x @ W for any number of rows, with W kept in
+// the dtype it is stored in (float32, bfloat16, float16, or int8 with a float32 scale per output
+// column) and widened to float32 as it is read. FFI handlers JaxdecodeLinearF32, ...BF16, ...F16
+// and ...S8.
+//
+// W is packed in panels of 16 columns, wp [N / 16, K, 16] (kernels.pack). Each thread takes a range
+// of panels; for each panel it runs every tile of rows of x before moving on, so a panel (K * 16
+// elements: 36 KB of float32 at K = 576) is read from memory once per call and from L1/L2 by the
+// later tiles, and batch 8 reads the weights once per step, as batch 1 does. A tile of up to 8
+// rows (2 without AVX-512's 32 registers) keeps its 16 columns of y in registers, as two partial
+// sums (even and odd k) that hide the multiply-add latency. A row is summed in the same order
+// whatever its tile, so its result never depends on how many other rows share the call.
+//
+// int8: y = (x @ Q) * s, with W = Q * s per column (the scale is applied once, after the sum).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+#include "gemm.h"
+#include "threads.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace jaxdecode {
+namespace {
+
+struct F16 {  // tag: IEEE half precision stored as uint16_t
+  uint16_t bits;
+};
+
+// Sixteen floats: one panel row, one AVX-512 register (two AVX ones elsewhere).
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 Load16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+static inline v16 Splat16(float a) { return v16{} + a; }
+
+static inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while (!(m & 0x400));
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The sixteen weights at p as float32 (exact for every stored dtype).
+static inline v16 Widen(const float* p) { return Load16(p); }
+
+static inline v16 Widen(const uint16_t* p) {  // bfloat16: the high half of a float32
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  v16 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+#else
+  uint32_t w[16];
+  for (int i = 0; i < 16; ++i) w[i] = uint32_t(p[i]) << 16;
+  v16 r;
+  std::memcpy(&r, w, sizeof r);
+  return r;
+#endif
+}
+
+static inline v16 Widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  v16 r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#else
+  v16 r;
+  for (int i = 0; i < 16; ++i) r[i] = float(p[i]);
+  return r;
+#endif
+}
+
+static inline v16 Widen(const F16* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+  v16 r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#else
+  v16 r;
+  for (int i = 0; i < 16; ++i) r[i] = HalfToFloat(p[i].bits);
+  return r;
+#endif
+}
+
+static inline void InRegister16(v16& x) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#else
+  (void)x;
+#endif
+}
+
+// acc[r] (the panel's 16 columns) = x[r, :K] . panel, as two partial sums (even and odd k) added
+// at the end: the same order for every row whatever R. With `ahead`, the panel's bytes are asked
+// for a few hundred ahead of their use (the first tile of a panel streams it from memory; the
+// later ones find it in L1).
+template <typename T, int R>
+static inline void TileRows(const float* x, int64_t K, const T* panel, bool ahead, v16 (&acc)[R]) {
+  constexpr int64_t kLine = 64 / (16 * int64_t(sizeof(T))) > 0 ? 64 / (16 * sizeof(T)) : 1;  // k per line
+  v16 a0[R] = {}, a1[R] = {};
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+#ifndef JAXDECODE_NO_PREFETCH
+    if (ahead && k % kLine == 0) __builtin_prefetch(panel + 16 * (k + 16 * kLine));
+#endif
+    v16 w0 = Widen(panel + 16 * k), w1 = Widen(panel + 16 * (k + 1));
+    InRegister16(w0), InRegister16(w1);
+    for (int r = 0; r < R; ++r) {
+      a0[r] += Splat16(x[r * K + k]) * w0;
+      a1[r] += Splat16(x[r * K + k + 1]) * w1;
+    }
+  }
+  if (k < K) {
+    const v16 w0 = Widen(panel + 16 * k);
+    for (int r = 0; r < R; ++r) a0[r] += Splat16(x[r * K + k]) * w0;
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a0[r] + a1[r];
+}
+
+template <typename T, int R>
+static inline void Tile(const float* x, int64_t K, const T* panel, bool ahead, const float* scale, float* y,
+                        int64_t N, int64_t n) {
+  v16 acc[R];
+  TileRows<T, R>(x, K, panel, ahead, acc);
+  for (int r = 0; r < R; ++r) {
+    v16 o = acc[r];
+    if (scale) o *= Load16(scale + n);
+    std::memcpy(y + r * N + n, &o, sizeof o);
+  }
+}
+
+// y[:, panels p0..p1) for M rows: each panel through every tile of rows before the next panel.
+template <typename T>
+static void Panels(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
+                   int64_t p0, int64_t p1) {
+#if defined(__AVX512F__)
+  constexpr int kTile = 8;  // 2 x 8 accumulators, the weights and a broadcast: 19 of 32 registers
+#else
+  constexpr int kTile = 2;
+#endif
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* panel = wp + p * K * 16;
+    const int64_t n = 16 * p;
+    int64_t r = 0;
+    for (; r + kTile <= M; r += kTile) Tile<T, kTile>(x + r * K, K, panel, r == 0, scale, y + r * N, N, n);
+    const bool ahead = r == 0;
+    switch (M - r) {
+      case 7: Tile<T, 7>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 6: Tile<T, 6>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 5: Tile<T, 5>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 4: Tile<T, 4>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 3: Tile<T, 3>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 2: Tile<T, 2>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+      case 1: Tile<T, 1>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    }
+  }
+}
+
+template <ffi::DataType DT, typename T>
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<DT> wp, ffi::Buffer<ffi::F32> s,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("linear: expected x [M, K] and wp [N/16, K, 16]");
+  const int64_t M = xd[0], K = xd[1], panels = wd[0], N = 16 * panels;
+  const bool scaled = s.element_count() != 0;
+  if (scaled && s.element_count() != N) return ffi::Error::InvalidArgument("linear: expected a scale [N]");
+  const float* xs = x.typed_data();
+  const T* w = reinterpret_cast<const T*>(wp.untyped_data());
+  const float* scale = scaled ? s.typed_data() : nullptr;
+  float* ys = y->typed_data();
+  if (M == 0) return ffi::Error::Success();
+  // small products on the calling thread alone (a second thread costs more than it saves)
+  const int64_t work = M * K * N;
+  const int64_t threads = work < (int64_t{1} << 15) ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
+  // twice as many ranges as threads: a thread that starts late takes fewer
+  const int64_t items = std::min<int64_t>(panels, threads > 1 ? 2 * threads : 1);
+  const int64_t per = (panels + items - 1) / items;
+  const int64_t count = (panels + per - 1) / per;
+  ParallelFor(pool, count, threads, [=](int64_t i) {
+    Panels<T>(xs, M, K, w, scale, ys, N, i * per, std::min(panels, (i + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxdecode
+
+#define JAXDECODE_LINEAR(NAME, DT, T)                                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (jaxdecode::LinearImpl<DT, T>),                       \
+                                ffi::Ffi::Bind()                                            \
+                                    .Ctx<ffi::ThreadPool>()                                 \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* x */                   \
+                                    .Arg<ffi::Buffer<DT>>()       /* wp */                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* scale, or empty */     \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y */
+
+JAXDECODE_LINEAR(JaxdecodeLinearF32, ffi::F32, float)
+JAXDECODE_LINEAR(JaxdecodeLinearBF16, ffi::BF16, uint16_t)
+JAXDECODE_LINEAR(JaxdecodeLinearF16, ffi::F16, jaxdecode::F16)
+JAXDECODE_LINEAR(JaxdecodeLinearS8, ffi::S8, int8_t)
