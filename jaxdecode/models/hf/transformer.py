@@ -206,8 +206,10 @@ class HFDecoder(DecodingModel):
         cfg = self.cfg
         B, S, H, hd = q.shape
         G = cfg.groups
-        q = q.reshape(B, S, cfg.kv_heads, G, hd)
         scale = 1 / math.sqrt(cfg.attn_scalar or hd)
+        if self.backend == "native" and cfg.window(layer) is None and cfg.attn_softcap is None:
+            return self._attend_native(q, k, v, pos, scale)
+        q = q.reshape(B, S, cfg.kv_heads, G, hd)
         scores = jnp.einsum("bskgh,bkth->bkgst", q, k, preferred_element_type=jnp.float32) * scale
         scores = _softcap(scores, cfg.attn_softcap)
         visible = kpos[None, None, :] <= pos[:, :, None]  # [B, S, K]
@@ -218,6 +220,22 @@ class HFDecoder(DecodingModel):
         w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgst,bkth->bskgh", w, v)
         return out.reshape(B, S, H * hd)
+
+    def _attend_native(self, q, k, v, pos, scale):
+        """:meth:`_attend` through the native kernel (keys at positions ``0..K-1``; no window or
+        soft-capping): each row's keys and values read in place up to the query's position, the
+        ``G`` query heads of a key/value head as ``G * S`` queries of it."""
+        from jaxdecode.native import kernels
+
+        B, S, H, hd = q.shape
+        KV, G = self.cfg.kv_heads, self.cfg.groups
+        qn = q.astype(jnp.float32).reshape(B, S, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * S, hd)
+        lim = jnp.broadcast_to((pos + 1)[:, None, :], (B, G, S)).reshape(B, G * S).astype(jnp.int32)
+        empty = jnp.zeros((B * KV, 0, hd), jnp.float32)
+        out = kernels.attention(qn, k.astype(jnp.float32), v.astype(jnp.float32), lim, empty, empty,
+                                jnp.zeros_like(lim), scale)
+        out = out.reshape(B, KV, G, S, hd).transpose(0, 3, 1, 2, 4).reshape(B, S, H * hd)
+        return out.astype(q.dtype)
 
     def _finish(self, p, x, att, layer):
         cfg = self.cfg

@@ -157,31 +157,84 @@ static inline void Tile(const float* x, int64_t K, const T* panel, bool ahead, c
   }
 }
 
-// y[:, panels p0..p1) for M rows: each panel through every tile of rows before the next panel.
+// TileRows for one or two rows over kStreams panels at once, each from its own stretch of the
+// weights: a core keeps more reads in flight over several streams than over one, and the panels'
+// sums are independent chains of multiply-adds. Each column is summed exactly as TileRows sums it.
+constexpr int kStreams = 4;
+
+template <typename T, int R>
+static inline void StreamTile(const float* x, int64_t K, const T* const (&panels)[kStreams], const float* scale,
+                              float* y, int64_t N, const int64_t (&ns)[kStreams]) {
+  v16 a0[kStreams][R] = {}, a1[kStreams][R] = {};
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2)
+    for (int s = 0; s < kStreams; ++s) {
+      v16 w0 = Widen(panels[s] + 16 * k), w1 = Widen(panels[s] + 16 * (k + 1));
+      InRegister16(w0), InRegister16(w1);
+      for (int r = 0; r < R; ++r) {
+        a0[s][r] += Splat16(x[r * K + k]) * w0;
+        a1[s][r] += Splat16(x[r * K + k + 1]) * w1;
+      }
+    }
+  if (k < K)
+    for (int s = 0; s < kStreams; ++s) {
+      const v16 w0 = Widen(panels[s] + 16 * k);
+      for (int r = 0; r < R; ++r) a0[s][r] += Splat16(x[r * K + k]) * w0;
+    }
+  for (int s = 0; s < kStreams; ++s)
+    for (int r = 0; r < R; ++r) {
+      v16 o = a0[s][r] + a1[s][r];
+      if (scale) o *= Load16(scale + ns[s]);
+      std::memcpy(y + r * N + ns[s], &o, sizeof o);
+    }
+}
+
+// One panel through every tile of rows.
 template <typename T>
-static void Panels(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
-                   int64_t p0, int64_t p1) {
+static void OnePanel(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
+                     int64_t p) {
 #if defined(__AVX512F__)
   constexpr int kTile = 8;  // 2 x 8 accumulators, the weights and a broadcast: 19 of 32 registers
 #else
   constexpr int kTile = 2;
 #endif
-  for (int64_t p = p0; p < p1; ++p) {
-    const T* panel = wp + p * K * 16;
-    const int64_t n = 16 * p;
-    int64_t r = 0;
-    for (; r + kTile <= M; r += kTile) Tile<T, kTile>(x + r * K, K, panel, r == 0, scale, y + r * N, N, n);
-    const bool ahead = r == 0;
-    switch (M - r) {
-      case 7: Tile<T, 7>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 6: Tile<T, 6>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 5: Tile<T, 5>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 4: Tile<T, 4>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 3: Tile<T, 3>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 2: Tile<T, 2>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-      case 1: Tile<T, 1>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
-    }
+  const T* panel = wp + p * K * 16;
+  const int64_t n = 16 * p;
+  int64_t r = 0;
+  for (; r + kTile <= M; r += kTile) Tile<T, kTile>(x + r * K, K, panel, r == 0, scale, y + r * N, N, n);
+  const bool ahead = r == 0;
+  switch (M - r) {
+    case 7: Tile<T, 7>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 6: Tile<T, 6>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 5: Tile<T, 5>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 4: Tile<T, 4>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 3: Tile<T, 3>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 2: Tile<T, 2>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
+    case 1: Tile<T, 1>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
   }
+}
+
+// y[:, panels p0..p1) for M rows: each panel through every tile of rows before the next panel;
+// with one or two rows, kStreams panels at a time from kStreams stretches of the range.
+template <typename T>
+static void Panels(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
+                   int64_t p0, int64_t p1) {
+  if (M <= 2 && p1 - p0 >= kStreams) {
+    const int64_t len = (p1 - p0) / kStreams;  // whole stretches; the rest one panel at a time
+    for (int64_t j = 0; j < len; ++j) {
+      const T* panels[kStreams];
+      int64_t ns[kStreams];
+      for (int s = 0; s < kStreams; ++s) {
+        const int64_t p = p0 + s * len + j;
+        panels[s] = wp + p * K * 16, ns[s] = 16 * p;
+      }
+      if (M == 1) StreamTile<T, 1>(x, K, panels, scale, y, N, ns);
+      else StreamTile<T, 2>(x, K, panels, scale, y, N, ns);
+    }
+    for (int64_t p = p0 + kStreams * len; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p);
+    return;
+  }
+  for (int64_t p = p0; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p);
 }
 
 template <ffi::DataType DT, typename T>
