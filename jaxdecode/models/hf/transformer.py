@@ -42,7 +42,6 @@ from jaxdecode.models.base import (
     added_positions,
     empty_blocks,
     gather_blocks,
-    prefill_by_extend,
     window_by_forward,
     write_blocks,
 )
@@ -294,6 +293,13 @@ class HFDecoder(DecodingModel):
         return cache.k[0].shape[2]
 
     def extend(self, params, cache, tokens, span=None, in_place=True):
+        x, cache = self._through_layers(params, cache, tokens, span)
+        logits, hidden = self._head(params, x)
+        return logits, hidden, cache
+
+    def _through_layers(self, params, cache, tokens, span=None):
+        """The new positions through every layer: their last hidden states (before the final norm)
+        and the cache holding them."""
         tokens = jnp.asarray(tokens, jnp.int32)
         B, S = tokens.shape
         C = self.capacity(cache)
@@ -312,11 +318,20 @@ class HFDecoder(DecodingModel):
             x = self._finish(p, x, att, i)
             ks.append(kc)
             vs.append(vc)
-        logits, hidden = self._head(params, x)
-        return logits, hidden, HFCache(tuple(ks), tuple(vs), cache.length + S)
+        return x, HFCache(tuple(ks), tuple(vs), cache.length + S)
 
     def prefill(self, params, tokens, lengths, capacity):
-        return prefill_by_extend(self, params, tokens, lengths, capacity)
+        """:func:`~jaxdecode.models.base.prefill_by_extend`'s result, with the output layer computed
+        at each row's last real token only (a vocabulary-wide product per prompt, not per token)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, P = tokens.shape
+        if capacity < P:
+            raise ValueError(f"prefill: capacity {capacity} is below the prompt width {P}")
+        x, cache = self._through_layers(params, self.empty_cache(B, capacity), tokens, span=P)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)  # [B, 1, d]
+        logits, hidden = self._head(params, last)
+        return logits[:, 0], hidden[:, 0], self.truncate(cache, lengths)
 
     def window(self, params, history, lengths):
         return window_by_forward(self.forward, self.T, params, history, lengths)
