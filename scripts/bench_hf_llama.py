@@ -196,8 +196,10 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> dict:
 
 def step_bytes(params) -> tuple[int, int]:
     """Parameter bytes read per decode step (every parameter once; the tied embedding once, as
-    the output layer), and the number of parameters."""
-    leaves = jax.tree_util.tree_leaves(params)
+    the output layer: on the native path, which keeps a packed copy of it as ``head``, the lookup
+    table is not counted), and the number of parameters."""
+    leaves = jax.tree_util.tree_leaves({k: v for k, v in params.items() if k != "embed"} if "head" in params
+                                       else params)
     return sum(int(a.size) * a.dtype.itemsize for a in leaves), sum(int(a.size) for a in leaves)
 
 
