@@ -75,11 +75,8 @@ def _kept(a, how: str, stored: str, native: bool):
     """Matrix ``a`` ``[K, N]`` (numpy float32) in mode ``how``."""
     if how == "int8":
         q, scale = quantize(a)
-        if native and q.shape[1] % 16 == 0:
-            from jaxdecode.native import kernels
-
-            return {"packed": kernels.pack(jnp.asarray(q)), "scale": jnp.asarray(scale)}
-        return {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
+        int8 = {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
+        return packed_int8(int8) if native else int8
     dtype = {"float32": None, "stored": stored, "bfloat16": "bfloat16"}[how]
     a = jnp.asarray(a, dtype or jnp.float32)
     if native and a.shape[1] % 16 == 0:
@@ -87,6 +84,16 @@ def _kept(a, how: str, stored: str, native: bool):
 
         return {"packed": kernels.pack(a)}
     return a
+
+
+def packed_int8(w: dict) -> dict:
+    """A portable int8 matrix ``{"q", "scale"}`` packed for the native kernel (where its width
+    allows: a multiple of 16 columns; else as it is)."""
+    if w["q"].shape[1] % 16:
+        return w
+    from jaxdecode.native import kernels
+
+    return {"packed": kernels.pack(w["q"]), "scale": w["scale"]}
 
 
 def prepare(params: dict, cfg, how: str, stored: str, native: bool) -> dict:
@@ -118,7 +125,7 @@ def prepare(params: dict, cfg, how: str, stored: str, native: bool) -> dict:
     return out
 
 
-def fused_split(cfg, p, y, fused: str):
+def fused_split(cfg, y, fused: str):
     """The parts of a fused product ``y`` (q, k, v or gate, up)."""
     if fused == "qkv":
         q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -127,4 +134,5 @@ def fused_split(cfg, p, y, fused: str):
     return y[..., :F], y[..., F:]
 
 
-__all__ = ["MATRICES", "STORED", "WEIGHTS", "fused_split", "matmul", "mode", "prepare", "quantize"]
+__all__ = ["MATRICES", "STORED", "WEIGHTS", "fused_split", "matmul", "mode", "packed_int8", "prepare",
+           "quantize"]

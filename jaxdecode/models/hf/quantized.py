@@ -121,12 +121,9 @@ def read_int8(folder: Path, cfg) -> dict:
 
 def packed(params: dict) -> dict:
     """An int8 tree's matrices packed for the native kernel (where their width allows it)."""
-    from jaxdecode.native import kernels
+    from jaxdecode.models.hf.linear import packed_int8
 
-    def pack(v):
-        if isinstance(v, dict) and v["q"].shape[1] % 16 == 0:
-            return {"packed": kernels.pack(v["q"]), "scale": v["scale"]}
-        return v
+    pack = lambda v: packed_int8(v) if isinstance(v, dict) else v
 
     out = {k: pack(v) for k, v in params.items() if k != "layers"}
     out["layers"] = tuple({k: pack(v) for k, v in layer.items()} for layer in params["layers"])

@@ -180,7 +180,7 @@ class HFDecoder(DecodingModel):
         B, S, _ = x.shape
         h = x if cfg.layout == "post" else _norm(cfg, x, p["norm1_w"], p.get("norm1_b"))
         if "qkv" in p:  # fused on the native path (.linear)
-            q, k, v = fused_split(cfg, p, matmul(h, p["qkv"]), "qkv")
+            q, k, v = fused_split(cfg, matmul(h, p["qkv"]), "qkv")
         else:
             q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
         if "bq" in p:
@@ -245,7 +245,7 @@ class HFDecoder(DecodingModel):
             out = moe_mlp(cfg, p, h, lambda z: _act(cfg.act, z))
         else:
             if "gu" in p:  # fused on the native path (.linear)
-                gate, up = fused_split(cfg, p, matmul(h, p["gu"]), "gu")
+                gate, up = fused_split(cfg, matmul(h, p["gu"]), "gu")
             else:
                 up = matmul(h, p["w_up"])
                 gate = matmul(h, p["w_gate"]) if cfg.mlp == "gated" else None
