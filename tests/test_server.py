@@ -889,6 +889,50 @@ def test_runner_survives_an_engine_that_fails():
     asyncio.run(main())
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("order", ["others_first", "one_finishes_before_the_other_is_accepted"])
+def test_a_request_that_streams_before_its_siblings_are_accepted(order):
+    """A completion of two prompts: what the first streams, even to its end, while the second still
+    waits to be accepted is kept for the response, in order (it once broke start() with a 500)."""
+    from jaxdecode.server.handlers import Job
+    from jaxdecode.server.runner import FINISHED
+    from jaxdecode.serving.stream import Delta
+
+    def delta(text, finish=None):
+        return [Delta(0, text, [1], [-0.5], None, finish, 1)]
+
+    script = {  # what the engine delivers, in order, as (request k, item)
+        "others_first": [(0, ("accepted", 0)), (1, ("accepted", 1)), (0, delta("ab", "length")),
+                         (0, FINISHED), (1, delta("cd", "length")), (1, FINISHED)],
+        "one_finishes_before_the_other_is_accepted": [
+            (0, ("accepted", 0)), (0, delta("a")), (0, delta("b", "length")), (0, FINISHED),
+            (1, ("accepted", 1)), (1, delta("cd", "length")), (1, FINISHED)],
+    }[order]
+
+    class Runner:
+        def submit(self, request, handle, include_stop):
+            if handle.tag == 1:  # both are submitted: now the engine runs
+                for k, item in script:
+                    job.handles[k].deliver(item)
+
+        def abort(self, handle):
+            raise AssertionError("nothing is aborted")
+
+    async def main():
+        nonlocal job
+        job = Job(Runner(), [object(), object()], include_stop=False)
+        await asyncio.wait_for(job.start(), 5)
+        got = {}
+        async for k, ds in job.deltas():
+            for d in ds:
+                got[k] = got.get(k, "") + d.text
+                assert d.finish_reason in (None, "length")
+        return got
+
+    job = None
+    assert asyncio.run(main()) == {0: "ab", 1: "cd"}
+
+
 def test_error_through_the_client(char):
     with pytest.raises(openai.BadRequestError) as e:
         client(char).completions.create(model=char.name, prompt="a", temperature=5)

@@ -158,22 +158,22 @@ class Job:
         self.requests = requests
         self.include_stop = include_stop
         self.open = len(requests)
+        self.early: list = []  # (k, item) that came while start() waited for the others
 
     async def start(self):
-        """Submit every request and wait until the engine accepted them (an APIError if not)."""
+        """Submit every request and wait until the engine accepted them (an APIError if not). What a
+        request streams before the others are accepted (a short one may finish) is kept, in order,
+        for :meth:`deltas`."""
         for r, h in zip(self.requests, self.handles):
             self.runner.submit(r, h, self.include_stop)
-        accepted, error = 0, None
-        while accepted < len(self.handles):
+        answered, error = set(), None
+        while len(answered) < len(self.handles):
             k, item = await self.queue.get()
-            if item == FINISHED:  # (a request that failed also ends its stream)
-                self.open -= 1
-                continue
-            kind, value = item
-            if kind == "error":
-                error = error or value
-                self.open -= 1
-            accepted += 1
+            if isinstance(item, tuple) and item[0] in ("accepted", "error") and k not in answered:
+                answered.add(k)
+                error = error or (item[1] if item[0] == "error" else None)
+            else:
+                self.early.append((k, item))
         if error is not None:
             self.abort()
             if isinstance(error, ValueError):  # the engine's message, without its internal request number
@@ -185,7 +185,9 @@ class Job:
         turn (the engine ran ahead of this stream) comes merged, one delta per sample: a busy server
         sends fewer, larger chunks instead of falling further behind."""
         while self.open:
-            items = [await self.queue.get()]
+            items, self.early = self.early, []
+            if not items:
+                items.append(await self.queue.get())
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
             merged: dict = {}
