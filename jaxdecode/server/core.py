@@ -72,6 +72,7 @@ class ProcessRunner:
         self._stopped = threading.Event()  # the process said it stopped, or its pipe closed
         self._dead = False
         self.waiting = 0  # submitted, not yet taken by the engine
+        self._unanswered: set[int] = set()  # their keys
         self.queued = 0  # the engine's rows waiting for a slot, as of its last step
         self.running = 0
         # the engine's window and vocabulary, the model's generation defaults, once launched
@@ -137,6 +138,7 @@ class ProcessRunner:
 
             request = dataclasses.replace(request, constraint=ConstraintSpec(*spec_of(request.constraint)))
         self.waiting += 1
+        self._unanswered.add(key)
         self._send(("submit", key, request, include_stop))
 
     def abort(self, handle: Handle):
@@ -180,7 +182,9 @@ class ProcessRunner:
             if handle is None:
                 continue
             if isinstance(item, tuple) and item[0] in ("accepted", "error"):
-                self.waiting -= 1
+                if key in self._unanswered:  # its first answer (an error may also end a running one)
+                    self._unanswered.discard(key)
+                    self.waiting -= 1
                 if item[0] == "error":
                     del handles[key]
             elif item == FINISHED:
@@ -200,6 +204,7 @@ class ProcessRunner:
             handle.deliver(("error", error))
             handle.deliver(FINISHED)
         self._handles.clear()
+        self._unanswered.clear()
         self.waiting = 0
 
 
