@@ -56,11 +56,14 @@ def test_a_rows_product_does_not_depend_on_the_other_rows():
     """Bit for bit: the engine's rows equal generate's alone whatever shares the batch."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((13, 200)).astype(np.float32))
-    for w in (kernels.pack(jnp.asarray(rng.standard_normal((200, 96)), jnp.bfloat16)),):
-        full = np.asarray(kernels.linear(x, w))
+    q, s = linear.quantize(rng.standard_normal((200, 96)))
+    # 13 rows: a tile of 8 and one of 5 (bfloat16 and int8 widened once for both); alone: streamed
+    for w, scale in ((kernels.pack(jnp.asarray(rng.standard_normal((200, 96)), jnp.bfloat16)), None),
+                     (kernels.pack(jnp.asarray(q)), jnp.asarray(s))):
+        full = np.asarray(kernels.linear(x, w, scale))
         for i in range(13):
-            assert (np.asarray(kernels.linear(x[i:i + 1], w))[0] == full[i]).all()
-        assert (np.asarray(kernels.linear(x[3:9], w)) == full[3:9]).all()
+            assert (np.asarray(kernels.linear(x[i:i + 1], w, scale))[0] == full[i]).all()
+        assert (np.asarray(kernels.linear(x[3:9], w, scale)) == full[3:9]).all()
 
 
 @pytest.mark.quick

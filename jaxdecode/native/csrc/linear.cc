@@ -11,11 +11,17 @@
 // sums (even and odd k) that hide the multiply-add latency. A row is summed in the same order
 // whatever its tile, so its result never depends on how many other rows share the call.
 //
+// The first tile of a panel asks for the next panel (into L2) as it streams this one, so that its
+// multiply-adds overlap the next reads. A panel in a stored dtype that more than one tile reads
+// (a prompt) is widened once, into a float32 buffer of the thread, not once per tile.
+//
 // int8: y = (x @ Q) * s, with W = Q * s per column (the scale is applied once, after the sum).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "gemm.h"
@@ -41,7 +47,9 @@ static inline v16 Load16(const float* p) {
   return r;
 }
 
-static inline v16 Splat16(float a) { return v16{} + a; }
+// All sixteen lanes equal to a: one broadcast, which the multiply-add takes from memory (`v16{} + a`
+// would add a to zero first, then broadcast from a register, on the multiply-add's ports).
+static inline v16 Splat16(float a) { return v16{a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
 
 static inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -123,13 +131,13 @@ static inline void InRegister16(v16& x) {
 // for a few hundred ahead of their use (the first tile of a panel streams it from memory; the
 // later ones find it in L1).
 template <typename T, int R>
-static inline void TileRows(const float* x, int64_t K, const T* panel, bool ahead, v16 (&acc)[R]) {
+static inline void TileRows(const float* x, int64_t K, const T* panel, const T* next, v16 (&acc)[R]) {
   constexpr int64_t kLine = 64 / (16 * int64_t(sizeof(T))) > 0 ? 64 / (16 * sizeof(T)) : 1;  // k per line
   v16 a0[R] = {}, a1[R] = {};
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
 #ifndef JAXDECODE_NO_PREFETCH
-    if (ahead && k % kLine == 0) __builtin_prefetch(panel + 16 * (k + 16 * kLine));
+    if (next && k % kLine == 0) __builtin_prefetch(next + 16 * k, 0, 2);
 #endif
     v16 w0 = Widen(panel + 16 * k), w1 = Widen(panel + 16 * (k + 1));
     InRegister16(w0), InRegister16(w1);
@@ -146,10 +154,10 @@ static inline void TileRows(const float* x, int64_t K, const T* panel, bool ahea
 }
 
 template <typename T, int R>
-static inline void Tile(const float* x, int64_t K, const T* panel, bool ahead, const float* scale, float* y,
+static inline void Tile(const float* x, int64_t K, const T* panel, const T* next, const float* scale, float* y,
                         int64_t N, int64_t n) {
   v16 acc[R];
-  TileRows<T, R>(x, K, panel, ahead, acc);
+  TileRows<T, R>(x, K, panel, next, acc);
   for (int r = 0; r < R; ++r) {
     v16 o = acc[r];
     if (scale) o *= Load16(scale + n);
@@ -189,20 +197,20 @@ static inline void StreamTile(const float* x, int64_t K, const T* const (&panels
     }
 }
 
-// One panel through every tile of rows.
-template <typename T>
-static void OnePanel(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
-                     int64_t p) {
 #if defined(__AVX512F__)
-  constexpr int kTile = 8;  // 2 x 8 accumulators, the weights and a broadcast: 19 of 32 registers
+constexpr int kTile = 8;  // 2 x 8 accumulators, the weights and a broadcast: 19 of 32 registers
 #else
-  constexpr int kTile = 2;
+constexpr int kTile = 2;
 #endif
-  const T* panel = wp + p * K * 16;
-  const int64_t n = 16 * p;
+
+// The panel at `panel` (columns n..n+16 of y) through every tile of rows; the first tile asks for
+// `next` (the next panel, or null) as it streams this one.
+template <typename T>
+static void PanelRows(const float* x, int64_t M, int64_t K, const T* panel, const T* next, const float* scale,
+                      float* y, int64_t N, int64_t n) {
   int64_t r = 0;
-  for (; r + kTile <= M; r += kTile) Tile<T, kTile>(x + r * K, K, panel, r == 0, scale, y + r * N, N, n);
-  const bool ahead = r == 0;
+  for (; r + kTile <= M; r += kTile) Tile<T, kTile>(x + r * K, K, panel, r == 0 ? next : nullptr, scale, y + r * N, N, n);
+  const T* ahead = r == 0 ? next : nullptr;
   switch (M - r) {
     case 7: Tile<T, 7>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
     case 6: Tile<T, 6>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
@@ -212,6 +220,32 @@ static void OnePanel(const float* x, int64_t M, int64_t K, const T* wp, const fl
     case 2: Tile<T, 2>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
     case 1: Tile<T, 1>(x + r * K, K, panel, ahead, scale, y + r * N, N, n); break;
   }
+}
+
+// Panel p through every tile of rows (`more`: a next panel follows in this range). A stored dtype
+// other than float32 read by more than one tile is widened once, into this thread's buffer (it
+// stays in L1/L2), and the tiles read float32: widening is exact and the order of each sum is the
+// same, so the result is bit for bit the same as widening in every tile.
+template <typename T>
+static void OnePanel(const float* x, int64_t M, int64_t K, const T* wp, const float* scale, float* y, int64_t N,
+                     int64_t p, bool more) {
+  const T* panel = wp + p * K * 16;
+  const T* next = more ? panel + K * 16 : nullptr;
+  if constexpr (!std::is_same<T, float>::value) {
+    if (M > kTile) {
+      thread_local std::vector<float> wide;
+      if (int64_t(wide.size()) < 16 * K) wide.resize(16 * K);
+      constexpr int64_t kLine = 64 / (16 * int64_t(sizeof(T))) > 0 ? 64 / (16 * sizeof(T)) : 1;
+      for (int64_t k = 0; k < K; ++k) {
+        if (next && k % kLine == 0) __builtin_prefetch(next + 16 * k, 0, 2);
+        const v16 w = Widen(panel + 16 * k);
+        std::memcpy(wide.data() + 16 * k, &w, sizeof w);
+      }
+      PanelRows<float>(x, M, K, wide.data(), nullptr, scale, y, N, 16 * p);
+      return;
+    }
+  }
+  PanelRows<T>(x, M, K, panel, next, scale, y, N, 16 * p);
 }
 
 // y[:, panels p0..p1) for M rows: each panel through every tile of rows before the next panel;
@@ -231,10 +265,10 @@ static void Panels(const float* x, int64_t M, int64_t K, const T* wp, const floa
       if (M == 1) StreamTile<T, 1>(x, K, panels, scale, y, N, ns);
       else StreamTile<T, 2>(x, K, panels, scale, y, N, ns);
     }
-    for (int64_t p = p0 + kStreams * len; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p);
+    for (int64_t p = p0 + kStreams * len; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p, p + 1 < p1);
     return;
   }
-  for (int64_t p = p0; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p);
+  for (int64_t p = p0; p < p1; ++p) OnePanel<T>(x, M, K, wp, scale, y, N, p, p + 1 < p1);
 }
 
 template <ffi::DataType DT, typename T>
