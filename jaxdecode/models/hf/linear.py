@@ -78,12 +78,17 @@ def _kept(a, how: str, stored: str, native: bool):
         int8 = {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
         return packed_int8(int8) if native else int8
     dtype = {"float32": None, "stored": stored, "bfloat16": "bfloat16"}[how]
-    a = jnp.asarray(a, dtype or jnp.float32)
     if native and a.shape[1] % 16 == 0:
-        from jaxdecode.native import kernels
+        return {"packed": _packed(a.astype(jnp.dtype(dtype or jnp.float32)))}
+    return jnp.asarray(a, dtype or jnp.float32)
 
-        return {"packed": kernels.pack(a)}
-    return a
+
+def _packed(a) -> jnp.ndarray:
+    """``a`` ``[K, N]`` packed for the native kernel, on the host (numpy: no program is compiled
+    per shape, as XLA's reshape and transpose would; the rounding to bfloat16 is the same)."""
+    from jaxdecode.native import kernels
+
+    return jnp.asarray(np.ascontiguousarray(kernels.pack(np.asarray(a))))
 
 
 def packed_int8(w: dict) -> dict:
@@ -91,9 +96,7 @@ def packed_int8(w: dict) -> dict:
     allows: a multiple of 16 columns; else as it is)."""
     if w["q"].shape[1] % 16:
         return w
-    from jaxdecode.native import kernels
-
-    return {"packed": kernels.pack(w["q"]), "scale": w["scale"]}
+    return {"packed": _packed(w["q"]), "scale": w["scale"]}
 
 
 def prepare(params: dict, cfg, how: str, stored: str, native: bool) -> dict:
