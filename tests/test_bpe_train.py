@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def test_tokens_and_logits_equal_transformers(models, ref, name):
     for i, prompt in enumerate(meta["prompts"]):
         ids = lm.vocab.encode(prompt).tolist()
         assert ids == meta["prompt_ids"][i], prompt
-        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+        logits, _ = jax.jit(lm.decoder.forward)(lm.params, jnp.asarray([ids]))
         np.testing.assert_allclose(np.asarray(logits[0]), arrays[f"logits_{i}"], atol=1e-4, rtol=0)
 
 
@@ -168,8 +169,9 @@ def test_held_out_loss_is_nats_per_character(lm):
     windows = data_lib.eval_windows(np.asarray(stream), tc.T, tc.eval_windows)
     assert windows.shape[0] == meta["held_out_windows"]
     nats = chars = 0.0
+    forward = jax.jit(lm.decoder.forward)
     for w in windows:
-        logits, _ = lm.decoder.forward(lm.params, jnp.asarray([w[:-1]]))
+        logits, _ = forward(lm.params, jnp.asarray([w[:-1]]))
         logp = np.asarray(jax_log_softmax(logits[0]))
         for p, t in enumerate(w[1:]):
             nats -= float(logp[p, t])

@@ -52,6 +52,7 @@ def test_logits_equal_transformers(models, name):
     lm, ex = models(name), expected(name)
     assert lm.meta["model_type"] == name
     forward, extend = jax.jit(lm.decoder.forward), jax.jit(lm.decoder.extend)
+    prefill = jax.jit(lm.decoder.prefill, static_argnums=3)
     for i, (prompt, ids) in enumerate(zip(ex["prompts"], ex["prompt_ids"])):
         assert lm.vocab.encode(prompt).tolist() == ids
         ref = np.load(FIXTURES / name / f"logits_{i}.npy")
@@ -59,7 +60,7 @@ def test_logits_equal_transformers(models, name):
         np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)
         # cached: a prefill of the first 3 tokens, then single steps (one compiled step)
         tokens = jnp.asarray([ids])
-        first, _, cache = lm.decoder.prefill(lm.params, tokens[:, :3], jnp.asarray([3]), 64)
+        first, _, cache = prefill(lm.params, tokens[:, :3], jnp.asarray([3]), 64)
         np.testing.assert_allclose(np.asarray(first[0]), ref[2], atol=1e-4, rtol=0)
         for t in range(3, len(ids)):
             step, _, cache = extend(lm.params, cache, tokens[:, t:t + 1])
@@ -72,9 +73,9 @@ def test_long_sequence_past_the_sliding_window(models, name):
     lm, ex = models(name), expected(name)
     ref = np.load(FIXTURES / name / "long_logits.npy")
     ids = jnp.asarray([ex["long_ids"]])
-    logits, _, cache = lm.decoder.extend(lm.params, lm.decoder.empty_cache(1, 128), ids[:, :20])
-    np.testing.assert_allclose(np.asarray(logits[0]), ref[:20], atol=1e-4, rtol=0)
     extend = jax.jit(lm.decoder.extend)
+    logits, _, cache = extend(lm.params, lm.decoder.empty_cache(1, 128), ids[:, :20])
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[:20], atol=1e-4, rtol=0)
     for t in range(20, ids.shape[1]):
         step, _, cache = extend(lm.params, cache, ids[:, t:t + 1])
         np.testing.assert_allclose(np.asarray(step[0, 0]), ref[t], atol=1e-4, rtol=0)
@@ -116,7 +117,7 @@ def test_bfloat16_compute_stays_close(models):
     assert lm16.params["embed"].dtype == jnp.bfloat16
     for i, ids in enumerate(ex["prompt_ids"]):
         ref = np.load(FIXTURES / "llama" / f"logits_{i}.npy")
-        logits, _ = lm16.decoder.forward(lm16.params, jnp.asarray([ids]))
+        logits, _ = jax.jit(lm16.decoder.forward)(lm16.params, jnp.asarray([ids]))
         assert logits.dtype == jnp.float32
         got = np.asarray(logits[0])
         err = np.abs(got - ref)
@@ -132,7 +133,8 @@ def test_bfloat16_compute_stays_close(models):
 def _first_two_exact(lm, prompt_ids, k, temperature=1.0):
     """The exact distribution of the first two tokens under top-k sampling: [V, V]."""
     V = lm.decoder.V
-    logits, _ = lm.decoder.forward(lm.params, jnp.asarray([prompt_ids]))
+    forward = jax.jit(lm.decoder.forward)
+    logits, _ = forward(lm.params, jnp.asarray([prompt_ids]))
 
     def topk_probs(lg):
         lg = np.asarray(lg, np.float64) / temperature
@@ -142,9 +144,10 @@ def _first_two_exact(lm, prompt_ids, k, temperature=1.0):
 
     p1 = topk_probs(logits[0, -1])
     joint = np.zeros((V, V))
-    for t in np.flatnonzero(p1):
-        lg, _ = lm.decoder.forward(lm.params, jnp.asarray([list(prompt_ids) + [int(t)]]))
-        joint[t] = p1[t] * topk_probs(lg[0, -1])
+    first = np.flatnonzero(p1)  # every allowed first token, one row each, in one forward
+    lg, _ = forward(lm.params, jnp.asarray([list(prompt_ids) + [int(t)] for t in first]))
+    for row, t in enumerate(first):
+        joint[t] = p1[t] * topk_probs(lg[row, -1])
     return joint
 
 
@@ -293,10 +296,10 @@ def test_mode_search_on_a_model_with_end_tokens(models):
     lm = models("llama")
     V = lm.decoder.V
     ids = lm.vocab.encode("ROMEO:")
-    eos = (int(np.argsort(np.asarray(lm.decoder.forward(lm.params, jnp.asarray([ids]))[0][0, -1]))[-2]),)
+    eos = (int(np.argsort(np.asarray(jax.jit(lm.decoder.forward)(lm.params, jnp.asarray([ids]))[0][0, -1]))[-2]),)
     tokens, logprob, _ = mode_search(lm.decoder, lm.params, ids, 2, end_tokens=eos)
     # brute force: every first token, then the best second one (all V prefixes in one forward)
-    lg, _ = lm.decoder.forward(lm.params, jnp.asarray([ids]))
+    lg, _ = jax.jit(lm.decoder.forward)(lm.params, jnp.asarray([ids]))
     lp1 = np.asarray(jax.nn.log_softmax(lg[0, -1]), np.float64)
     both = np.concatenate([np.tile(ids, (V, 1)), np.arange(V, dtype=np.int32)[:, None]], axis=1)
     lg2, _ = jax.jit(lm.decoder.forward)(lm.params, jnp.asarray(both))

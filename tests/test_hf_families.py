@@ -63,7 +63,7 @@ def test_logits_full_and_cached_equal_transformers(models, name):
     for prompt, ids in zip(ex["prompts"], ex["prompt_ids"]):
         assert lm.vocab.encode(prompt).tolist() == ids
     batch = jnp.asarray([r + [0] * (width - len(r)) for r in rows])
-    logits, _ = lm.decoder.forward(lm.params, batch)
+    logits, _ = jax.jit(lm.decoder.forward)(lm.params, batch)
     for i, ref in enumerate(refs):
         np.testing.assert_allclose(np.asarray(logits[i, :len(ref)]), ref, atol=1e-4, rtol=0)
     step = jax.jit(lm.decoder.extend)
@@ -105,7 +105,7 @@ DRAWS = 5000
 def _first_token(lm, ids, cfg=None):
     """The first token's distribution, float64 [V], of the decoder (with ``cfg`` if given)."""
     dec = lm.decoder if cfg is None else dataclasses.replace(lm.decoder, cfg=cfg)
-    logits, _ = dec.forward(lm.params, jnp.asarray([ids]))
+    logits, _ = jax.jit(dec.forward)(lm.params, jnp.asarray([ids]))
     lg = np.asarray(logits[0, -1], np.float64)
     p = np.exp(lg - lg.max())
     return p / p.sum()

@@ -9,6 +9,7 @@ checked against transformers in test_hf.py and test_hf_families.py.
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,14 +101,21 @@ def loaded():
     return get
 
 
+def _fwd(lm, tokens):
+    """``lm.decoder.forward`` as one compiled program (run op by op, a test compiles hundreds of
+    small programs)."""
+    return jax.jit(lm.decoder.forward)(lm.params, tokens)
+
+
 def _cached_logits(lm, tokens, split):
     """Logits of ``tokens`` [1, t] through the cache: a prefill of ``split``, then one at a time."""
     d = lm.decoder
+    extend = jax.jit(d.extend)
     cache = d.empty_cache(1, tokens.shape[1])
-    logits, _, cache = d.extend(lm.params, cache, tokens[:, :split])
+    logits, _, cache = extend(lm.params, cache, tokens[:, :split])
     out = [logits]
     for i in range(split, tokens.shape[1]):
-        logits, _, cache = d.extend(lm.params, cache, tokens[:, i:i + 1])
+        logits, _, cache = extend(lm.params, cache, tokens[:, i:i + 1])
         out.append(logits)
     return jnp.concatenate(out, axis=1)
 
@@ -119,8 +127,8 @@ def test_native_equals_portable_in_logits(loaded, name):
     assert native.decoder.backend == "native" and portable.decoder.backend == "portable"
     assert "packed" in native.params["layers"][0]["wo"]
     tokens = jnp.asarray([np.arange(3, 3 + 21) % native.decoder.V], jnp.int32)
-    a, _ = native.decoder.forward(native.params, tokens)
-    b, _ = portable.decoder.forward(portable.params, tokens)
+    a, _ = _fwd(native, tokens)
+    b, _ = _fwd(portable, tokens)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(_cached_logits(native, tokens, 7)), np.asarray(b), atol=1e-4, rtol=0)
 
@@ -143,11 +151,10 @@ def test_kept_weights_native_equal_portable(loaded, weights):
     native, portable = loaded("llama", "native", weights), loaded("llama", "portable", weights)
     assert native.meta["weights"] == weights
     tokens = jnp.asarray([[4, 8, 15, 16, 23, 42, 108, 7]], jnp.int32)
-    a, _ = native.decoder.forward(native.params, tokens)
-    b, _ = portable.decoder.forward(portable.params, tokens)
+    a, _ = _fwd(native, tokens)
+    b, _ = _fwd(portable, tokens)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
-    f, _ = loaded("llama", "portable", "float32").decoder.forward(loaded("llama", "portable", "float32").params,
-                                                                 tokens)
+    f, _ = _fwd(loaded("llama", "portable", "float32"), tokens)
     f = np.asarray(f)
     rel = float(np.sqrt(np.mean((np.asarray(b) - f) ** 2) / np.mean((f - f.mean()) ** 2)))
     assert 0 < rel < 0.05, rel  # rounded weights: near float32's logits (random weights: 3% for int8)
@@ -167,14 +174,14 @@ def test_stored_bfloat16_weights_stay_bfloat16_and_give_the_widened_result(tmp_p
     save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in state.items()}, str(dst / "model.safetensors"))
     tokens = jnp.asarray([[4, 8, 15, 16, 23, 42]], jnp.int32)
     widened = checkpoint.load(dst, backend="portable", weights="float32")
-    want, _ = widened.decoder.forward(widened.params, tokens)
+    want, _ = _fwd(widened, tokens)
     backends = ["portable"] + (["native"] if kernels.available() else [])
     for backend in backends:
         lm = checkpoint.load(dst, backend=backend, weights="stored")
         assert lm.meta["weights"] == "bfloat16"
         wo = lm.params["layers"][0]["wo"]
         assert (wo["packed"] if isinstance(wo, dict) else wo).dtype == jnp.bfloat16
-        got, _ = lm.decoder.forward(lm.params, tokens)
+        got, _ = _fwd(lm, tokens)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
 
 
@@ -223,11 +230,11 @@ def test_an_int8_folder_loads_back_as_it_was_written(tmp_path, loaded):
     assert main(["quantize", str(FIXTURES / "llama"), str(out)]) in (0, None)
     ref = loaded("llama", "portable", "int8")
     tokens = jnp.asarray([[4, 8, 15, 16, 23, 42, 108]], jnp.int32)
-    want, _ = ref.decoder.forward(ref.params, tokens)
+    want, _ = _fwd(ref, tokens)
     for backend in ["portable"] + (["native"] if kernels.available() else []):
         lm = checkpoint.load(out, backend=backend)
         assert lm.meta["weights"] == "int8" and lm.decoder.backend == backend
-        got, _ = lm.decoder.forward(lm.params, tokens)
+        got, _ = _fwd(lm, tokens)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0 if backend == "portable" else 1e-4)
     assert jaxdecode.generate(checkpoint.load(out), "The", n=8, greedy=True)[0].text == \
         jaxdecode.generate(ref, "The", n=8, greedy=True)[0].text

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -66,6 +67,7 @@ def _brute_force(lm, prompt_ids, strings, ends_speech: bool, tail: str = ""):
     model's probabilities (times the end token's at the end of a speech); ``Q``: of each
     probability over the allowed tokens' sum."""
     eos = lm.eos_ids[0]
+    forward = jax.jit(lm.decoder.forward)  # compiled once per padded width
     full = [tail + s for s in strings]
     tokens_bytes = [lm.vocab.token_bytes(i) for i in range(len(lm.vocab))]
     special = set(lm.eos_ids) | set(lm.vocab.special)
@@ -74,7 +76,11 @@ def _brute_force(lm, prompt_ids, strings, ends_speech: bool, tail: str = ""):
     for s, text in zip(strings, full):
         for sp in _spellings(lm, text):
             ids = np.array([*prompt_ids, *sp, *([eos] if ends_speech else [])], np.int32)
-            logits = np.asarray(lm.decoder.forward(lm.params, ids[None])[0][0], np.float64)
+            # padded at the end to a power of two (the model is causal: the positions read below
+            # do not see the padding), so that one compiled forward serves many spellings
+            width = 1 << max(0, len(ids) - 1).bit_length()
+            padded = np.pad(ids, (0, width - len(ids)))[None]
+            logits = np.asarray(forward(lm.params, padded)[0][0, :len(ids)], np.float64)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
             at = len(prompt_ids) - 1
