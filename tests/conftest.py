@@ -204,11 +204,11 @@ def _mark_quick(config, items):
 # it: a unit not named here counts half a second a test, a slow test 5 s.
 UNIT_SECONDS = {
     "file:test_engine_constraints.py": 106,
-    "file:test_hf.py": 81,
-    "file:test_tokenization_study.py": 35,
-    "file:test_hf_families.py": 31,
-    "file:test_hf_weights.py": 40,
-    "bpe_train": 30,
+    "file:test_hf.py": 59,
+    "file:test_tokenization_study.py": 19,
+    "file:test_hf_families.py": 24,
+    "file:test_hf_weights.py": 14,
+    "bpe_train": 14,
     "file:test_server.py": 74,
     "file:test_sampling.py": 68,
     "file:test_constrained_beam.py": 62,
