@@ -75,8 +75,8 @@ def _kept(a, how: str, stored: str, native: bool):
     """Matrix ``a`` ``[K, N]`` (numpy float32) in mode ``how``."""
     if how == "int8":
         q, scale = quantize(a)
-        int8 = {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
-        return packed_int8(int8) if native else int8
+        return packed_int8({"q": q, "scale": jnp.asarray(scale)}) if native else \
+            {"q": jnp.asarray(q), "scale": jnp.asarray(scale)}
     dtype = {"float32": None, "stored": stored, "bfloat16": "bfloat16"}[how]
     if native and a.shape[1] % 16 == 0:
         return {"packed": _packed(a.astype(jnp.dtype(dtype or jnp.float32)))}
@@ -92,10 +92,10 @@ def _packed(a) -> jnp.ndarray:
 
 
 def packed_int8(w: dict) -> dict:
-    """A portable int8 matrix ``{"q", "scale"}`` packed for the native kernel (where its width
-    allows: a multiple of 16 columns; else as it is)."""
+    """A portable int8 matrix ``{"q", "scale"}`` (``q`` on the host or the device) packed for the
+    native kernel (where its width allows: a multiple of 16 columns; else as it is)."""
     if w["q"].shape[1] % 16:
-        return w
+        return dict(w, q=jnp.asarray(w["q"]))
     return {"packed": _packed(w["q"]), "scale": w["scale"]}
 
 
