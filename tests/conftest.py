@@ -208,6 +208,7 @@ UNIT_SECONDS = {
     "file:test_tokenization_study.py": 19,
     "file:test_hf_families.py": 24,
     "file:test_hf_weights.py": 14,
+    "file:test_hf_fused.py": 12,
     "bpe_train": 14,
     "file:test_server.py": 74,
     "file:test_sampling.py": 68,

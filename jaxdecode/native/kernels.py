@@ -49,6 +49,7 @@ _DENSE = "jaxdecode_dense"
 _PACKED = "jaxdecode_packed_dense"
 _LAYER = "jaxdecode_decode_layer"
 _PAGED_LAYER = "jaxdecode_paged_layer"
+_HF_LAYER = "jaxdecode_hf_layer"
 _LINEAR = {"float32": ("jaxdecode_linear_f32", "JaxdecodeLinearF32"),
            "bfloat16": ("jaxdecode_linear_bf16", "JaxdecodeLinearBF16"),
            "float16": ("jaxdecode_linear_f16", "JaxdecodeLinearF16"),
@@ -162,6 +163,7 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_PACKED, jax.ffi.pycapsule(lib.JaxdecodePackedDense), platform="cpu")
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
         jax.ffi.register_ffi_target(_PAGED_LAYER, jax.ffi.pycapsule(lib.JaxdecodePagedLayer), platform="cpu")
+        jax.ffi.register_ffi_target(_HF_LAYER, jax.ffi.pycapsule(lib.JaxdecodeHFLayer), platform="cpu")
         for target, symbol in _LINEAR.values():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
@@ -298,6 +300,40 @@ def linear(x, wp, scale=None):
     _registered()
     call = jax.ffi.ffi_call(_LINEAR[name][0], jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
     return call(x.reshape(M, K), wp, scale).reshape(*lead, N)
+
+
+def hf_layer(x, pos, cos, sin, weights: dict, k, v, heads: int, eps: float, scale: float,
+             window: int | None = None):
+    """One Hugging Face decoder layer of the Llama kind (RMSNorm before each block, rotate-half
+    rotation, grouped-query attention, a SiLU-gated MLP; optional q/k/v biases and per-head q/k
+    norms) as a single native call (csrc/hf_layer.cc), for any number of new positions per row.
+
+    ``x`` ``[B, S, d]`` float32 at positions ``pos`` ``[B, S]``; ``cos``, ``sin`` ``[B, S, D / 2]``
+    the rotation there; ``weights``: ``norm1_w``, ``norm2_w`` ``[d]``, ``qkv`` and ``gu`` (gate
+    then up) and ``wo``, ``w_down``, each ``{"packed": [N / 16, K, 16], "scale"?}`` in one dtype
+    (:func:`pack`; int8 with its scale), and optionally ``bqkv`` ``[N]``, ``q_norm``, ``k_norm``
+    ``[D]``. Each row's new keys and values are written into the cache ``k, v`` ``[B, KV, C, D]``
+    at its positions (in place where XLA can donate it), and position ``pos[b, s]`` attends to the
+    cache's positions ``0..pos[b, s]`` (the last ``window`` of them, if given). Returns
+    ``(y [B, S, d], k, v)``. Each product is summed as :func:`linear` sums it."""
+    B, S, d = x.shape
+    R = B * S
+    check_float32(x, k, v, cos, sin)
+    none = jnp.zeros((0,), jnp.float32)
+    mats = []
+    for name in ("qkv", "wo", "gu", "w_down"):
+        w = weights[name]
+        mats += [w["packed"], none if w.get("scale") is None else jnp.asarray(w["scale"], jnp.float32)]
+    vec = lambda name: jnp.asarray(weights[name], jnp.float32) if weights.get(name) is not None else none
+    kv = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+    _registered()
+    call = jax.ffi.ffi_call(_HF_LAYER, (jax.ShapeDtypeStruct((R, d), jnp.float32), kv, kv),
+                            vmap_method="sequential", input_output_aliases={17: 1, 18: 2})
+    y, k, v = call(x.reshape(R, d), jnp.asarray(pos, jnp.int32).reshape(R), cos.reshape(R, -1),
+                   sin.reshape(R, -1), vec("norm1_w"), vec("bqkv"), vec("q_norm"), vec("k_norm"), *mats[:4],
+                   vec("norm2_w"), *mats[4:], k, v, rows_per_batch=np.int64(S), heads=np.int64(heads),
+                   window=np.int64(window or 0), eps=np.float32(eps), scale=np.float32(scale))
+    return y.reshape(B, S, d), k, v
 
 
 SCHEDULES = {"auto": 0, "phases": 1, "pipeline": 2}

@@ -85,10 +85,11 @@ def _kept(a, how: str, stored: str, native: bool):
 
 def _packed(a) -> jnp.ndarray:
     """``a`` ``[K, N]`` packed for the native kernel, on the host (numpy: no program is compiled
-    per shape, as XLA's reshape and transpose would; the rounding to bfloat16 is the same)."""
-    from jaxdecode.native import kernels
+    per shape, as XLA's reshape and transpose would; the rounding to bfloat16 is the same), and
+    placed on huge pages (:mod:`jaxdecode.native.memory`)."""
+    from jaxdecode.native import kernels, memory
 
-    return jnp.asarray(np.ascontiguousarray(kernels.pack(np.asarray(a))))
+    return memory.place(kernels.pack(np.asarray(a)))
 
 
 def packed_int8(w: dict) -> dict:

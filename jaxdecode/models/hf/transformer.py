@@ -137,6 +137,7 @@ class HFDecoder(DecodingModel):
     dtype: str = "float32"
     T_limit: int | None = None  # a smaller window than the config's, if asked for
     backend: str = "portable"  # "native": the parameters' matrices are packed for the CPU kernel (.linear)
+    fuse: bool = True  # native: a layer of the Llama kind as one call (kernels.hf_layer), where it fits
 
     @property
     def V(self):
@@ -310,7 +311,13 @@ class HFDecoder(DecodingModel):
         write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (0, at, 0)))
         kpos = jnp.arange(span, dtype=jnp.int32)
         ks, vs = [], []
+        turns = {}  # the rotation at pos, once per base, for the fused layers
         for i, (p, kc, vc) in enumerate(zip(params["layers"], cache.k, cache.v)):  # kc, vc [B, KV, C, hd]
+            if self._fusable(p, i, kc, vc):
+                x, kc, vc = self._fused(p, x, pos, i, kc, vc, turns)
+                ks.append(kc)
+                vs.append(vc)
+                continue
             q, k, v = self._qkv(p, x, pos, i)
             kc = write(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), cache.length)
             vc = write(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), cache.length)
@@ -319,6 +326,43 @@ class HFDecoder(DecodingModel):
             ks.append(kc)
             vs.append(vc)
         return x, HFCache(tuple(ks), tuple(vs), cache.length + S)
+
+    def _fusable(self, p, layer, kc, vc) -> bool:
+        """Whether layer ``layer`` runs as one native call (:func:`~jaxdecode.native.kernels.hf_layer`):
+        a pre-norm RMSNorm layer with full rotate-half rotation (over a sliding window or not), a
+        SiLU-gated MLP, at most q/k/v biases and per-head q/k norms, its four matrices packed in
+        one dtype, over a float32 cache. Any other layer takes the product-by-product path below,
+        which is the same computation."""
+        cfg = self.cfg
+        mats = [p.get(k) for k in ("qkv", "wo", "gu", "w_down")]
+        return (self.backend == "native" and self.fuse and jnp.dtype(self.dtype) == jnp.float32
+                and kc.dtype == jnp.float32 and vc.dtype == jnp.float32
+                and cfg.layout == "pre" and cfg.norm == "rms" and not cfg.norm_offset
+                and cfg.mlp == "gated" and cfg.act in ("silu", "swish") and cfg.positions == "rope"
+                and (cfg.rotary_dim or cfg.head_dim) == cfg.head_dim
+                and cfg.attn_softcap is None and cfg.clip_qkv is None and cfg.qk_norm in ("", "head")
+                and not cfg.is_moe(layer) and cfg.head_dim % 2 == 0
+                and all(isinstance(w, dict) and "packed" in w for w in mats)
+                and len({w["packed"].dtype for w in mats}) == 1
+                and not any(k in p for k in ("bo", "b_up", "b_gate", "b_down", "norm1_b", "norm2_b")))
+
+    def _fused(self, p, x, pos, layer, kc, vc, turns):
+        """Layer ``layer`` as one native call; ``turns`` caches the rotation's cos and sin at ``pos``."""
+        from jaxdecode.native import kernels
+
+        cfg = self.cfg
+        window = cfg.window(layer)
+        local = window is not None and cfg.local_rope_theta is not None
+        if local not in turns:
+            inv = jnp.asarray(inv_frequencies(cfg, window is not None))
+            angle = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]
+            turns[local] = (jnp.cos(angle), jnp.sin(angle))
+        cos, sin = turns[local]
+        w = dict(p)
+        if "bq" in p:
+            w["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]]).astype(jnp.float32)
+        return kernels.hf_layer(x, pos, cos, sin, w, kc, vc, heads=cfg.heads, eps=cfg.eps,
+                                scale=1 / math.sqrt(cfg.attn_scalar or cfg.head_dim), window=window)
 
     def prefill(self, params, tokens, lengths, capacity):
         """:func:`~jaxdecode.models.base.prefill_by_extend`'s result, with the output layer computed
