@@ -92,11 +92,16 @@ prompt of each pair (largest absolute difference against their standard deviatio
 
 Bandwidth bound: the read bandwidth is measured in the same run with ``bench_hf_llama.py``'s
 ``read_bandwidth`` (1 GiB of float32, numpy and jitted ``jnp.sum``, best of 3 each) and with
-jaxdecode's native one-row product over a 1 GiB float32 matrix (``product_bandwidth``: it reads
-faster than both sums here, several streams per core); the largest counts. Bytes read per decode step: jaxdecode, every parameter leaf but the embedding lookup
-table (the 30 layers' matrices in their kept dtype with their scales and norms, the final norm and
-the 49152 x 576 output layer once); llama.cpp, the GGUF file's size (an approximation: its
-``token_embd`` is the output layer, counted once). Bound at batch 1 = bandwidth / bytes per step.
+jaxdecode's native one-row product over a 1 GiB float32 matrix on huge pages, where jaxdecode keeps
+its weights (``product_bandwidth``: it reads faster than both sums here, several streams per core),
+at the end and just before and after every batch-1 run; the largest counts. This VM's read rate
+swings by up to 2x within seconds, so each batch-1 run's decoding alone (its time less that of the
+prefill and first token) is also set against the mean of the two rates measured around it (the
+median over the rounds is reported). Bytes read per decode step: jaxdecode, every parameter leaf
+but the embedding lookup table (the 30 layers' matrices in their kept dtype with their scales and
+norms, the final norm and the 49152 x 576 output layer once); llama.cpp, the GGUF file's size (an
+approximation: its ``token_embd`` is the output layer, counted once). Bound at batch 1 = bandwidth
+/ bytes per step.
 
 Options: ``-n``, ``--rounds``, ``--folder``, ``--json FILE`` (every number, the machine, the
 versions, the agreement), ``--skip-llamacpp`` / ``--skip-jaxdecode`` (debugging). This is a script,
@@ -106,6 +111,7 @@ never imported by the tests.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -256,17 +262,25 @@ L.llama_batch_free(batch)
 """
 
 
+@functools.cache
+def _probe(nbytes: int):
+    """A packed float32 matrix of about ``nbytes`` on huge pages, where jaxdecode keeps its
+    weights (jaxdecode.native.memory), and a row of ones for it."""
+    import jax.numpy as jnp
+
+    from jaxdecode.native import memory
+
+    n = int((nbytes // 4) ** 0.5) // 16 * 16
+    return memory.place(np.ones((n // 16, n, 16), np.float32)), jnp.ones((1, n), jnp.float32)
+
+
 def product_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     """Bytes per second of jaxdecode's native one-row product over a float32 matrix of ``nbytes``
     (2 FLOPs per weight: bound by reading it), best of ``repeats``: on this machine it reads memory
     faster than a numpy or XLA sum (several streams per core), so the bound must count it."""
-    import jax.numpy as jnp
-
     from jaxdecode.native import kernels
 
-    n = int((nbytes // 4) ** 0.5) // 16 * 16
-    wp = kernels.pack(jnp.ones((n, n), jnp.float32))
-    x = jnp.ones((1, n), jnp.float32)
+    wp, x = _probe(nbytes)
     run = jax.jit(kernels.linear)
     run(x, wp).block_until_ready()
     times = []
@@ -464,14 +478,17 @@ def main():
     files, llama, jx = {}, None, {}
     times = {a[0]: {"pp": [], "b1": [], "b8": [], "b1_decode": [], "b8_decode": []} for a in arms}
     tokens, first_call, agree = {}, {}, {}
+    adjacent_bw = {a[0]: [] for a in arms}  # the read rate around each batch-1 run, per arm
 
     def measure(arm, kind, n=n):
         _, side, name = arm
         if side == "jaxdecode":
             if kind == "pp":
                 return jx[name].pp(pp_tokens), None, None
-            s, toks = jx[name].gen(prompts[1 if kind == "b1" else BATCH], n)
-            return s, None, toks
+            rows_ = prompts[1 if kind == "b1" else BATCH]
+            s, toks = jx[name].gen(rows_, n)
+            first, _ = jx[name].gen(rows_, 1)  # the prefill and the first token: what is not decoding
+            return s, s - first, toks
         if kind == "pp":
             return llama.ask(op="pp", arm=name, tokens=pp_tokens[0].tolist())["seconds"], None, None
         rows_ = [r.tolist() for r in prompts[1 if kind == "b1" else BATCH]]
@@ -530,7 +547,11 @@ def main():
         for r in range(args.rounds):
             for kind in ("pp", "b1", "b8"):
                 for arm in arms:
+                    if kind == "b1":  # the read rate just before and after each batch-1 run
+                        before = product_bandwidth()
                     s, decode_s, toks = measure(arm, kind)
+                    if kind == "b1":
+                        adjacent_bw[arm[0]].append((before + product_bandwidth()) / 2)
                     times[arm[0]][kind].append(s)
                     if decode_s is not None:
                         times[arm[0]][kind + "_decode"].append(decode_s)
@@ -541,7 +562,7 @@ def main():
         if llama is not None:
             llama.close()
     bandwidth = read_bandwidth()
-    bandwidth["native product"] = product_bandwidth()
+    bandwidth["native product"] = max([product_bandwidth(), *(b for v in adjacent_bw.values() for b in v)])
     bw = max(bandwidth.values())
 
     if not (args.skip_llamacpp or args.skip_jaxdecode):
@@ -567,12 +588,18 @@ def main():
                "first_call_s": {k: first_call[label, k] for k in ("pp", "b1", "b8")},
                "row0_tokens": tokens[label, "b1"][0].tolist()}
         res["b1_of_bound"] = res["b1_tok_s"] / res["bound_b1_tok_s"]
-        if side == "llama.cpp" and n > 1:
+        if n > 1:
             res["b1_decode_only_tok_s"] = (n - 1) / statistics.median(t["b1_decode"])
             res["b8_decode_only_tok_s"] = BATCH * (n - 1) / statistics.median(t["b8_decode"])
+            res["b1_decode_of_bound"] = res["b1_decode_only_tok_s"] * nbytes / bw
+            # each batch-1 run's decoding against the read rate measured around it
+            res["adjacent_read_bandwidth"] = adjacent_bw[label]
+            res["b1_decode_of_adjacent_bound"] = statistics.median(
+                (n - 1) / d * nbytes / b for d, b in zip(t["b1_decode"], adjacent_bw[label]))
         results.append(res)
     elapsed = time.perf_counter() - started
     doc = {"machine": machine, "folder": str(args.folder), "gguf": files, "read_bandwidth": bandwidth,
+
            "n": n, "prompt_len": PROMPT_LEN, "pp_len": PP_LEN, "batch": BATCH, "rounds": args.rounds,
            "llamacpp_threads": args.threads, "llamacpp_kv_type": args.kv_type,
            "llamacpp_omp_wait_policy": args.omp_wait, "llamacpp_gomp_spincount": args.gomp_spincount,
@@ -601,9 +628,13 @@ def main():
               f"| {r['bytes_per_step'] / 1e6:.0f} | {r['b1_of_bound']:.0%} |")
     only = [r for r in results if "b1_decode_only_tok_s" in r]
     if only:
-        print("# llama.cpp without its prefill (n - 1 steps): "
-              + "; ".join(f"{r['weights']} {r['b1_decode_only_tok_s']:.1f} / "
-                          f"{r['b8_decode_only_tok_s']:.1f} tok/s" for r in only) + " (batch 1 / batch 8)")
+        print(f"# decoding alone (the {n - 1} steps after the prefill and first token), tok/s at batch 1 / "
+              "batch 8, and batch 1 as a share of the bound (the run's best read rate; the rate around "
+              "each run):")
+        for r in only:
+            print(f"#   {r['arm']}: {r['b1_decode_only_tok_s']:.1f} / {r['b8_decode_only_tok_s']:.1f}; "
+                  f"{r['b1_decode_of_bound']:.0%}; {r['b1_decode_of_adjacent_bound']:.0%} (read rate "
+                  + ", ".join(f"{b / 1e9:.1f}" for b in r["adjacent_read_bandwidth"]) + " GB/s)")
     for pair, a in (agree.items() if doc["greedy_agreement"] else ()):
         d = a["first_difference"]
         check = pair == "F32/float32"
