@@ -15,6 +15,7 @@ independent reference on the tiny Hugging Face fixtures:
 - ``chunk_step``'s cache on the Llama: no copy of the cache in the compiled step loop.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -206,16 +207,22 @@ def _cache_sized_ops(hlo: str, shape: str) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_cache_copy_in_the_step_loop_on_the_llama():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_no_cache_copy_in_the_step_loop_on_the_llama(fuse):
     """``chunk_step`` on a model other than the reference one (the Llama's decoder, which keeps the
     interface's default: each step extends the loop-carried cache): in the compiled chunk loop of
     ``sample_tokens`` the only instructions that produce a cache-sized array write a step's keys or
     values into the cache in place (a scatter or a dynamic-update-slice, alone or as a fusion's
-    root), two per layer; no copy of the cache and nothing else rebuilds it."""
+    root), two per layer; no copy of the cache and nothing else rebuilds it. With each layer as one
+    native call (``fuse``), that call writes them, its two cache outputs aliased to its cache
+    operands, and nothing else produces a cache-sized array."""
     from jaxdecode.decoding import sampling as S
 
     lm = model("llama")
     m, B, C = lm.decoder, 4, 256
+    if fuse and m.backend != "native":
+        pytest.skip("the fused layer is native")
+    m = dataclasses.replace(m, fuse=fuse)
     p = m.prepare(lm.params, B)
     batch = S.make_batch([np.array([1, 2, 3])] * B, 10, m.V, m.T)
     logits, cache = S._prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=m, capacity=C)
@@ -228,6 +235,11 @@ def test_no_cache_copy_in_the_step_loop_on_the_llama():
     k = jax.tree_util.tree_leaves(cache)[0]
     assert k.ndim == 4 and k.shape[0] == B and k.shape[2] == C  # [B, KV heads, C, head_dim]
     ops = _cache_sized_ops(hlo, f"f32[{','.join(map(str, k.shape))}]")
+    if fuse:
+        calls = [line for line in hlo.splitlines() if 'custom_call_target="jaxdecode_hf_layer"' in line]
+        assert len(calls) == m.cfg.L and ops == [], ops
+        assert all("output_to_operand_aliasing={{1}: (17, {}), {2}: (18, {})}" in c for c in calls), calls[0]
+        return
     assert len(ops) == 2 * m.cfg.L, ops
     assert all(what in ("scatter", "dynamic-update-slice") for _, what in ops), ops
 
