@@ -186,8 +186,31 @@ def test_the_fused_call_refuses_operands_that_do_not_fit():
     with pytest.raises(Exception, match="hf_layer: a matrix is not packed"):  # wo for 3 heads, not 4
         kernels.hf_layer(x, jnp.zeros((1, 1), jnp.int32), turn, turn, dict(weights, wo=w(3 * D, d)), k, k,
                          H, 1e-5, 0.3)
-    with pytest.raises(Exception, match="hf_layer: a position is outside the cache"):
-        kernels.hf_layer(x, jnp.full((1, 1), 8, jnp.int32), turn, turn, weights, k, k, H, 1e-5, 0.3)
+    with pytest.raises(Exception, match="hf_layer: more new positions than the cache holds"):
+        nine = jnp.ones((1, 9, D // 2), jnp.float32)
+        kernels.hf_layer(jnp.ones((1, 9, d), jnp.float32), jnp.zeros((1, 9), jnp.int32), nine, nine,
+                         weights, k, k, H, 1e-5, 0.3)
+
+
+@needs_native
+@pytest.mark.quick
+def test_a_row_past_the_cache_is_written_at_its_end_as_dynamic_update_slice_writes():
+    """A finished row that keeps stepping (its position past the cache): written at the last
+    position and attending to every position, as the product-by-product path's
+    dynamic_update_slice and mask do; never an error in the middle of a loop."""
+    rng = np.random.RandomState(3)
+    d, H, KV, D, F, C = 32, 4, 2, 8, 48, 8
+    w = lambda K, N: {"packed": kernels.pack(jnp.asarray(rng.randn(K, N).astype(np.float32) * 0.3))}
+    weights = {"norm1_w": jnp.ones(d), "norm2_w": jnp.ones(d), "qkv": w(d, (H + 2 * KV) * D),
+               "wo": w(H * D, d), "gu": w(d, 2 * F), "w_down": w(F, d)}
+    x = jnp.asarray(rng.randn(2, 1, d).astype(np.float32))
+    turn = jnp.asarray(rng.rand(2, 1, D // 2).astype(np.float32))
+    k = jnp.asarray(rng.randn(2, KV, C, D).astype(np.float32))
+    run = lambda pos: kernels.hf_layer(x, jnp.asarray(pos, jnp.int32), turn, turn, weights, k, k, H,
+                                       1e-5, 0.3)
+    inside, past = run([[C - 1], [2]]), run([[C + 5], [2]])
+    for a, b in zip(inside, past):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.quick

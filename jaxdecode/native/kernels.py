@@ -314,7 +314,9 @@ def hf_layer(x, pos, cos, sin, weights: dict, k, v, heads: int, eps: float, scal
     (:func:`pack`; int8 with its scale), and optionally ``bqkv`` ``[N]``, ``q_norm``, ``k_norm``
     ``[D]``. Each row's new keys and values are written into the cache ``k, v`` ``[B, KV, C, D]``
     at its positions (in place where XLA can donate it), and position ``pos[b, s]`` attends to the
-    cache's positions ``0..pos[b, s]`` (the last ``window`` of them, if given). Returns
+    cache's positions ``0..pos[b, s]`` (the last ``window`` of them, if given); a row whose
+    positions run past the cache is written at its end (as ``dynamic_update_slice`` writes) and sees
+    all of it. Returns
     ``(y [B, S, d], k, v)``. Each product is summed as :func:`linear` sums it."""
     B, S, d = x.shape
     R = B * S

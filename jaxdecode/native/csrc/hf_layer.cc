@@ -16,8 +16,9 @@
 // int8 with a float32 scale per column), and go through linear.h's product, so every product is
 // summed exactly as the separate native product sums it. Inputs: x [R, d] (R = B * S, row b's S
 // new positions in order), pos [R] (the position of each: it is written there, and sees the
-// cache's positions 0..pos), cos and sin [R, D / 2] of the rotation at those positions, the cache
-// k, v [B, KV, C, D] (written in place: aliased to the outputs). The model's portable layer
+// cache's positions 0..pos; a row whose positions run past the cache is written at its end, as
+// dynamic_update_slice writes, and sees all of it), cos and sin [R, D / 2] of the rotation at those
+// positions, the cache k, v [B, KV, C, D] (written in place: aliased to the outputs). The model's portable layer
 // (models/hf/transformer.py) is the reference the tests hold this to.
 
 #include <algorithm>
@@ -136,7 +137,10 @@ struct Phases {
 
   // Row r's q, k, v: bias, per-head norms, rotation; its key and value written into the cache.
   void Prepare(int64_t r) const {
-    const int64_t D = p.D, Q = p.H * D, N = Q + 2 * p.KV * D, b = r / p.S, at = p.pos[r];
+    const int64_t D = p.D, Q = p.H * D, N = Q + 2 * p.KV * D, b = r / p.S;
+    // written where dynamic_update_slice would write it: the row's first position, moved back
+    // inside the cache if the row's positions do not fit (a finished row still stepping)
+    const int64_t at = std::clamp<int64_t>(p.pos[b * p.S], 0, p.C - p.S) + r % p.S;
     float* row = p.qkv + r * N;
     if (p.bqkv)
       for (int64_t j = 0; j < N; ++j) row[j] += p.bqkv[j];
@@ -154,13 +158,14 @@ struct Phases {
   }
 
   // The query heads of key/value head j at row r over the cache's positions 0..pos[r] (the last
-  // `window` of them with a sliding window).
+  // `window` of them with a sliding window; all of them past the cache's end).
   void Attention(int64_t r, int64_t j) const {
     thread_local std::vector<float> scores;
     const int64_t D = p.D, G = p.H / p.KV, N = (p.H + 2 * p.KV) * D, b = r / p.S, at = p.pos[r];
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, at - p.window + 1) : 0;
+    const int64_t hi = std::clamp<int64_t>(at + 1, 1, p.C);
+    const int64_t lo = p.window > 0 ? std::clamp<int64_t>(at - p.window + 1, 0, hi - 1) : 0;
     const int64_t base = ((b * p.KV + j) * p.C + lo) * D;
-    const Segment seg{p.kc + base, p.vc + base, at + 1 - lo};
+    const Segment seg{p.kc + base, p.vc + base, hi - lo};
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = j * G + g;
       Attend(p.qkv + r * N + head * D, D, p.scale, &seg, 1, p.att + r * p.H * D + head * D, scores);
@@ -211,9 +216,8 @@ ffi::Error HFLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const bool bias = bqkv.element_count() != 0, norms = qn.element_count() != 0;
   if ((bias && bqkv.element_count() != N) || (norms && (qn.element_count() != D || kn.element_count() != D)))
     return bad("the q/k/v bias is not [N] or a q/k norm is not [D]");
+  if (S > C) return bad("more new positions than the cache holds");
   const int32_t* at = pos.typed_data();
-  for (int64_t r = 0; r < R; ++r)
-    if (at[r] < 0 || at[r] >= C) return bad("a position is outside the cache");
 
   thread_local std::vector<float> scratch;
   scratch.resize(R * (4 * d + N + Q + 3 * F));
