@@ -11,7 +11,8 @@ allocator does not ask.
 gives it to JAX without a copy (``jax.device_put`` of an aligned host array on the CPU backend
 aliases it and keeps it alive). The arrays share slabs of :data:`SLAB` bytes, aligned to 2 MB,
 each array at a 4 KB boundary, so that small matrices do not each round up to a huge page. A slab
-is unmapped when the last array in it is freed.
+is unmapped when the last array in it is freed (and, for the one being filled, when the next one
+replaces it).
 
 Where huge pages are unavailable (not Linux, no ``MADV_HUGEPAGE``, another backend) or
 ``JAXDECODE_HUGEPAGES=0`` (for comparisons), :func:`place` is ``jnp.asarray``. The values are
