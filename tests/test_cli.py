@@ -967,8 +967,8 @@ def test_serve_bench_engine_flags_change_no_text(tiny_ckpt, tiny_corpus, tmp_pat
 
 @pytest.mark.quick
 @pytest.mark.parametrize("flags, message", [
-    (["--admit-batch", "0"], "--admit-batch must be an integer from 1 to --slots (2), got 0"),
-    (["--admit-batch", "3"], "--admit-batch must be an integer from 1 to --slots (2), got 3"),
+    (["--admit-batch", "0"], "--admit-batch must be an integer >= 1, got 0"),
+    (["--admit-batch", "3"], "--admit-batch must be at most the --slots (2), got 3"),
     (["--prefill-budget", "0"], "--prefill-budget must be an integer >= 1, got 0"),
     (["--step-model", "missing.json"], "cannot read a step-time model from missing.json"),
     (["--admit-batch", "two"], "--admit-batch: invalid int value: 'two'"),

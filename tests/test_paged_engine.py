@@ -247,7 +247,7 @@ def test_serve_bench_paged_reports_cache_memory(tiny_ckpt, corpus_path, tmp_path
 
     argv = ["serve-bench", "--ckpt", tiny_ckpt, "--data", corpus_path, "--requests", "4", "--rate", "2",
             "--slots", "3", "--n", "5", "--shared-prefix", "8", "--simulate", "--sweep", "2",
-            "--prefill-chunk", "4", "--paged", "--block-size", "4", "--out", "", "--seed", "1"]
+            "--prefill-chunk", "4", "--cache", "paged", "--block-size", "4", "--out", "", "--seed", "1"]
     assert main(argv + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["identical_outputs"] is True

@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_eval)
 
-    from jaxdecode.cli.serve import add_serve_bench  # serve-bench: static against continuous batching
+    from jaxdecode.cli.bench import add_serve_bench  # serve-bench: static against continuous batching
 
     add_serve_bench(sub, _seed)
     from jaxdecode.cli.server import add_serve  # serve: the OpenAI-compatible server

@@ -9,6 +9,7 @@ import signal
 import time
 
 from jaxdecode.cli.common import add_weights_flag
+from jaxdecode.serving.config import EngineConfig
 
 
 def add_serve(sub) -> None:
@@ -28,22 +29,6 @@ def add_serve(sub) -> None:
                    help="a Jinja chat template (default: the checkpoint's own, if it has one)")
     s.add_argument("--max-waiting", type=int, default=None, metavar="N",
                    help="refuse new requests with 429 while N rows wait for a slot (default: no limit)")
-    s.add_argument("--slots", type=int, default=32, metavar="S", help="decode slots: rows generated at once "
-                                                                       "(default 32)")
-    s.add_argument("--cache", choices=("dense", "paged"), default="dense",
-                   help="the KV cache: one row of the window per slot, or a pool of blocks (default dense)")
-    s.add_argument("--num-blocks", type=int, default=None, metavar="B",
-                   help="--cache paged: blocks in the pool (default: slots x window / block size)")
-    s.add_argument("--block-size", type=int, default=16, metavar="P",
-                   help="--cache paged: positions per block (default 16)")
-    s.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
-                   help="how the KV cache stores keys and values (default float32)")
-    s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens a row reads per engine step (default 128)")
-    s.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
-                   help="the most prompt tokens all rows read in one engine step (default: no limit)")
-    s.add_argument("--decode-steps", type=int, default=1, metavar="K",
-                   help="up to K decode steps per device call while no request waits (default 1)")
     s.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype of a Hugging Face checkpoint (default float32)")
     add_weights_flag(s)
@@ -59,6 +44,7 @@ def add_serve(sub) -> None:
                         "(slower under load: the HTTP side and the engine's host work share one GIL)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="the server's log level (default warning)")
+    EngineConfig.add_flags(s, slots=32)
     s.set_defaults(func=cmd_serve)
 
 
@@ -66,7 +52,6 @@ def cmd_serve(args):
     import uvicorn
 
     from jaxdecode.cli.common import UsageError, _load
-    from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK
     from jaxdecode.server.app import Server, build_app
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
     from jaxdecode.models.checkpoint import resolve as resolve_checkpoint
@@ -81,11 +66,12 @@ def cmd_serve(args):
         template = load_chat_template(folder, args.chat_template) if folder or args.chat_template else None
     except ChatTemplateError as e:
         raise UsageError(str(e)) from None
+    try:
+        config = EngineConfig.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", weights=args.weights,
-                   slots=args.slots,
-                   cache=args.cache, num_blocks=args.num_blocks, block_size=args.block_size,
-                   kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-                   prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, warm_up=args.warm_up)
+                   engine=config, warm_up=args.warm_up)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.ckpt)) if args.ckpt
                                       else "shakespeare-char")
     kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
@@ -127,15 +113,12 @@ def _defaults(lm, args) -> dict:
 
 
 def _engine(lm, options: dict):
-    from jaxdecode.serving.config import EngineConfig
     from jaxdecode.serving.engine import Engine, Request
     from jaxdecode.server.handlers import server_layout
 
-    o = dict(options)
-    config = EngineConfig(**{k: v for k, v in o.items() if k not in ("ckpt", "dtype", "weights", "warm_up")})
-    engine = Engine(lm, config=config, layout=server_layout(lm.decoder.V))
+    engine = Engine(lm, config=options["engine"], layout=server_layout(lm.decoder.V))
     engine.compiled_at_start = (0, 0.0)
-    if o.get("warm_up"):
+    if options.get("warm_up"):
         # a request of every prompt length with the rest of the window to generate: every prompt
         # piece, batch and span the engine can meet (constrained programs compile on first use)
         start = time.perf_counter()

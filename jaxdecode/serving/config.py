@@ -2,11 +2,16 @@
 
 The command line, the server and the simulator build one :class:`EngineConfig` from their flags
 and hand it to the engine (``Engine(lm, config=...)``); ``Engine(lm, slots, **settings)`` builds
-it from keywords. Each field is checked once, here, with a message that names it.
+it from keywords. Each field is checked once, here, with a message that names it. The commands
+that run an engine (``jaxdecode serve``, ``jaxdecode serve-bench``) take its flags from
+:meth:`EngineConfig.add_flags` and build it with :meth:`EngineConfig.from_args`: one spelling of
+each flag, one check of each value.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextvars
 import dataclasses
 
 from jaxdecode.decoding.common import check_int
@@ -44,22 +49,86 @@ class EngineConfig:
     admit_batch: int = 1
 
     def __post_init__(self):
-        check_int("slots", self.slots, 1)
-        check_int("admit_batch", self.admit_batch, 1)
+        n = _SPELLING.get()  # a field's name in a message: its own, or its flag's (from_args)
+        check_int(n("slots"), self.slots, 1)
+        check_int(n("admit_batch"), self.admit_batch, 1)
         if self.admit_batch > self.slots:
-            raise ValueError(f"admit_batch must be at most the slots ({self.slots}), got {self.admit_batch}")
-        check_int("decode_steps", self.decode_steps, 1)
+            raise ValueError(f"{n('admit_batch')} must be at most the {n('slots')} ({self.slots}), "
+                             f"got {self.admit_batch}")
+        check_int(n("decode_steps"), self.decode_steps, 1)
         if self.prefill_budget is not None:
-            check_int("prefill_budget", self.prefill_budget, 1)
+            check_int(n("prefill_budget"), self.prefill_budget, 1)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if self.cache not in CACHES:
-            raise ValueError(f"unknown cache {self.cache!r}: choose one of {', '.join(CACHES)}")
-        check_int("prefill_chunk", self.prefill_chunk, 1)
-        check_int("block_size", self.block_size, 1)
+            raise ValueError(f"unknown {n('cache')} {self.cache!r}: choose one of {', '.join(CACHES)}")
+        check_int(n("prefill_chunk"), self.prefill_chunk, 1)
+        check_int(n("block_size"), self.block_size, 1)
         if self.num_blocks is not None:
             if self.cache != "paged":
-                raise ValueError("num_blocks is a setting of the paged cache (cache='paged')")
-            check_int("num_blocks", self.num_blocks, 1)
+                raise ValueError(f"{n('num_blocks')} is a setting of the paged cache ({n('cache')} 'paged')")
+            check_int(n("num_blocks"), self.num_blocks, 1)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+
+    # ------------------------------------------------------------------ the command line
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, *, slots: int = 32) -> None:
+        """Add one flag for each field but ``policy`` to ``parser`` (``slots``: the command's
+        default slot count). ``policy`` has none: ``serve`` runs continuous batching and
+        ``serve-bench`` runs both policies to compare them."""
+        g = parser.add_argument_group("engine")
+        g.add_argument("--slots", type=int, default=slots, metavar="S",
+                       help=f"decode slots: rows generated at once (default {slots})")
+        g.add_argument("--cache", choices=CACHES, default="dense",
+                       help="the KV cache: one row of the window per slot, or a pool of blocks shared by "
+                            "prompts with the same leading blocks (default dense)")
+        g.add_argument("--num-blocks", type=int, default=None, metavar="B",
+                       help="--cache paged: blocks in the pool (default: slots x window / block size, the "
+                            "dense cache's memory)")
+        g.add_argument("--block-size", type=int, default=16, metavar="P",
+                       help="--cache paged: positions per block (default 16)")
+        g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="--cache paged: never share a prompt's cached leading blocks")
+        g.add_argument("--attention", default=None, metavar="IMPL",
+                       help="--cache paged: the paged attention implementation (default: native on the "
+                            "native backend, else portable)")
+        g.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
+                       help="how the KV cache stores keys and values (int8: one float32 scale per head and "
+                            "position; default float32)")
+        g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                       help=f"prompt tokens a row reads per engine step (default {DEFAULT_PREFILL_CHUNK})")
+        g.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                       help="the most prompt tokens all rows read in one engine step (default: no limit)")
+        g.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                       help="up to K decode steps per device call while no request waits (default 1)")
+        g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="read each device call's tokens before the next call is sent (default: the "
+                            "host's work for a step runs while the device computes the previous one)")
+        g.add_argument("--admit-batch", type=int, default=1, metavar="M",
+                       help="while rows run, rows in line join once M slots are free (or as many as wait), "
+                            "their prompts read together (default 1: as soon as a slot is free)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **fields) -> EngineConfig:
+        """The configuration the flags of :meth:`add_flags` give (``fields``: the ones the command
+        sets itself, such as ``policy``). A bad value is a ValueError that names its flag."""
+        token = _SPELLING.set(_flag)
+        try:
+            return cls(**{f: getattr(args, f) for f in FLAGS}, **fields)
+        finally:
+            _SPELLING.reset(token)
+
+
+def _own(field: str) -> str:
+    return field
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+_SPELLING: contextvars.ContextVar = contextvars.ContextVar("spelling", default=_own)
+# the fields that are flags: every one but policy
+FLAGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "policy")

@@ -9,11 +9,12 @@ values; every fourth request greedy).
 Both policies serve the same requests with ``--slots`` slots, on the wall clock, or with
 ``--simulate`` on a virtual clock whose steps cost what a step-time model says
 (:mod:`jaxdecode.serving.simulator`; ``--step-model`` reads a fit, such as the one
-``scripts/bench_serving.py`` writes). Either way the model runs and the texts are real, and the two
+``python -m benchmarks.bench_serving`` writes). Either way the model runs and the texts are real, and the two
 policies give the same texts. A slot sweep (simulated, replaying the texts of the run) shows
 both policies at other slot counts; the figure plots it.
 
-``--paged`` serves them on the paged KV cache (``Engine(cache="paged")``: a pool of
+The engine's flags are :class:`~jaxdecode.serving.config.EngineConfig`'s, as ``jaxdecode serve``
+takes them. ``--cache paged`` serves the requests on the paged KV cache (a pool of
 ``--num-blocks`` blocks of ``--block-size`` positions, prompts sharing their cached leading blocks)
 and prints each run's peak cache memory beside that of a contiguous cache of ``slots`` rows of the
 window ``T``, with the prompt tokens found in the pool (prefix hits).
@@ -21,11 +22,14 @@ window ``T``, with the prompt tokens found in the pool (prefix hits).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 
 import numpy as np
+
+from jaxdecode.serving.config import EngineConfig
 
 PROMPT_CHARS = (16, 64)  # prompt lengths (before the shared prefix) are drawn from this range
 TEMPERATURES = (0.7, 0.8, 1.0)
@@ -40,7 +44,6 @@ def add_serve_bench(sub, seed_type) -> None:
     s.add_argument("--requests", type=int, default=32, metavar="N", help="requests in the stream (default 32)")
     s.add_argument("--rate", type=float, default=4.0, metavar="R",
                    help="arrivals per second, a Poisson process (default 4)")
-    s.add_argument("--slots", type=int, default=8, metavar="S", help="decode slots (default 8)")
     s.add_argument("--shared-prefix", type=int, default=0, metavar="CHARS",
                    help="the first CHARS characters of the held-out text in front of every prompt (default 0)")
     s.add_argument("-n", "--n", dest="n", type=int, default=64, metavar="CHARS",
@@ -52,26 +55,6 @@ def add_serve_bench(sub, seed_type) -> None:
                         "shipped model's fit on a 2-core CPU)")
     s.add_argument("--sweep", default=None, metavar="S1,S2,...",
                    help="slot counts of the simulated sweep (default 1,2,4,...,2*S and S)")
-    s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens a row reads per engine step (default 128)")
-    s.add_argument("--prefill-budget", type=int, default=None, metavar="N",
-                   help="the most prompt tokens all rows read in one engine step (default: no limit)")
-    s.add_argument("--decode-steps", type=int, default=1, metavar="K",
-                   help="up to K decode steps per device call while no request waits (default 1)")
-    s.add_argument("--admit-batch", type=int, default=1, metavar="M",
-                   help="continuous: while rows run, rows in line join once M slots are free (or as many as "
-                        "wait), their prompts read together (default 1: as soon as a slot is free)")
-    s.add_argument("--no-overlap", action="store_true",
-                   help="read each device call's tokens before the next call is sent (default: the host's "
-                        "work for a step runs while the device computes the previous one)")
-    s.add_argument("--paged", action="store_true",
-                   help="the paged KV cache: a pool of blocks, prompts sharing cached prefix blocks")
-    s.add_argument("--num-blocks", type=int, default=None, metavar="B",
-                   help="--paged: blocks in the pool (default: slots x T / block size, the dense cache's memory)")
-    s.add_argument("--block-size", type=int, default=16, metavar="P", help="--paged: positions per block (default 16)")
-    s.add_argument("--kv-dtype", choices=("float32", "int8"), default="float32",
-                   help="how the KV cache stores keys and values, dense or --paged (int8: one float32 scale per "
-                        "head and position; default float32)")
     s.add_argument("--seed", type=seed_type, default=0, help="seed of the arrivals, prompts and settings (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object, with every request and its text")
     s.add_argument("--out", default="results/serve-bench.png", metavar="FIG.png",
@@ -79,6 +62,7 @@ def add_serve_bench(sub, seed_type) -> None:
     s.add_argument("--ckpt", default=None, help="checkpoint folder (default: the shipped model)")
     s.add_argument("--data", default=None, help="corpus path (default: $JAXDECODE_DATA)")
     s.add_argument("--quiet", action="store_true", help="no notes on stderr")
+    EngineConfig.add_flags(s, slots=8)
     s.set_defaults(func=cmd_serve_bench)
 
 
@@ -224,37 +208,22 @@ def _figure(path, sweep: list[dict], runs: list[dict], title: str):
 
 def cmd_serve_bench(args):
     from jaxdecode.cli.common import UsageError, _load, _note
-    from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, Engine, RealClock
+    from jaxdecode.serving.engine import Engine, RealClock
     from jaxdecode.serving.warmup import count_compiles
     from jaxdecode.serving.simulator import DEFAULT_STEP_MODEL, StepTimeModel, VirtualClock, compare, scripts_of
     from jaxdecode.io.reports import clean, require_matplotlib
 
-    for name, value, low in (("--requests", args.requests, 1), ("--slots", args.slots, 1),
-                             ("--shared-prefix", args.shared_prefix, 0), ("--n", args.n, 1)):
+    for name, value, low in (("--requests", args.requests, 1), ("--shared-prefix", args.shared_prefix, 0),
+                             ("--n", args.n, 1)):
         if value < low:
             raise UsageError(f"{name} must be an integer >= {low}, got {value}")
     if not (math.isfinite(args.rate) and args.rate > 0):
         raise UsageError(f"--rate must be a finite number > 0 (requests per second), got {args.rate}")
-    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
-    if chunk < 1:
-        raise UsageError(f"--prefill-chunk must be an integer >= 1, got {chunk}")
-    if args.decode_steps < 1:
-        raise UsageError(f"--decode-steps must be an integer >= 1, got {args.decode_steps}")
-    if not args.paged and args.num_blocks is not None:
-        raise UsageError("--num-blocks needs --paged")
-    if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 1):
-        raise UsageError("--block-size and --num-blocks must be integers >= 1")
-    cache = dict(cache="paged", num_blocks=args.num_blocks, block_size=args.block_size,
-                 kv_dtype=args.kv_dtype) if args.paged else {"kv_dtype": args.kv_dtype}
-    cache["decode_steps"] = args.decode_steps
-    cache["overlap"] = not args.no_overlap
-    if not 1 <= args.admit_batch <= args.slots:
-        raise UsageError(f"--admit-batch must be an integer from 1 to --slots ({args.slots}), "
-                         f"got {args.admit_batch}")
-    cache["admit_batch"] = args.admit_batch
-    if args.prefill_budget is not None and args.prefill_budget < 1:
-        raise UsageError(f"--prefill-budget must be an integer >= 1, got {args.prefill_budget}")
-    cache["prefill_budget"] = args.prefill_budget
+    try:
+        config = EngineConfig.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    engine = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("slots", "policy")}
     sweep_slots = _slot_sweep(args.sweep, args.slots)
     step_model = DEFAULT_STEP_MODEL if args.step_model is None else StepTimeModel.load(args.step_model)
     if args.out:
@@ -268,18 +237,18 @@ def cmd_serve_bench(args):
         # every program either policy can take for these requests, whatever the timing (both share
         # them); then a first pass on the wall clock, each policy, runs each program once before
         # the timed runs (a program's first call costs more than the later ones, compiled or not)
-        compiled = Engine(lm, args.slots, prefill_chunk=chunk, **cache).warm_up(requests)
+        compiled = Engine(lm, config=config).warm_up(requests)
         _note(args, f"compiled {compiled} programs; a first pass of {len(requests)} requests on the wall "
                     f"clock, each policy (about {requests[-1].arrival:.0f} s of arrivals each), "
                     f"then the timed pass")
         for policy in ("static", "continuous"):
-            Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=RealClock(), **cache).run(requests)
+            Engine(lm, config=dataclasses.replace(config, policy=policy), clock=RealClock()).run(requests)
     reports, compiles = {}, {}
     for policy in ("static", "continuous"):
         clock = VirtualClock(step_model) if args.simulate else RealClock()
         with count_compiles() as counted:
-            reports[policy] = Engine(lm, args.slots, policy=policy, prefill_chunk=chunk, clock=clock,
-                                     **cache).run(requests)
+            reports[policy] = Engine(lm, config=dataclasses.replace(config, policy=policy),
+                                     clock=clock).run(requests)
         compiles[policy] = counted[0]
     texts = {p: [[g.text for g in r.outputs] for r in rep.results] for p, rep in reports.items()}
     identical = texts["static"] == texts["continuous"]
@@ -291,7 +260,7 @@ def cmd_serve_bench(args):
         measured_fit = dict(fit.to_dict(), rms_error=fit.residual(records))
     sweep = [dict(r, kind="simulated") for r in
              compare(lm, requests, sweep_slots, step_model, scripts=scripts_of(reports["continuous"]),
-                     prefill_chunk=chunk, **cache)]
+                     **engine)]
 
     figure = None
     if args.out:
@@ -305,11 +274,7 @@ def cmd_serve_bench(args):
         doc = {
             "settings": {"requests": args.requests, "rate": args.rate, "slots": args.slots,
                          "shared_prefix": args.shared_prefix, "n": args.n, "seed": args.seed,
-                         "simulate": args.simulate, "prefill_chunk": chunk, "backend": lm.decoder.backend,
-                         "paged": args.paged, "num_blocks": args.num_blocks, "block_size": args.block_size,
-                         "kv_dtype": args.kv_dtype, "prefill_budget": args.prefill_budget,
-                         "decode_steps": args.decode_steps, "overlap": not args.no_overlap,
-                         "admit_batch": args.admit_batch},
+                         "simulate": args.simulate, "backend": lm.decoder.backend, **engine},
             "step_model": step_model.to_dict(),
             "measured_step_model": measured_fit,
             "runs": runs,
