@@ -7,6 +7,13 @@ The sampling loop (:mod:`jaxdecode.decoding.sampling`) is written once, against 
 - :class:`Placement`: a :class:`~jax.sharding.Mesh` with a batch axis, ``"data"``: the rows are
   split along that axis and everything else is replicated, and each program runs under
   :func:`jax.shard_map`, every device over its own rows (see :mod:`jaxdecode.decoding.sharded`).
+
+A mesh may also have a ``"model"`` axis (:func:`make_mesh` with ``model=M``): the parameters of a
+model placed on it (``lm.shard(mesh)``, ``load(folder, mesh=mesh)``) are split along that axis by
+:mod:`jaxdecode.models.hf.sharding`, and XLA's partitioner (GSPMD) inserts the collectives. With
+such a mesh, :class:`Placement` runs its programs manual over ``"data"`` only (each device group
+of a data index over its own rows) and leaves ``"model"`` to the partitioner, and keeps the
+parameters where they are instead of replicating them.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 from jaxdecode.decoding.common import DUMMY_ROW_ID, Batch, round_up
 
 AXIS = "data"
+MODEL = "model"  # the axis a model's parameters are split along (see jaxdecode.models.hf.sharding)
 
-__all__ = ["AXIS", "ONE_DEVICE", "OneDevice", "Placement", "make_mesh", "pad_batch"]
+__all__ = ["AXIS", "MODEL", "ONE_DEVICE", "OneDevice", "Placement", "make_mesh", "model_ways", "pad_batch"]
 
 
 class OneDevice:
@@ -58,13 +66,37 @@ class OneDevice:
 ONE_DEVICE = OneDevice()
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A one-axis mesh (``"data"``) over ``devices`` (default: ``jax.devices()``, every device of
-    every process)."""
+def make_mesh(devices: Sequence[jax.Device] | None = None, *, data: int | None = None,
+              model: int | None = None) -> Mesh:
+    """A mesh over ``devices`` (default: ``jax.devices()``, every device of every process).
+
+    With neither size given: one axis, ``"data"``, over every device (a model axis of 1). With
+    ``data`` and/or ``model``: two axes, ``("data", "model")``, of those sizes (the one left out
+    takes the rest of the devices); ``data * model`` must equal the number of devices. Along
+    ``"model"`` go consecutive devices (within a process first: the collectives of a decode
+    step stay on the fastest links), along ``"data"`` the groups of them."""
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: no devices given")
-    return Mesh(np.array(devices, dtype=object), (AXIS,))
+    if data is None and model is None:
+        return Mesh(np.array(devices, dtype=object), (AXIS,))
+    n = len(devices)
+    for name, size in (("data", data), ("model", model)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
+            raise ValueError(f"make_mesh: {name} must be a positive integer, got {size!r}")
+    if model is None:
+        model = n // data if n % data == 0 else 0
+    if data is None:
+        data = n // model if n % model == 0 else 0
+    if data * model != n or data == 0:
+        raise ValueError(f"make_mesh: a mesh of data={data} x model={model} does not cover the {n} "
+                         f"devices given (the product must equal the number of devices)")
+    return Mesh(np.array(devices, dtype=object).reshape(data, model), (AXIS, MODEL))
+
+
+def model_ways(mesh: Mesh | None) -> int:
+    """How many parts ``mesh``'s ``"model"`` axis splits a model into (1 without one)."""
+    return 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
 
 
 def pad_batch(batch: Batch, multiple: int) -> Batch:
@@ -117,6 +149,8 @@ class Placement:
     def __post_init__(self):
         if AXIS not in self.mesh.axis_names:
             raise ValueError(f"the mesh needs a batch axis named {AXIS!r}, got axes {self.mesh.axis_names}")
+        if set(self.mesh.axis_names) - {AXIS, MODEL}:
+            raise ValueError(f"a mesh's axes are {AXIS!r} and {MODEL!r}, got {self.mesh.axis_names}")
 
     @property
     def ways(self) -> int:
@@ -148,7 +182,14 @@ class Placement:
         return jax.tree_util.tree_map(lambda a: self.put(a, 0), tree)
 
     def replicated(self, tree):
-        return jax.tree_util.tree_map(lambda a: self.put(a, None), tree)
+        """Every leaf replicated over the batch axis; a leaf already placed on this mesh (the
+        parameters of a model split along ``"model"``) stays as it is."""
+        return jax.tree_util.tree_map(lambda a: a if self._placed(a) else self.put(a, None), tree)
+
+    def _placed(self, a) -> bool:
+        sharding = getattr(a, "sharding", None)
+        return (isinstance(a, jax.Array) and isinstance(sharding, NamedSharding)
+                and sharding.mesh == self.mesh and AXIS not in jax.tree_util.tree_leaves(tuple(sharding.spec)))
 
     def scalar(self, x):
         """A replicated scalar argument (a numpy scalar where one process runs everything: no
@@ -203,8 +244,11 @@ def _program(fn, static: tuple, mesh: Mesh, in_specs: _Frozen, out_specs: _Froze
     body = functools.partial(fn, **dict(static))
     # no replication check: the loops' carries mix per-row and shared values, and every output
     # declared replicated (the step count) is computed from replicated inputs alone
+    # with a model axis, only the batch axis is manual: the partitioner splits each device
+    # group's program over "model" as the parameters' shardings say
+    manual = {AXIS} if model_ways(mesh) > 1 else set(mesh.axis_names)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs.tree(), out_specs=out_specs.tree(),
-                           check_vma=False)
+                           axis_names=manual, check_vma=False)
     return jax.jit(mapped, donate_argnums=donate)
 
 

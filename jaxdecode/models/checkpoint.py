@@ -224,7 +224,7 @@ def resolve(path: str | os.PathLike | None) -> Path:
 
 
 def load(path: str | os.PathLike | None = None, *, backend: str | None = None, dtype: str = "float32",
-         max_length: int | None = None, weights: str = "auto") -> LanguageModel:
+         max_length: int | None = None, weights: str = "auto", mesh=None) -> LanguageModel:
     """Load a checkpoint folder (default: the shipped ``shakespeare-char``) onto ``backend``
     (``"native"``, ``"portable"``, or ``None``/``"auto"``: see :func:`jaxdecode.native.kernels.select`).
 
@@ -235,7 +235,14 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     ``"bfloat16"`` or ``"int8"``, see :mod:`jaxdecode.models.hf.linear`) and ``backend`` (the
     native CPU layer runs its products). A folder that cannot
     be loaded (a corrupt or mismatched file, NaN weights, a config.json that is neither kind's) is
-    refused with one :class:`CheckpointError` sentence naming the file and the problem."""
+    refused with one :class:`CheckpointError` sentence naming the file and the problem.
+
+    ``mesh``: a :class:`jax.sharding.Mesh` with a ``"model"`` axis
+    (:func:`jaxdecode.decoding.placement.make_mesh`): the parameters are split over it by their
+    family's partition rules (:meth:`LanguageModel.shard`), a Hugging Face folder's read slice by
+    slice from its safetensors files, and every loop runs the model there. A mesh is the portable
+    path's: with ``backend`` left to choose, the portable one is taken; ``backend="native"`` with a
+    mesh is refused."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -243,6 +250,11 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     from jaxdecode.models.hf.config import no_model_type
 
     path = resolve(path)
+    if mesh is not None:
+        if backend == "native":
+            raise CheckpointError("the native CPU layer runs on one device: a model on a mesh needs "
+                                  "backend='portable'")
+        backend = "portable"
     if path.is_file():
         hint = ""
         if path.suffix == ".pt":
@@ -257,7 +269,8 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     meta = files.read_json(cfile, CheckpointError)
     if "model_type" in meta and "chars" not in meta:  # a Hugging Face folder
         try:
-            return load_hf(path, dtype=dtype, max_length=max_length, weights=weights, backend=backend)
+            return load_hf(path, dtype=dtype, max_length=max_length, weights=weights, backend=backend,
+                           mesh=mesh)
         except HFError as e:
             raise CheckpointError(str(e)) from None
     if weights != "auto":
@@ -275,7 +288,17 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     params = state_dict_to_params(state, cfg, where=str(wfile))
     # device arrays: immutable, so work derived from them (packed weights) can be reused
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
+    return lm if mesh is None else _on_mesh(lm, mesh)
+
+
+def _on_mesh(lm: LanguageModel, mesh) -> LanguageModel:
+    from jaxdecode.models.hf.sharding import ShardingError
+
+    try:
+        return lm.shard(mesh)
+    except ShardingError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def atomic_folder(target, overwrite: bool = True):

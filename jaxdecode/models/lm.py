@@ -59,6 +59,37 @@ class LanguageModel:
                              "this model runs on the portable jax.numpy path")
         return dataclasses.replace(self, decoder=decoder_for(self.cfg, backend))
 
+    def shard(self, mesh, *, embedding: str = "vocab") -> LanguageModel:
+        """The same model with its parameters split over ``mesh``'s ``"model"`` axis (a mesh of
+        :func:`jaxdecode.decoding.placement.make_mesh`) by the partition rules of its family
+        (:mod:`jaxdecode.models.hf.sharding`, :mod:`jaxdecode.models.charlm.sharding`). Every loop
+        and the engine then run it as they are; the native CPU layer stays on one device, so a
+        model on it is refused. ``embedding``: split the embedding and output layer by
+        ``"vocab"`` (default) or by ``"hidden"`` size."""
+        from jaxdecode.models.charlm.decoder import CharLMDecoder
+        from jaxdecode.models.hf import sharding
+
+        sharding.check_mesh(mesh)
+        shape = {k: int(v) for k, v in dict(mesh.shape).items()}
+        if getattr(self.decoder, "backend", "portable") == "native":
+            raise sharding.ShardingError("the native CPU layer runs on one device: load the model with "
+                                         "backend='portable' to place it on a mesh")
+        meta = dict(self.meta, mesh=shape)
+        if isinstance(self.decoder, CharLMDecoder):
+            from jaxdecode.models.charlm.sharding import place
+
+            if embedding != "vocab":
+                raise sharding.ShardingError("the character model's embedding is split by vocabulary only")
+            return dataclasses.replace(self, params=place(self.params, self.cfg, mesh), meta=meta)
+        from jaxdecode.models.hf.transformer import HFDecoder
+
+        if not isinstance(self.decoder, HFDecoder):
+            raise sharding.ShardingError(f"{type(self.decoder).__name__} has no partition rules: only the "
+                                         "character model and Hugging Face folders run on a model axis")
+        return dataclasses.replace(self, params=sharding.place(self.params, self.decoder.cfg, mesh, embedding),
+                                   decoder=dataclasses.replace(self.decoder, mesh=mesh), meta=meta,
+                                   reload=None)
+
     @property
     def end_stops(self) -> list[np.ndarray]:
         """The end tokens as one-token stop sequences (what the loops stop a row at)."""

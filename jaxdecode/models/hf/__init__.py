@@ -40,14 +40,16 @@ def is_hf_folder(folder: Path) -> bool:
 
 
 def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, weights: str = "auto",
-            backend: str | None = None):
+            backend: str | None = None, mesh=None):
     """Load a Hugging Face folder. ``dtype``: the parameters' and the computation's (norms,
     softmax and logits stay float32); ``max_length``: a window smaller than the config's
     ``max_position_embeddings`` (the loops allocate and re-read up to the window); ``weights``:
     how the matrices are kept (:mod:`.linear`: ``"auto"``, ``"float32"``, ``"stored"``,
     ``"bfloat16"``, ``"int8"``); ``backend``: ``"native"`` (the C++ products on the CPU),
     ``"portable"``, or ``None``/``"auto"`` (:func:`jaxdecode.native.kernels.select`). The native
-    path computes in float32: with ``dtype="bfloat16"``, ``"auto"`` is the portable path."""
+    path computes in float32: with ``dtype="bfloat16"``, ``"auto"`` is the portable path.
+    ``mesh``: split the parameters over its ``"model"`` axis (:mod:`.sharding`; the portable path
+    only), each device's slice read from the safetensors files."""
     import jax.numpy as jnp
 
     from jaxdecode.models.lm import LanguageModel
@@ -58,6 +60,10 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                    or max_length < 2):
         raise HFError(f"max_length must be an integer >= 2, got {max_length!r}")
+    if mesh is not None:
+        if backend == "native":
+            raise HFError("the native CPU layer runs on one device: a model on a mesh needs backend='portable'")
+        backend = "portable"
     native, how = _choose(dtype, weights, backend)
     stored: set = set()
     try:
@@ -90,8 +96,16 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
         warnings.warn(f"{folder}: {VISION_UNUSED}", stacklevel=2)
     kept_option = "auto" if dtype != "float32" else {"float16": "stored"}.get(meta["weights"], meta["weights"])
     reload = functools.partial(load_hf, folder, dtype=dtype, max_length=max_length, weights=kept_option)
-    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
-                         eos_ids=eos, generation_defaults=defaults, reload=reload)
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=folder, decoder=decoder,
+                       eos_ids=eos, generation_defaults=defaults, reload=reload)
+    if mesh is None:
+        return lm
+    from jaxdecode.models.hf.sharding import ShardingError
+
+    try:
+        return lm.shard(mesh)
+    except ShardingError as e:
+        raise HFError(str(e)) from None
 
 
 def _choose(dtype: str, weights: str, backend: str | None) -> tuple[bool, str]:

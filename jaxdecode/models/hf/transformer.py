@@ -138,6 +138,16 @@ class HFDecoder(DecodingModel):
     T_limit: int | None = None  # a smaller window than the config's, if asked for
     backend: str = "portable"  # "native": the parameters' matrices are packed for the CPU kernel (.linear)
     fuse: bool = True  # native: a layer of the Llama kind as one call (kernels.hf_layer), where it fits
+    mesh: object = None  # the jax.sharding.Mesh its parameters are split over (.sharding), if any
+
+    def _on_mesh(self, kv):
+        """A KV cache leaf ``[B or blocks, KV, positions, hd]`` constrained to the mesh's layout
+        (split by key/value head where k and v are, :mod:`.sharding`)."""
+        if self.mesh is None:
+            return kv
+        from jaxdecode.models.hf.sharding import cache_sharding
+
+        return jax.lax.with_sharding_constraint(kv, cache_sharding(self.cfg, self.mesh, kv.ndim))
 
     @property
     def V(self):
@@ -287,7 +297,7 @@ class HFDecoder(DecodingModel):
     def empty_cache(self, batch, capacity):
         cfg = self.cfg
         shape = (batch, cfg.kv_heads, capacity, cfg.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.L))
+        zeros = lambda: tuple(self._on_mesh(jnp.zeros(shape, self.dtype)) for _ in range(cfg.L))
         return HFCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))  # separate buffers: donatable
 
     def capacity(self, cache):
@@ -422,8 +432,9 @@ class HFPaged(PagedPool):
         if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
             raise ValueError(f"empty_pool: num_blocks must be a positive integer, got {num_blocks!r}")
         cfg = self.decoder.cfg
-        return empty_blocks((int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim), cfg.L,
+        pool = empty_blocks((int(num_blocks), cfg.kv_heads, self.block_size, cfg.head_dim), cfg.L,
                             dtype or self.decoder.dtype)
+        return pool if self.decoder.mesh is None else jax.tree_util.tree_map(self.decoder._on_mesh, pool)
 
     def pool_forward(self, params, pool: PagedKV, tables, lengths, tokens, counts=None,
                      cols: int | None = None):
