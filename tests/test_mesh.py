@@ -1,0 +1,113 @@
+"""Tensor and expert parallelism on a ("data", "model") mesh, against one device.
+
+JAX reads the number of CPU devices when its backend starts, so the cases run in one process of
+their own on 8 forced CPU devices (``tests/mesh_cases.py``, which prints JSON); this process keeps
+its single device. The cases: for the Hugging Face fixtures of each kind (dense with grouped-query
+attention, a sliding window, Gemma 2's soft-capping, a mixture of experts) and the character
+model, greedy tokens and logits of the cached path on model axes 2, 4, 8 and a 2 x 4 mesh;
+``generate`` greedy and seeded, also with the rows split over "data"; beam search, scoring,
+contrastive and speculative decoding and the engine on both caches on a model axis; what each
+device holds (``addressable_shards``) and the collectives of the compiled decode step.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FAMILIES = ("llama", "mistral", "gemma2", "mixtral", "charlm")
+MESHES = ("1x2", "1x4", "1x8", "2x4")
+CASES = ([f"family:{f}" for f in FAMILIES] + ["generate:llama", "loops:llama", "layout:llama:2",
+                                                "layout:llama:4", "layout:mixtral:2"])
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(HERE / "mesh_cases.py"), *CASES], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_and_logits_equal_one_device(results, family):
+    """Every mesh gives one device's greedy tokens, and its logits within float32 rounding of the
+    all-reduces' order (1e-5 of the logits' scale)."""
+    got = results[f"family:{family}"]
+    for mesh in MESHES:
+        assert got[mesh]["greedy"] == got["ref"], f"{family} on {mesh}"
+        assert got[mesh]["logits"] <= 1e-5 * max(1.0, got["scale"]), f"{family} on {mesh}: {got[mesh]['logits']}"
+
+
+def test_generate_greedy_and_seeded_on_model_and_data_axes(results):
+    got = results["generate:llama"]
+    assert got["1x4"] == got["ref"]
+    assert got["2x4"] == got["ref"]  # rows split over "data" by the loop, parameters over "model"
+
+
+@pytest.mark.parametrize("loop", ["beam", "score", "contrastive", "speculative", "engine_dense", "engine_paged"])
+def test_loops_on_a_model_axis_equal_one_device(results, loop):
+    got = results["loops:llama"][loop]
+    assert "error" not in got, got.get("error")
+    assert got["got"] == got["ref"]
+
+
+def _bytes_within(layout, M):
+    b = layout["bytes"]
+    expect = (b["total"] - b["replicated"]) / M + b["replicated"]
+    assert len(b["per_device"]) == M
+    for held in b["per_device"]:
+        assert abs(held - expect) <= 0.02 * expect, (held, expect)
+    assert b["replicated"] < b["total"] / 4  # most of the model is split
+
+
+@pytest.mark.parametrize("case,M", [("layout:llama:2", 2), ("layout:llama:4", 4), ("layout:mixtral:2", 2)])
+def test_each_device_holds_its_share(results, case, M):
+    """Per-device parameter bytes (addressable_shards) = split bytes / M + replicated bytes."""
+    _bytes_within(results[case][str(M)], M)
+
+
+def _kinds(collectives, kind):
+    return {shape: n for key, n in collectives.items() for k, shape in [key.split(" ", 1)] if k == kind}
+
+
+def test_decode_step_two_all_reduces_per_layer(results):
+    """Dense Llama, heads and key/value heads split (M=2): one all-reduce for the embedding's
+    lookup, two per layer (after o, after down), each over B x d values; nothing gathered."""
+    got = results["layout:llama:2"]
+    L, d = got["cfg"]["L"], got["cfg"]["d"]
+    step = got["2"]["collectives"]
+    assert _kinds(step, "all-reduce") == {f"f32[2,1,{d}]{{2,1,0}}": 2 * L + 1}
+    assert set(k.split()[0] for k in step) == {"all-reduce"}
+    assert got["1"]["collectives"] == {}
+
+
+def test_decode_step_never_gathers_a_weight(results):
+    """M=4 with 2 key/value heads: k and v are replicated (each device computes both heads), the
+    query heads split; still 2 all-reduces a layer, and anything gathered is a new position's
+    keys or values, never a weight matrix."""
+    got = results["layout:llama:4"]
+    L, d = got["cfg"]["L"], got["cfg"]["d"]
+    step = got["4"]["collectives"]
+    assert sum(_kinds(step, "all-reduce").values()) == 2 * L + 1
+    for shape in _kinds(step, "all-gather"):
+        dims = [int(x) for x in shape.split("[")[1].split("]")[0].split(",")]
+        assert int(np.prod(dims)) < d * d // 4, shape  # smaller than any weight matrix of the model
+
+
+def test_experts_split_with_one_all_reduce_of_their_sum(results):
+    """Mixtral with its 4 experts over a model axis of 2: each device holds half of them, and the
+    compiled step holds the expert-parallel collective, one all-reduce of the combined experts'
+    output per MoE layer ([tokens, d], the layer's flattened rows), beside the attention's."""
+    got = results["layout:mixtral:2"]
+    L, d = got["cfg"]["L"], got["cfg"]["d"]
+    reduces = _kinds(got["2"]["collectives"], "all-reduce")
+    assert reduces.get(f"f32[2,{d}]{{1,0}}") == L  # the experts' sum, one per layer
+    assert reduces.get(f"f32[2,1,{d}]{{2,1,0}}") == L + 1  # after o, and the embedding
