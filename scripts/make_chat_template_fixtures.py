@@ -12,9 +12,11 @@ each one, a ``PreTrainedTokenizerFast`` is built from the tiny tokenizer of test
 and ``tokenizer.apply_chat_template(messages, tokenize=False, ...)`` renders every conversation.
 
 Content given as a list of text parts is joined with "\\n" before transformers sees it (vLLM's
-"string" content format, which jaxdecode's ChatTemplate applies by default); the ``*_openai`` cases
-pass the list unchanged (the "openai" content format). A case whose render raises records the
-exception: ``raise_exception`` when the template called ``raise_exception`` (jinja2's bare
+"string" content format); the ``*_openai`` cases pass the list unchanged (the "openai" content
+format). A template whose entry in tokens.json says ``"content_format": "openai"`` loops over the
+parts itself: every case passes them unchanged and is recorded as ``"auto"``, the format a server
+detects from the template (jaxdecode.server.chat.detect_content_format). A case whose render
+raises records the exception: ``raise_exception`` when the template called ``raise_exception`` (jinja2's bare
 TemplateError), else the exception's type, with its message either way.
 
 Needs only transformers and jinja2; never imported by the tests.
@@ -92,6 +94,14 @@ CASES = [
      {"extra": {"date_string": "01 Jan 2025", "greeting": "hello there"}}),
     ("extra_overrides_eos", [msg("user", "Hi."), msg("assistant", "Hey.")], False,
      {"extra": {"eos_token": "<custom_eos>"}}),
+    ("message_fields", [msg("user", "Weather?", name="ann"),
+                        msg("assistant", None, reasoning_content="Look it up.", tool_calls=[
+                            {"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]),
+                        msg("tool", "Sunny", tool_call_id="call_1", name="get_weather")], True,
+     {"tools": TOOLS}),
+    ("text_parts_multi_turn", [msg("user", parts("part one ", "part two")), msg("assistant", parts("an ", "answer")),
+                               msg("user", parts("again"))], True, {}),
     ("loop_controls", [msg("user", "skip me"), msg("user", "kept"), msg("assistant", " reply "),
                        msg("user", "stop here"), msg("user", "never shown")], True, {}),
 ]
@@ -132,6 +142,8 @@ def main() -> int:
         for case, messages, prompt, kwargs in CASES:
             kwargs = dict(kwargs)
             content_format = kwargs.pop("content_format", "string")
+            if spec.get("content_format") == "openai":  # the template loops over the parts
+                content_format = "auto"
             extra = kwargs.pop("extra", {})
             record = {"template": name, "case": case, "messages": messages, "add_generation_prompt": prompt,
                       "content_format": content_format, "tools": kwargs.get("tools"),

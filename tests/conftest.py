@@ -75,6 +75,7 @@ def pytest_sessionstart(session):
 # tests/test_quick_subset.py checks that every name here is a test of its file and that every test
 # file has a quick test.
 QUICK = {  # a file: its quick tests, separated by white space
+    "test_server_clients.py": "test_content_format_detected_from_the_template test_tool_call_formats_parse".split(),
     "test_beam.py": """test_beam_equals_plain_beam[native-5] test_beam_equals_plain_beam[portable-2]
         test_n_best_sorted_and_distinct test_stop_string_and_early_end
         test_end_token_and_length_penalty_change_the_winner test_bad_input[native]""".split(),

@@ -46,7 +46,7 @@ def test_the_fixture_covers_every_template_and_some_refusals():
     names = {c["template"] for c in CASES}
     assert {"meta-llama-Llama-3.1-8B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
             "google-gemma-2-2b-it", "HuggingFaceTB-SmolLM2-135M-Instruct", "microsoft-Phi-3.5-mini-instruct",
-            "features", "hf-llama-fixture"} == names
+            "features", "hf-llama-fixture", "google-gemma-3-it"} == names
     raised = {c["template"] for c in CASES if c.get("error", {}).get("kind") == "raise_exception"}
     assert {"google-gemma-2-2b-it", "mistralai-Mistral-Nemo-Instruct-2407", "features"} <= raised
     assert sum("rendered" in c for c in CASES) >= 150
@@ -82,7 +82,7 @@ def test_text_parts_are_joined_with_newlines_by_default():
 @pytest.mark.parametrize("messages, message", [
     ([], "the conversation is empty"),
     ("hello", "the messages must be a list"),
-    ([{"role": "tool", "content": "x"}], "message 1 has the role 'tool': use one of system, user, assistant"),
+    ([{"role": "function", "content": "x"}], "message 1 has the role 'function': use one of system, user, assistant, tool"),
     ([{"content": "x"}], 'message 1 has no "role"'),
     ([{"role": "user", "content": "a"}, "b"], "message 2 is a str"),
     ([{"role": "user"}], 'message 1 (user) has no "content"'),

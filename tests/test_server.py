@@ -506,7 +506,7 @@ def test_llama_end_token_finishes_with_stop(llama, llama_lm):
     assert [g.finish_reason for _, _, g in want].count("eos") >= 1, "no sample ends with an end token: " \
         "choose another seed"
     resp = client(llama).completions.create(model="llama", prompt="The cat sat on", max_tokens=30, n=5,
-                                            seed=1)
+                                            seed=1, extra_body={"skip_special_tokens": False})
     assert completion_texts(resp, 5) == [(t, f) for t, f, _ in want]
     assert "</s>" not in "".join(c.text for c in resp.choices)  # the end token is not text
     # usage counts the end token, as generate's tokens keep it
@@ -800,7 +800,8 @@ ERRORS = [
     _case("empty prompt", CMPL, {"prompt": ""}, 400, "prompt", says="empty"),
     _case("token id out of range", CMPL, {"prompt": [3, 70000]}, 400, says="70000"),
     _case("empty stop string", CMPL, {"prompt": "a", "stop": ["x", ""]}, 400, "stop", says="stop"),
-    _case("echo with logprobs", CMPL, {"prompt": "a", "echo": True, "logprobs": 2}, 400, "echo"),
+    _case("streamed prompt_logprobs", CMPL, {"prompt": "ab", "prompt_logprobs": 2, "stream": True}, 400,
+          "prompt_logprobs"),
     _case("beyond the window", CMPL, {"prompt": "ROMEO:", "max_tokens": 507}, 400, "max_tokens",
           "context_length_exceeded", "512"),
     _case("chat beyond the window", CHATP, {"messages": CHAT, "max_completion_tokens": 500}, 400,
@@ -809,8 +810,8 @@ ERRORS = [
           "gpt-17"),
     _case("unknown model, chat", CHATP, {"model": "gpt-17", "messages": CHAT}, 404, "model",
           "model_not_found", "gpt-17"),
-    _case("tools", CHATP, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-          "tools", "unsupported_field", "tools"),
+    _case("tool_choice without tools", CHATP, {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    _case("an unknown field", CMPL, {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "unsupported_field"),
     _case("logit_bias", CMPL, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias",
           "unsupported_field", "logit_bias"),
     _case("suffix", CMPL, {"prompt": "a", "suffix": "end"}, 400, "suffix", "unsupported_field", "suffix"),
@@ -948,9 +949,9 @@ def test_routes_and_methods_that_do_not_exist(char):
     still_serving(char)
 
 
-def test_unknown_fields_are_ignored(char, char_lm):
+def test_metadata_fields_are_accepted(char, char_lm):
     r = post(char, "/completions", {"model": char.name, "prompt": "ROMEO:", "max_tokens": 6, "seed": 4,
-                                    "frobnicate": {"x": 1}, "user": "someone", "best_of": 1})
+                                    "metadata": {"x": "1"}, "user": "someone", "best_of": 1})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expect(char_lm, "ROMEO:", 6, 4)[0][0]
 

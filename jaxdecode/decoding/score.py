@@ -40,14 +40,39 @@ class Score:
         return np.exp(self.logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _token_logprobs(params, tokens, *, model: DecodingModel):
+@functools.partial(jax.jit, static_argnames=("model", "top"))
+def _token_logprobs(params, tokens, *, model: DecodingModel, top: int = 0):
     """[B, W] tokens -> [B, W-1] log p(tokens[:, t+1] | tokens[:, :t+1]) for W <= T + 1: one pass
-    of the whole rows through an empty cache."""
+    of the whole rows through an empty cache. With ``top`` > 0 also, from the same pass, the
+    ``top`` most probable tokens at each position ([B, W-1, top] log-probabilities and ids) and
+    each token's rank (1: the most probable)."""
     B, W = tokens.shape
     logits, _, _ = model.extend(params, model.empty_cache(B, W - 1), tokens[:, :-1])
     lp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    chosen = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    if not top:
+        return chosen
+    values, ids = jax.lax.top_k(lp, top)
+    return chosen, values, ids, 1 + jnp.sum(lp > chosen[..., None], axis=-1)
+
+
+def prompt_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray], top: int):
+    """For each token sequence of 2 to ``T + 1`` tokens, from one pass: the log-probability of
+    every token after the first (as :func:`token_logprobs` from index 1), the ``top`` most probable
+    tokens at each of those positions, and each token's rank. ``[(logprobs [n], top_logprobs
+    [n, top], top_ids [n, top], ranks [n])]``, n the sequence's length less one."""
+    T, out = model.T, []
+    for i, s in enumerate(sequences):
+        if not 2 <= len(s) <= T + 1:
+            raise ValueError(f"sequence {i}: give 2 to {T + 1} tokens, got {len(s)}")
+    for s in sequences:  # one row each, the width bucketed as token_logprobs buckets it
+        W = min(T + 1, -(-len(s) // WIDTH_BUCKET) * WIDTH_BUCKET)
+        row = np.zeros((1, W), np.int32)
+        row[0, :len(s)] = s
+        parts = _token_logprobs(params, jnp.asarray(row), model=model, top=max(1, top))
+        n = len(s) - 1
+        out.append(tuple(np.asarray(x)[0, :n] for x in parts))
+    return [(lp, vals[:, :top], ids[:, :top], rank) for lp, vals, ids, rank in out]
 
 
 @functools.partial(jax.jit, static_argnames=("model",))

@@ -38,10 +38,10 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "NO_CHAT_TEMPLATE", "ROLES", "SPECIAL_TOKEN_NAMES", "CONTENT_FORMATS",
+__all__ = ["ChatTemplate", "ChatTemplateError", "detect_content_format", "NO_CHAT_TEMPLATE", "ROLES", "SPECIAL_TOKEN_NAMES", "CONTENT_FORMATS",
            "load_chat_template", "require_chat_template", "special_tokens_from_config"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 """The message roles :meth:`ChatTemplate.render` accepts."""
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -52,7 +52,7 @@ them; any other ``*_token`` string of ``tokenizer_config.json`` is passed too (s
 
 NO_CHAT_TEMPLATE = "the model has no chat template: give one with --chat-template FILE"
 
-CONTENT_FORMATS = ("string", "openai")
+CONTENT_FORMATS = ("string", "openai", "auto")
 
 # Older jinja2 releases have known sandbox escapes; transformers refuses them for the same reason.
 _MIN_JINJA = (3, 1, 6)
@@ -60,6 +60,9 @@ _MIN_JINJA = (3, 1, 6)
 # The names a reasoning trace may come under; transformers copies it to "thinking" and
 # "reasoning_content" so that templates reading either one see it.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# what marks the end of the message to continue (continue_final_message), as transformers marks it
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(ValueError):
@@ -251,6 +254,41 @@ def _message(message: Any, i: int, content_format: str) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- content format
+
+
+def _content_of(node, names: set) -> bool:
+    """Whether ``node`` is a message's content: ``x['content']`` or ``x.content``, or a variable
+    set from one (in ``names``), possibly through filters and tests."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+
+def detect_content_format(source: str) -> str:
+    """``"openai"`` if the template loops over a message's content (``{% for part in
+    message['content'] %}``, directly, through a filter, or through a variable set from it),
+    else ``"string"``: the detection vLLM makes to decide what a template gets for content given
+    as parts. A template that does not parse is ``"string"`` (its own error comes when it is
+    compiled)."""
+    try:
+        ast = _environment().parse(source)
+    except jinja2.exceptions.TemplateError:
+        return "string"
+    names: set = set()
+    for node in ast.find_all(jinja2.nodes.Assign):
+        if isinstance(node.target, jinja2.nodes.Name) and _content_of(node.node, set()):
+            names.add(node.target.name)
+    for node in ast.find_all(jinja2.nodes.For):
+        if _content_of(node.iter, names):
+            return "openai"
+    return "string"
+
+
 # ----------------------------------------------------------------------------- the template
 
 
@@ -271,6 +309,8 @@ class ChatTemplate:
       for strings would otherwise print the list's Python repr or fail on ``'...' + content``.
     - ``"openai"``: the list of text parts itself (rebuilt as ``{"type": "text", "text": ...}``),
       for templates that loop over the parts, like multimodal ones (vLLM's "openai" format).
+    - ``"auto"``: whichever of the two the template reads (:func:`detect_content_format`): a
+      template that loops over a message's content gets the parts.
 
     A string content is passed unchanged either way. The template is compiled once, here: a
     syntax error raises :class:`ChatTemplateError` naming ``origin`` and the line.
@@ -294,13 +334,13 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = tokens
         self.origin = origin
-        self.content_format = content_format
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the {origin} does not parse: line {e.lineno}: {e.message}") from e
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"the {origin} does not compile: {e}") from e
+        self.content_format = detect_content_format(source) if content_format == "auto" else content_format
 
     @property
     def bos_token(self) -> str | None:
@@ -315,7 +355,8 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None,
-               documents: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
+               documents: Sequence[Mapping[str, Any]] | None = None, continue_final_message: bool = False,
+               **extra: Any) -> str:
         """The prompt for ``messages``, as ``transformers``' ``apply_chat_template(messages,
         tokenize=False, add_generation_prompt=..., tools=..., documents=..., **extra)`` renders it.
 
@@ -327,13 +368,31 @@ class ChatTemplate:
         with the header of an assistant turn. ``tools`` (OpenAI tool schemas) and ``documents``
         stay None when not given, which is what transformers passes then; ``extra`` keywords reach
         the template as variables (e.g. ``date_string`` for Llama 3.1) and override a special
-        token of the same name. Every failure raises :class:`ChatTemplateError`.
+        token of the same name. ``continue_final_message``: the prompt ends inside the last
+        message, so that the model continues its text (transformers' way: the text is marked, the
+        conversation rendered, and the prompt cut at the mark). Every failure raises
+        :class:`ChatTemplateError`.
         """
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ChatTemplateError("the messages must be a list of objects with a role and content")
         if len(messages) == 0:
             raise ChatTemplateError("the conversation is empty: give at least one message")
         chat = [_message(m, i, self.content_format) for i, m in enumerate(messages, 1)]
+        final = None
+        if continue_final_message:
+            final = chat[-1].get("content")
+            if final is None:
+                raise ChatTemplateError('continue_final_message: the final message has no "content" to continue')
+            if "content" not in self.source:
+                raise ChatTemplateError("continue_final_message: the chat template does not read a message's "
+                                        "content")
+            if isinstance(final, list):
+                if not final:
+                    raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+                final = final[-1]["text"]
+                chat[-1]["content"][-1]["text"] = final + _CONTINUE
+            else:
+                chat[-1]["content"] = final + _CONTINUE
         if tools is not None:
             if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence) \
                     or not all(isinstance(t, Mapping) for t in tools):
@@ -346,12 +405,20 @@ class ChatTemplate:
             documents = _plain(list(documents), "the documents")
         variables = _plain({**self.special_tokens, **extra}, "an extra template variable")
         try:
-            return self._template.render(messages=chat, tools=tools, documents=documents,
+            text = self._template.render(messages=chat, tools=tools, documents=documents,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:  # the template's own raise_exception, message unchanged
             raise
         except Exception as e:  # a template is code from the model's authors: any failure is theirs
             raise _failure(e, self.origin) from e
+        if final is not None:
+            mark = _CONTINUE.strip()
+            if final.strip() not in text or mark not in text:
+                raise ChatTemplateError("continue_final_message: the final message does not appear in the "
+                                        "rendered prompt (the chat template changes it)")
+            at = text.rindex(mark)
+            text = text[:at] if text[at:at + len(_CONTINUE)] == _CONTINUE else text[:at].rstrip()
+        return text
 
 
 # ----------------------------------------------------------------------------- model folders
@@ -440,7 +507,7 @@ def _config_template(config: Mapping[str, Any], path: Path) -> str | None:
 
 
 def load_chat_template(folder: str | Path | None, override: str | Path | None = None, *,
-                       content_format: str = "string") -> ChatTemplate | None:
+                       content_format: str = "auto") -> ChatTemplate | None:
     """The chat template of a model folder, or None when it has none.
 
     The template is, in this order of precedence: the file ``override`` (a ``.jinja`` file given on
@@ -482,7 +549,7 @@ def load_chat_template(folder: str | Path | None, override: str | Path | None = 
 
 
 def require_chat_template(folder: str | Path | None, override: str | Path | None = None, *,
-                          content_format: str = "string") -> ChatTemplate:
+                          content_format: str = "auto") -> ChatTemplate:
     """:func:`load_chat_template`, raising :class:`ChatTemplateError` (:data:`NO_CHAT_TEMPLATE`)
     instead of returning None, for a server that must answer chat requests."""
     template = load_chat_template(folder, override, content_format=content_format)

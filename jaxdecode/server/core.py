@@ -8,6 +8,7 @@ millisecond the device waits for its next call. vLLM splits its API server from 
 the same way.
 
 The two sides talk over a pipe. The server sends ``("submit", key, request, include_stop)``,
+``("score", key, token sequences, top)`` (a prompt's log-probabilities, answered ``("scored", ...)``),
 ``("abort", key)`` and ``("stop",)``; the process answers, once per engine step, ``("step",
 items, stats)``: every request's new items (a :class:`~jaxdecode.server.runner.Handle`'s queue
 items, by key) and the step's :class:`~jaxdecode.server.runner.Stats`. On the server's side one
@@ -141,6 +142,17 @@ class ProcessRunner:
         self._unanswered.add(key)
         self._send(("submit", key, request, include_stop))
 
+    def score(self, sequences: list, top: int, handle: Handle):
+        """Score prompts in the engine's process (:meth:`~jaxdecode.server.runner.EngineLoop.score`);
+        the answer, ``("scored", ...)`` or ``("error", e)``, comes to ``handle``."""
+        if not self.alive:
+            handle.deliver(("error", RuntimeError("the engine's process is not running")))
+            return
+        key, self._next = self._next, self._next + 1
+        self._handles[key] = handle
+        handle.key = key
+        self._send(("score", key, sequences, top))
+
     def abort(self, handle: Handle):
         handle.aborted = True
         key = getattr(handle, "key", None)
@@ -187,7 +199,7 @@ class ProcessRunner:
                     self.waiting -= 1
                 if item[0] == "error":
                     del handles[key]
-            elif item == FINISHED:
+            elif item == FINISHED or isinstance(item, tuple) and item[0] == "scored":
                 del handles[key]
             handle.deliver(item)
         self.running, self.queued = stats.running, stats.queued
@@ -238,6 +250,8 @@ def core_main(conn, build):
                 _, key, request, include_stop = command
                 request = _with_constraint(request, vocab)
                 out += loop.submit(key, request, include_stop)
+            elif command[0] == "score":
+                out += loop.score(command[1], command[2], command[3])
             elif command[0] == "abort":
                 loop.abort(command[1])
             else:

@@ -89,27 +89,40 @@ def writable_stops(stops: list[str], vocab) -> list[str]:
     return out
 
 
-def constraint(body, vocab):
-    """The request's structured-output constraint (``response_format`` or vLLM's ``guided_*``), or None."""
-    asked = [(name, value) for name, value in (("guided_regex", body.guided_regex),
-                                              ("guided_choice", body.guided_choice),
-                                              ("guided_json", body.guided_json)) if value is not None]
+def constraint(body, vocab, forced: tuple[str, object] | None = None):
+    """The request's structured-output constraint, or None: vLLM's ``structured_outputs`` (``json``,
+    ``regex``, ``choice``, ``json_object``), OpenAI's ``response_format``, or the older
+    ``guided_json``, ``guided_regex`` and ``guided_choice``; at most one of them. ``forced``: a
+    ``(field, JSON schema)`` the server itself imposes (a required tool call), which no other
+    structured output may accompany."""
+    asked = [(name, kind, value) for name, kind, value in (("guided_regex", "regex", body.guided_regex),
+                                                            ("guided_choice", "choice", body.guided_choice),
+                                                            ("guided_json", "json", body.guided_json))
+             if value is not None]
+    so = body.structured_outputs
+    if so is not None:
+        for name, kind, value in (("json", "json", so.json_), ("regex", "regex", so.regex),
+                                  ("choice", "choice", so.choice),
+                                  ("json_object", "json", {"type": "object"} if so.json_object else None)):
+            if value is not None:
+                asked.append((f"structured_outputs.{name}", kind, value))
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
-        asked.append(("response_format", {"type": "object"}))
+        asked.append(("response_format", "json", {"type": "object"}))
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-        asked.append(("response_format", fmt.json_schema.schema_))
+        asked.append(("response_format", "json", fmt.json_schema.schema_))
+    if forced is not None:
+        asked.insert(0, (forced[0], "json", forced[1]))
     if len(asked) > 1:
-        raise APIError(400, f"give one structured-output field, got {', '.join(n for n, _ in asked)}",
+        raise APIError(400, f"give one structured-output field, got {', '.join(n for n, _, _ in asked)}",
                        param=asked[1][0])
     if not asked:
         return None
-    name, value = asked[0]
-    if name == "guided_choice" and not value:
-        raise APIError(400, "guided_choice needs at least one choice", param=name)
-    kind = {"guided_regex": "regex", "guided_choice": "choice"}.get(name, "json")
+    name, kind, value = asked[0]
+    if kind == "choice" and not value:
+        raise APIError(400, f"{name} needs at least one choice", param=name)
     key = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     try:
         return compiled(kind, key, vocab)
@@ -272,3 +285,28 @@ def token_text(vocab, token: int) -> tuple[str, list[int]]:
         return b.decode("utf-8", errors="replace"), list(b)
     s = vocab.decode([token])
     return s, list(s.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=8)
+def special_strings(vocab) -> tuple:
+    """The strings of a vocabulary's special tokens (those a tokenizer marks special: ``<s>``,
+    ``<|im_end|>``, ...), longest first; none for a vocabulary without them."""
+    ids = getattr(vocab, "special", ()) or ()
+    text = getattr(vocab, "token_text", None)
+    if text is None:
+        return ()
+    return tuple(sorted({text(i) for i in ids} - {""}, key=len, reverse=True))
+
+
+async def prompt_logprobs(runner, sequences: list, top: int) -> list:
+    """The engine's scoring of token sequences (:meth:`~jaxdecode.server.runner.EngineLoop.score`):
+    per sequence ``(logprobs, top_logprobs, top_ids, ranks)`` of every token after the first."""
+    handle = Handle(asyncio.get_running_loop())
+    runner.score(sequences, top, handle)
+    item = await handle.queue.get()
+    if item[0] == "error":
+        e = item[1]
+        if isinstance(e, ValueError):
+            raise APIError(400, f"the prompt cannot be scored: {e}", param="prompt")
+        raise APIError(500, f"scoring the prompt failed: {e}")
+    return item[1]

@@ -1,9 +1,10 @@
-"""OpenAI's request schema as pydantic models, with vLLM's extra fields under its names, and the
-one error type every handler raises (:class:`APIError`, rendered as OpenAI's error JSON).
+"""OpenAI's request schema as pydantic models, with vLLM's extra fields under its current names,
+and the one error type every handler raises (:class:`APIError`, rendered as OpenAI's error JSON).
 
-Fields the server does not implement are declared too, so that a request that sets one is refused
-with a 400 naming it (:func:`refuse_unsupported`) instead of being silently ignored; a field nobody
-declared is ignored, as vLLM does.
+No field is silently ignored. A field is either honoured, or harmless (metadata that cannot
+change the output: :data:`HARMLESS`), or refused with a 400 naming it: the fields declared here
+that the server cannot honour (:data:`UNSUPPORTED`, each with the values that mean "not used"),
+and any field nobody declared (:func:`refuse_unsupported`).
 """
 
 from __future__ import annotations
@@ -33,23 +34,31 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: usage on every chunk; accepted, not sent)
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    """A chat message. Every field it carries reaches the chat template (as transformers passes a
+    message's keys), so fields beyond OpenAI's are kept, not dropped."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)  # (description, name: metadata)
     name: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -60,10 +69,29 @@ class ResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat | None = None
 
 
-class _Sampling(BaseModel):
-    """The fields completions and chat share: OpenAI's, then vLLM's extras."""
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``json_object``
+    (``grammar`` and ``structural_tag`` are refused: no engine here compiles them)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: Union[dict, str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # (a backend choice: no effect on what is generated here)
+    backend: str | None = None  # (likewise)
+
+
+class _Sampling(BaseModel):
+    """The fields completions and chat share: OpenAI's, then vLLM's extras. Unknown fields are kept
+    (``extra="allow"``) so that :func:`refuse_unsupported` can name them."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -76,31 +104,41 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    guided_regex: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_regex: str | None = None  # the older names of structured_outputs' regex, choice and json
     guided_choice: list[str] | None = None
     guided_json: Union[dict, str, None] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    add_special_tokens: bool | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # declared so that setting them is refused by name (see refuse_unsupported)
     logit_bias: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    functions: list | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
     best_of: int | None = None
     suffix: str | None = None
     guided_grammar: str | None = None
-    audio: Any = None
-    modalities: list | None = None
-    prediction: Any = None
+    guided_decoding_backend: str | None = None
     use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    priority: int = 0
 
 
 class CompletionRequest(_Sampling):
@@ -108,6 +146,20 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    prompt_embeds: Any = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (e.g. "strict": reaches the template with the rest)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: ToolFunction
 
 
 class ChatRequest(_Sampling):
@@ -116,23 +168,79 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    chat_template: str | None = None
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list | None = None
+    prediction: Any = None
+    mm_processor_kwargs: Any = None
 
 
-# the fields above that are declared only to be refused, with the value that means "not used"
-UNSUPPORTED = {"logit_bias": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "parallel_tool_calls": None, "best_of": None, "suffix": None, "guided_grammar": None,
-               "audio": None, "modalities": None, "prediction": None, "use_beam_search": None}
+# Fields that cannot change what is generated: accepted and not used. (A field nobody declared and
+# not named here is refused: it may mean something this server does not do.)
+HARMLESS = {"user", "metadata", "store", "service_tier", "request_id", "session_id", "cache_salt",
+            "prompt_cache_key", "safety_identifier", "kv_transfer_params", "ec_transfer_params",
+            "stream_interval", "routed_experts_prompt_start", "return_token_offsets", "return_mm_kwargs",
+            "web_search_options"}
+
+# the fields declared above only to be refused, with a test of the values that mean "not used"
+_NONE = (lambda v: v is None)
+_EMPTY = (lambda v: v is None or v == [] or v == {})
+UNSUPPORTED = {
+    "logit_bias": _EMPTY, "allowed_token_ids": (lambda v: v is None), "bad_words": _EMPTY,
+    "min_tokens": (lambda v: v == 0), "stop_token_ids": _EMPTY,
+    "best_of": (lambda v: v in (None, 1)), "suffix": (lambda v: v in (None, "")),
+    "guided_grammar": _NONE, "guided_decoding_backend": _NONE,
+    "use_beam_search": (lambda v: not v), "length_penalty": (lambda v: v in (None, 1.0)),
+    "spaces_between_special_tokens": (lambda v: v is True), "truncate_prompt_tokens": _NONE,
+    "logprob_token_ids": _NONE, "return_tokens_as_token_ids": (lambda v: not v),
+    "return_token_ids": (lambda v: not v), "logits_processors": _EMPTY, "vllm_xargs": _EMPTY,
+    "thinking_token_budget": (lambda v: v is None or v == -1), "repetition_detection": _NONE,
+    "priority": (lambda v: v == 0), "prompt_embeds": _NONE,
+    "functions": _EMPTY, "function_call": _NONE, "audio": _NONE,
+    "modalities": (lambda v: v is None or v in ([], ["text"])), "prediction": _NONE,
+    "mm_processor_kwargs": _EMPTY, "chat_template": _NONE, "echo@chat": (lambda v: not v),
+}
+WHY = {"chat_template": "a template given in the request is not run; start the server with --chat-template",
+       "functions": "use tools", "function_call": "use tool_choice",
+       "echo@chat": "echo on chat completions is not supported"}
 
 
 def refuse_unsupported(request: _Sampling) -> None:
-    """A 400 naming the first field set that the server does not implement."""
-    for name, unused in UNSUPPORTED.items():
-        value = getattr(request, name)
-        if value is not None and value != unused and not (name == "best_of" and value == 1) \
-                and not (name in ("tools", "functions", "modalities") and value == []) \
-                and not (name == "tool_choice" and value == "none") \
-                and not (name == "use_beam_search" and value is False):
-            raise APIError(400, f"the field '{name}' is not supported by this server", param=name,
-                           code="unsupported_field")
+    """A 400 naming the first field set that the server does not implement: a declared one set to
+    a value that would change the output, or one it does not know at all."""
+    chat = isinstance(request, ChatRequest)
+    for key, unused in UNSUPPORTED.items():
+        name, _, only = key.partition("@")
+        if only == "chat" and not chat or not hasattr(request, name):
+            continue
+        if not unused(getattr(request, name)):
+            why = WHY.get(key, "")
+            raise APIError(400, f"the field '{name}' is not supported by this server" + (f" ({why})" if why else ""),
+                           param=name, code="unsupported_field")
+    for name in (request.model_extra or {}):
+        if name not in HARMLESS:
+            raise APIError(400, f"the field '{name}' is not supported by this server (an unknown field is refused, "
+                                f"not ignored: it could change the answer)", param=name, code="unsupported_field")
+    so = request.structured_outputs
+    if so is not None:
+        for name in ("grammar", "structural_tag", "whitespace_pattern"):
+            if getattr(so, name) is not None:
+                raise APIError(400, f"structured_outputs.{name} is not supported by this server (json, regex, "
+                                    f"choice and json_object are)", param=f"structured_outputs.{name}",
+                               code="unsupported_field")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if getattr(so, name):
+                raise APIError(400, f"structured_outputs.{name} is not supported by this server",
+                               param=f"structured_outputs.{name}", code="unsupported_field")

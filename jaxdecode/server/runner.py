@@ -21,6 +21,8 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from jaxdecode.serving.engine import Request
 
 log = logging.getLogger("jaxdecode.server")
@@ -99,6 +101,20 @@ class EngineLoop:
         self.stats.prompt_tokens += len(self.engine.rows(index)[0].prompt)
         self.stats.queued = self.engine.queued
         return [(key, ("accepted", index))]
+
+    def score(self, key, sequences: list, top: int) -> list:
+        """The log-probabilities of prompts (:func:`jaxdecode.decoding.score.prompt_logprobs`), run
+        between two engine steps: ``[(key, ("scored", [...]))]``, or the error as the key's item."""
+        from jaxdecode.decoding.score import prompt_logprobs
+
+        lm = self.engine.lm
+        try:
+            scored = prompt_logprobs(lm.decoder, lm.params, [np.asarray(s, np.int32) for s in sequences], top)
+        except Exception as e:  # a ValueError is the request's fault; anything else is logged
+            if not isinstance(e, ValueError):
+                log.exception("scoring a prompt failed")
+            return [(key, ("error", e))]
+        return [(key, ("scored", [tuple(x.tolist() for x in part) for part in scored]))]
 
     def abort(self, key):
         index = self._index.get(key)
@@ -198,6 +214,12 @@ class EngineRunner:
             self._inbox.append(("submit", request, handle, include_stop))
             self._cv.notify()
 
+    def score(self, sequences: list, top: int, handle: Handle):
+        """Score prompts (:meth:`EngineLoop.score`) between two steps; the answer comes to ``handle``."""
+        with self._cv:
+            self._inbox.append(("score", sequences, top, handle))
+            self._cv.notify()
+
     def abort(self, handle: Handle):
         with self._cv:
             handle.aborted = True
@@ -232,6 +254,9 @@ class EngineRunner:
         if command[0] == "abort":
             self._core.abort(command[1])
             return []
+        if command[0] == "score":
+            _, sequences, top, handle = command
+            return self._core.score(handle, sequences, top)
         _, request, handle, include_stop = command
         try:
             if handle.aborted:
