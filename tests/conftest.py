@@ -200,7 +200,7 @@ def _mark_quick(config, items):
 
 # What the largest work units cost: CPU seconds of a file's fast tests together (``file:<name>``,
 # one xdist group), of an explicit xdist group, or of one slow test (``<file>::<name>``), measured
-# with $JAXDECODE_TEST_PROFILE on a quiet machine (`python scripts/test_profile.py <folder> --units`
+# with $JAXDECODE_TEST_PROFILE on a quiet machine (`python tools/test_profile.py <folder> --units`
 # prints this table; the run of docs/testing.md's "after"). Only the order of the work depends on
 # it: a unit not named here counts half a second a test, a slow test 5 s.
 UNIT_SECONDS = {
@@ -315,7 +315,7 @@ _UNIT = pytest.StashKey[str]()
 # $JAXDECODE_TEST_PROFILE=<folder>: each process writes one line of JSON a test to
 # <folder>/<worker>.jsonl: wall and CPU seconds (this process's threads, and the processes it
 # started), and JAX's compile events (jax.monitoring): tracing, lowering, XLA compiling, and the
-# persistent cache's hits. `python scripts/test_profile.py <folder>` sums them by file
+# persistent cache's hits. `python tools/test_profile.py <folder>` sums them by file
 # (docs/testing.md, "Where the suite's time goes").
 _PROFILE = os.environ.get("JAXDECODE_TEST_PROFILE")
 _EVENTS = collections.Counter()
@@ -363,7 +363,7 @@ def pytest_runtest_protocol(item, nextitem):
 # Every compiled CPU program keeps its machine code in a few memory mappings of its own, and JAX
 # keeps every program it compiles. A test worker compiles tens of thousands of programs; at the
 # kernel's limit on mappings (vm.max_map_count, 65,530 by default) mmap fails inside XLA's
-# compiler, which then crashes the worker with a segmentation fault (scripts/repro_map_count.py,
+# compiler, which then crashes the worker with a segmentation fault (tools/repro_map_count.py,
 # docs/testing.md). So after any test that leaves the worker past half the limit, JAX's caches are
 # dropped (the mappings go with the programs; the next tests compile what they need again).
 MAP_LIMIT_FILE = "/proc/sys/vm/max_map_count"

@@ -1,7 +1,7 @@
 """``jaxdecode train --arch llama``: a Llama over a byte-level BPE vocabulary, written as a Hugging
 Face folder that transformers loads and decodes as jaxdecode does.
 
-The reference is transformers itself: ``scripts/make_bpe_fixtures.py`` loaded the committed folder
+The reference is transformers itself: ``tools/make_bpe_fixtures.py`` loaded the committed folder
 ``tests/fixtures/bpe/llama`` (written by the training command in that script's docstring, on the
 small text ``tests/fixtures/bpe/speeches.txt``) and stored its tokenization, logits, greedy tokens
 and chat-template renderings. Training runs here on the same small text, never on the corpus.
@@ -24,7 +24,7 @@ from jaxdecode.models import checkpoint
 FIX = Path(__file__).parent / "fixtures" / "bpe"
 FOLDER = FIX / "llama"
 TEXT = FIX / "speeches.txt"
-# the fixture's training command (scripts/make_bpe_fixtures.py), as arguments after the folder
+# the fixture's training command (tools/make_bpe_fixtures.py), as arguments after the folder
 ARGS = ["--arch", "llama", "--data", str(TEXT), "--d", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--T", "64", "--batch", "4", "--steps", "200", "--warmup", "10", "--vocab-size", "300",
         "--eval-every", "100", "--eval-windows", "4", "--lr", "1e-2", "--quiet"]

@@ -1,7 +1,7 @@
 """Checkpoint folders, the safe .pt converter and their error messages.
 
 ``fixtures/book_tiny.pt`` and ``fixtures/book_tiny_logits.npz`` come from
-``scripts/make_torch_fixture.py`` (PyTorch); nothing here imports torch. Malicious and
+``tools/make_torch_fixture.py`` (PyTorch); nothing here imports torch. Malicious and
 malformed .pt files are written with the standard library by :func:`write_torch_zip`, which lays
 out a zip archive and a protocol-2 pickle the way ``torch.save`` does.
 """

@@ -1,7 +1,7 @@
 """Hugging Face folders (Llama, Qwen2, Mistral, GPT-2) against transformers' own outputs, and every
 loop run on them.
 
-The references are fixtures written by ``scripts/make_hf_fixtures.py`` with transformers 5.24 and
+The references are fixtures written by ``tools/make_hf_fixtures.py`` with transformers 5.24 and
 torch 2.13 (float32, eager attention): logits of three prompts, greedy ids of 80 new tokens with
 the models' end tokens, log-probabilities of a fixed continuation. Neither torch nor
 transformers is needed here.

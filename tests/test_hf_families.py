@@ -1,7 +1,7 @@
 """The newer Hugging Face families (Qwen3, Gemma 1-3, Phi-3, OLMo 2, Mixtral, Qwen2/3-MoE, OLMoE)
 against transformers' own outputs.
 
-The references are fixtures written by ``scripts/make_hf_family_fixtures.py`` with transformers
+The references are fixtures written by ``tools/make_hf_family_fixtures.py`` with transformers
 5.25 and torch (float32, eager attention): logits of three prompts and of 32 ids reaching four
 times past the sliding windows, greedy ids of 80 new tokens stopping at an end token, the
 log-probabilities of a fixed continuation. Neither torch nor transformers is needed here.

@@ -6,7 +6,7 @@ while this process computes the single-device references:
 
 - this file run as a script (``--sharded OUT``) on 4 devices: every case's tokens, and the layout
   of each program's arrays (which are split over the devices, how many shards, their shapes);
-- ``scripts/multihost_demo.py`` twice, two processes of 2 devices each joined into one cluster of
+- ``tools/multihost_demo.py`` twice, two processes of 2 devices each joined into one cluster of
   4 by ``jax.distributed`` (CPU collectives: gloo).
 """
 
@@ -208,7 +208,7 @@ def launched(tmp_path_factory, tiny_ckpt):
     start("four", [sys.executable, __file__, "--sharded", str(tmp / "four.json")], _env(DEVICES))
     port = _free_port()
     for i in range(2):
-        cmd = [sys.executable, str(ROOT / "scripts" / "multihost_demo.py"), "--coordinator",
+        cmd = [sys.executable, str(ROOT / "tools" / "multihost_demo.py"), "--coordinator",
                f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), "--local-devices", "2",
                "--checkpoint", tiny_ckpt, "--backend", "native", "--out", str(tmp / f"cluster{i}.json"),
                "--timeout", str(TIMEOUT)]

@@ -112,11 +112,12 @@ class StepTimeModel:
         return cls.from_dict(d, f"step-time model in {path}")
 
 
-# The fit in docs/bench_serving.json: the shipped model's engine steps (dense cache) on the native
-# CPU backend of a quiet 2-core machine. What `serve-bench --simulate` uses unless given a fit of
-# its own.
+# The fit in benchmarks/results/bench_serving.json: the shipped model's engine steps (dense
+# cache) on the native CPU backend of a quiet 2-core machine. What `serve-bench --simulate` uses
+# unless given a fit of its own.
 DEFAULT_STEP_MODEL = StepTimeModel(a=6.28e-4, b=9.18e-5, c=7.23e-5,
-                                   note="shipped model, native CPU backend, 2 CPUs (docs/bench_serving.json)")
+                                   note="shipped model, native CPU backend, 2 CPUs "
+                                        "(benchmarks/results/bench_serving.json)")
 
 
 class VirtualClock:
