@@ -166,7 +166,8 @@ def case_layout(name, model="4"):
     and on a model axis of ``model``."""
     lm = load(name)
     model = int(model)
-    out = {"cfg": {k: getattr(lm.decoder.cfg, k, None) for k in ("L", "heads", "kv_heads", "experts", "V", "d")}}
+    out = {"cfg": {k: getattr(lm.decoder.cfg, k, None) for k in ("L", "heads", "kv_heads", "experts", "V", "d",
+                                                                   "head_dim")}}
     for m in (1, model):
         slm = lm.shard(make_mesh(jax.devices()[:m], data=1, model=m)) if m > 1 else lm
         out[str(m)] = {"bytes": weight_bytes(slm) if m > 1 else None, "collectives": collectives(step_hlo(slm))}
