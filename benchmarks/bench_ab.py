@@ -42,7 +42,7 @@ def t(fn, rounds):
 rows = {}
 for B in (1, 64):
     for name, kw in (("greedy", {"greedy": True}), ("top-p 0.9", {"rule": rules.top_p(0.9)})):
-        secs, _ = t(lambda: jaxdecode.generate(lm, prompts[:B], 300, seed=0, **kw), 3)
+        secs, _ = t(lambda B=B, kw=kw: jaxdecode.generate(lm, prompts[:B], 300, seed=0, **kw), 3)
         rows[f"sampling batch {B} {name}"] = round(B * 300 / secs, 1)
 secs, _ = t(lambda: jaxdecode.beam_generate(lm, prompts[:64], 120, 5), 2)
 rows["beam k=5, 64 prompts"] = round(64 * 120 / secs, 1)
@@ -50,6 +50,7 @@ secs, _ = t(lambda: jaxdecode.contrastive_generate(lm, prompts[:10], 150, k=4, a
 rows["contrastive k=4, 10 prompts"] = round(10 * 150 / secs, 1)
 from jaxdecode import constraints as C
 from jaxdecode.decoding.search import mode_search
+
 con = C.compile_regex("(ROMEO|JULIET|KING HENRY)", lm.vocab)
 def ms():
     for p in ("ROMEO:\n", "KATHARINA:\nMoved! in good time: "):

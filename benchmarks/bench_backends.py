@@ -51,11 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness as H
-from jaxdecode.models import checkpoint
-from jaxdecode.native import kernels
 from jaxdecode import rules
-from jaxdecode.models.charlm import transformer as M
 from jaxdecode.decoding import sampling as S
+from jaxdecode.models import checkpoint
+from jaxdecode.models.charlm import transformer as M
+from jaxdecode.native import kernels
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
 DEFAULT_HF_PYTHON = H.ROOT / ".venv-hf" / "bin" / "python"
@@ -297,7 +297,8 @@ def main():
             entry("jaxdecode top-p 0.9", backend, B, run, B * n, "top-p", comp)
         if hf is not None:
             for mode, name in (("greedy", "HF generate greedy"), ("top-p", "HF generate top-p 0.9")):
-                th = H.best_threads(lambda k: hf.timer(B, mode, k)(), H.thread_counts(args.hf_threads))
+                th = H.best_threads(lambda k, B=B, mode=mode: hf.timer(B, mode, k)(),
+                                    H.thread_counts(args.hf_threads))
                 print(f"# {name}, batch {B}: {th['threads']} torch thread(s) the fastest of "
                       f"{sorted(th['seconds_by_threads'])}", flush=True)
                 entry(name, "torch", B, hf.timer(B, mode, th["threads"]), B * n, mode, threads=th["threads"],

@@ -106,7 +106,8 @@ def main():
         if hf is not None:
             ask = lambda th, B=B: float(hf.ask(f"{B} beam{k} threads={th}"))
             threads[B] = H.best_threads(ask, H.thread_counts(args.hf_threads))
-            arms.add((f"HF generate num_beams={k}", B), lambda B=B: ask(threads[B]["threads"]), timed_by_itself=True)
+            arms.add((f"HF generate num_beams={k}", B), lambda B=B, ask=ask: ask(threads[B]["threads"]),
+                     timed_by_itself=True)
     same = [beam.beam_search(m, native.params, [ids], n, k).best(0).tokens.tolist()
             for m in (native.decoder, dense, portable.decoder, dense_portable)]
     arms.run(args.rounds, log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -27,9 +27,9 @@ import jax
 import numpy as np
 
 from benchmarks import harness as H
-from jaxdecode.models import checkpoint
-from jaxdecode.decoding import sampling
 from jaxdecode import speculative as SP
+from jaxdecode.decoding import sampling
+from jaxdecode.models import checkpoint
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
 
