@@ -44,8 +44,33 @@ def add_serve(sub) -> None:
                         "(slower under load: the HTTP side and the engine's host work share one GIL)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="the server's log level (default warning)")
+    s.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run the model on a mesh of the devices: its parameters split over M of them "
+                        "(tensor and expert parallelism, the portable path; docs/scaling.md), D groups of them")
     EngineConfig.add_flags(s, slots=32)
     s.set_defaults(func=cmd_serve)
+
+
+def parse_mesh(text: str | None) -> dict | None:
+    """``"data=D,model=M"`` (either part may be left out) as make_mesh's keywords."""
+    if text is None:
+        return None
+    sizes = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in ("data", "model") or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh takes data=D,model=M with positive integers, got {text!r}")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def _on_mesh(lm, sizes: dict | None):
+    """``lm`` with its parameters split over the mesh of ``sizes`` (on the portable path)."""
+    if not sizes:
+        return lm
+    from jaxdecode.decoding.placement import make_mesh
+
+    return lm.with_backend("portable").shard(make_mesh(**sizes))
 
 
 def cmd_serve(args):
@@ -68,10 +93,11 @@ def cmd_serve(args):
         raise UsageError(str(e)) from None
     try:
         config = EngineConfig.from_args(args)
+        mesh = parse_mesh(getattr(args, "mesh", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
     options = dict(ckpt=args.ckpt, dtype=getattr(args, "dtype", None) or "float32", weights=args.weights,
-                   engine=config, warm_up=args.warm_up)
+                   engine=config, warm_up=args.warm_up, mesh=mesh)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.ckpt)) if args.ckpt
                                       else "shakespeare-char")
     kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
@@ -79,6 +105,7 @@ def cmd_serve(args):
     if args.engine_thread:
         lm = _load(args)
         try:
+            lm = _on_mesh(lm, mesh)
             engine = _engine(lm, options)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -136,6 +163,7 @@ def build_engine(options: dict):
 
     try:
         lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"], weights=options.get("weights")))
+        lm = _on_mesh(lm, options.get("mesh"))
     except UsageError as e:
         raise ValueError(str(e)) from None
     return _engine(lm, options), lm.vocab, dict(lm.generation_defaults)
