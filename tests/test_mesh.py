@@ -121,3 +121,62 @@ def test_experts_split_with_one_all_reduce_of_their_sum(results):
     reduces = _kinds(got["2"]["collectives"], "all-reduce")
     assert reduces.get(f"f32[2,{d}]{{1,0}}") == L  # the experts' sum, one per layer
     assert reduces.get(f"f32[2,1,{d}]{{2,1,0}}") == L + 1  # after o, and the embedding
+
+
+# ----------------------------------------------------------------------------- in this process
+
+def test_make_mesh_shapes_and_errors():
+    import jax
+
+    from jaxdecode.decoding.placement import make_mesh
+
+    assert make_mesh().axis_names == ("data",)  # the default: every device on the batch axis
+    mesh = make_mesh(data=1, model=1)
+    assert mesh.axis_names == ("data", "model") and dict(mesh.shape) == {"data": 1, "model": 1}
+    with pytest.raises(ValueError, match="does not cover the 1 devices"):
+        make_mesh(data=2, model=4)
+    with pytest.raises(ValueError, match="model must be a positive integer"):
+        make_mesh(model=0)
+    assert make_mesh(jax.devices(), model=1).devices.shape == (1, 1)
+
+
+def test_partition_rules_split_whole_heads_only():
+    """The rules on the Llama fixture's shape (4 heads, 2 key/value heads, FFN 128, vocabulary
+    448): what M divides is split, the rest replicated; o and down by rows; scales with columns."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecode.models.hf import sharding
+    from jaxdecode.models.hf.config import HFConfig  # noqa: F401 (the fixture's config type)
+    from jaxdecode.models.hf.families import read_config
+
+    cfg, _ = read_config(HERE / "fixtures" / "hf" / "llama")
+    layer = {"wq": np.zeros((64, 64)), "wk": np.zeros((64, 32)), "wo": np.zeros((64, 64)),
+             "w_down": {"q": np.zeros((128, 64), np.int8), "scale": np.zeros(64)},
+             "w_up": {"q": np.zeros((64, 128), np.int8), "scale": np.zeros(128)}, "norm1_w": np.zeros(64)}
+    params = {"embed": np.zeros((448, 64)), "layers": (layer,)}
+    two = sharding.param_specs(params, cfg, 2)
+    assert two["embed"] == P("model", None)
+    got = two["layers"][0]
+    assert (got["wq"], got["wk"], got["wo"], got["norm1_w"]) == (P(None, "model"), P(None, "model"),
+                                                                 P("model", None), P(None))
+    assert got["w_up"] == {"q": P(None, "model"), "scale": P("model")}
+    assert got["w_down"] == {"q": P("model", None), "scale": P(None)}
+    four = sharding.param_specs(params, cfg, 4)["layers"][0]
+    assert four["wk"] == P(None, None) and four["wq"] == P(None, "model")  # 2 key/value heads on 4
+    eight = sharding.param_specs(params, cfg, 8)["layers"][0]
+    assert eight["wq"] == P(None, None) and eight["w_up"]["q"] == P(None, "model")  # 4 heads on 8
+    assert sharding.cache_spec(cfg, 2) == P(None, "model", None, None)
+    assert sharding.cache_spec(cfg, 4) == P(None, None, None, None)
+    with pytest.raises(sharding.ShardingError, match="'mystery' has no sharding rule"):
+        sharding.param_specs({"mystery": np.zeros(3), "layers": ()}, cfg, 2)
+
+
+def test_native_backend_with_a_mesh_is_refused():
+    import jaxdecode
+    from jaxdecode.decoding.placement import make_mesh
+    from jaxdecode.models.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="native CPU layer runs on one device"):
+        jaxdecode.load(HERE / "fixtures" / "hf" / "llama", backend="native", mesh=make_mesh(data=1, model=1))
+    lm = jaxdecode.load(HERE / "fixtures" / "hf" / "llama", mesh=make_mesh(data=1, model=1))
+    assert lm.decoder.backend == "portable" and lm.meta["mesh"] == {"data": 1, "model": 1}
