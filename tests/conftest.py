@@ -106,6 +106,7 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_engine.py": """test_engine_matches_generate_any_order_and_slots
         test_neutral_settings_leave_logits_exactly_unchanged test_requests_are_checked
         test_simulator_is_deterministic_and_counts_prefill test_poisson_arrivals""".split(),
+    "test_engine_schedules.py": ["test_a_free_row_in_a_slot_that_held_a_constrained_one"],
     "test_engine_constraints.py": """test_constrained_requests_are_checked_at_submit
         test_ignore_eos_with_an_end_token_constraint_is_refused""".split(),
     "test_exact.py": """test_markov_chain_without_rule_is_the_product_of_transitions

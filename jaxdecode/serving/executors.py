@@ -36,9 +36,12 @@ def _select(logits, rule, rule_state, keys, row_ids, steps, greedy, cons=None, c
     ``cons``."""
     keys = step_keys(keys, row_ids, steps)
     masked, stop = logits, None
+    # a row's automaton state starts at 0 on its first step, in the unconstrained program too: a
+    # slot's state outlives its row, and a row admitted while no constrained row runs would
+    # otherwise meet its slot's previous state once a constrained row joins the batch
+    cstate = jnp.where(steps == 0, 0, cstate)
     if cons is not None:
         auto, offset, budget = cons
-        cstate = jnp.where(steps == 0, 0, cstate)
         ok, nxt = C.allowed(auto, offset + cstate, budget - steps)
         p_stop = C.stop_probability(auto, offset + cstate, logits, ok)
         masked = C.mask(logits, ok)
