@@ -68,6 +68,7 @@ from benchmarks.harness import cpu_name, read_bandwidth  # noqa: F401 (bench_lla
 from jaxdecode.decoding import sampling as S
 
 ROOT = H.ROOT
+PEERS = Path(__file__).resolve().parent / "peers"
 TOKENIZER = ROOT / "tests" / "fixtures" / "hf" / "llama" / "tokenizer.json"
 DEFAULT_FOLDER = Path.home() / ".cache" / "jaxdecode-bench" / "llama106m"
 HF_PYTHONS = (Path("/work/hfvenv/bin/python"), ROOT / ".venv-hf" / "bin" / "python", ROOT / ".venv-torch" / "bin" / "python")
@@ -78,48 +79,8 @@ SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, 
          "pad_token_id": 3}
 TOKEN_RANGE = (4, 400)  # ordinary tokens of the 400-token tokenizer
 
-# Run by the Hugging Face environment: writes the folder (argv: folder, tokenizer.json, shape JSON).
-BUILD_CODE = r"""
-import json, shutil, sys
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-folder, tokenizer, shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-torch.manual_seed(0)
-config = LlamaConfig(**shape)
-model = LlamaForCausalLM(config).to(torch.float32).eval()  # transformers' init: std 0.02
-model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3)
-model.save_pretrained(folder)
-shutil.copy(tokenizer, folder + "/tokenizer.json")
-print(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}))
-"""
-
-# Run by the Hugging Face environment: one generate per request line "B THREADS" (the first B
-# prompt rows, on THREADS torch threads), answered with {"seconds", "tokens"}; "quit" ends. argv:
-# folder, prompts JSON file, n. Its first line describes the environment.
-SERVE_CODE = r"""
-import json, sys, time
-import torch, transformers
-from transformers import AutoModelForCausalLM
-folder, prompts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rows = json.load(open(prompts))
-model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
-                  "threads": torch.get_num_threads(),
-                  "attention": model.config._attn_implementation}), flush=True)
-for line in sys.stdin:
-    if line.strip() == "quit":
-        break
-    B, threads = (int(v) for v in line.split())
-    torch.set_num_threads(threads)
-    x = torch.tensor(rows[:B], dtype=torch.long)
-    with torch.no_grad():
-        t = time.perf_counter()
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=3)
-        seconds = time.perf_counter() - t
-    assert out.shape == (B, x.shape[1] + n), out.shape
-    print(json.dumps({"seconds": seconds, "tokens": out[:, x.shape[1]:].tolist()}), flush=True)
-"""
+BUILD = PEERS / "hf_llama_build.py"  # run by the Hugging Face environment
+HF_PEER = PEERS / "hf_llama_server.py"  # run by the Hugging Face environment
 
 
 def build_folder(folder: Path, hf_python: str) -> None:
@@ -128,7 +89,7 @@ def build_folder(folder: Path, hf_python: str) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    out = subprocess.run([hf_python, "-c", BUILD_CODE, str(folder), str(TOKENIZER), json.dumps(SHAPE)],
+    out = subprocess.run([hf_python, str(BUILD), str(folder), str(TOKENIZER), json.dumps(SHAPE)],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -140,7 +101,7 @@ class HF(H.Peer):
     """The Hugging Face side, in its own process."""
 
     def __init__(self, python: str, folder: Path, prompts_file: Path, n: int):
-        super().__init__([python, "-c", SERVE_CODE, str(folder), str(prompts_file), str(n)], "the Hugging Face process")
+        super().__init__([python, str(HF_PEER), str(folder), str(prompts_file), str(n)], "the Hugging Face process")
 
     def generate(self, B: int, threads: int) -> dict:
         return json.loads(self.ask(f"{B} {threads}"))

@@ -15,7 +15,7 @@ own ``convert_hf_to_gguf.py --outtype f32|bf16|q8_0`` from the llama.cpp vendore
 llama-cpp-python (``--sdist``, extracted once to ``~/.cache/jaxdecode-bench/llama-cpp-src/``), run
 by the torch environment (``--torch-python``, default ``.venv-torch/bin/python``) with the sdist's
 ``gguf-py`` first on PYTHONPATH. Two things in the converter do not fit this folder; a small
-wrapper (``CONVERT_CODE``) runs the unchanged converter with both worked around, weights untouched:
+wrapper (``benchmarks/peers/gguf_convert.py``) runs the unchanged converter with both worked around, weights untouched:
 
 - the tokenizer is a GPT-2 byte-level BPE whose pre-tokenizer hash is in no known model's list, so
   the converter refuses it ("BPE pre-tokenizer was not recognized"). The wrapper answers
@@ -129,6 +129,7 @@ from benchmarks.bench_hf_llama import DEFAULT_FOLDER, TOKEN_RANGE, first_differe
 from benchmarks.harness import read_bandwidth
 
 ROOT = H.ROOT
+PEERS = Path(__file__).resolve().parent / "peers"
 CACHE = Path.home() / ".cache" / "jaxdecode-bench"
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release measured
 SDIST = CACHE / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
@@ -138,128 +139,8 @@ PROMPT_LEN, PP_LEN, BATCH = 32, 128, 8
 # (llama.cpp GGUF type, converter --outtype, jaxdecode weights), in the order the arms run
 PAIRS = (("F32", "f32", "float32"), ("BF16", "bf16", "bfloat16"), ("Q8_0", "q8_0", "int8"))
 
-# Run by the torch environment: llama.cpp's unchanged convert_hf_to_gguf.py with two workarounds
-# (see the docstring). argv: converter, folder, then the converter's other arguments; the
-# converter's folder and its gguf-py are on PYTHONPATH.
-CONVERT_CODE = r"""
-import importlib.util, json, runpy, sys
-from pathlib import Path
-converter, folder = sys.argv[1], Path(sys.argv[2])
-from conversion.base import TextModel
-if importlib.util.find_spec("sentencepiece") is None:
-    spm = TextModel._create_vocab_sentencepiece
-    def _create_vocab_sentencepiece(self):  # look for tokenizer.model before importing sentencepiece
-        if not (self.dir_model / "tokenizer.model").is_file():
-            raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
-        return spm(self)
-    TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
-pre = json.loads((folder / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
-gpt2_like = pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-original = TextModel.get_vocab_base_pre
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return original(self, tokenizer)
-    except NotImplementedError:  # an unknown pre-tokenizer hash
-        if not gpt2_like:
-            raise
-        print("bench_llamacpp: unknown BPE pre-tokenizer hash; ByteLevel with GPT-2's regex: 'gpt-2'",
-              file=sys.stderr)
-        return "gpt-2"
-TextModel.get_vocab_base_pre = get_vocab_base_pre
-sys.argv = [converter, *sys.argv[2:]]
-runpy.run_path(converter, run_name="__main__")
-"""
-
-# Run by the llama-cpp-python environment: loads every GGUF file (argv: a JSON config), prints a
-# line describing itself, then answers one JSON request per line ("quit" ends):
-#   {"op": "pp", "arm", "tokens"} -> {"seconds"}
-#   {"op": "logits", "arm", "tokens"} -> {"logits"} (the last position's, after an empty cache)
-#   {"op": "gen", "arm", "prompts" [B][P], "n"} -> {"prefill_s", "decode_s", "tokens" [B][n]}
-LLAMA_CODE = r"""
-import json, sys, time
-import numpy as np
-import llama_cpp as L
-from llama_cpp._logger import set_verbose
-set_verbose(False)
-cfg = json.loads(sys.argv[1])
-KV = {"f32": L.GGML_TYPE_F32, "f16": L.GGML_TYPE_F16}
-L.llama_backend_init()
-arms, sizes = {}, {}
-for name, path in cfg["files"].items():
-    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-    if not model:
-        raise SystemExit(f"llama.cpp cannot load {path}")
-    cp = L.llama_context_default_params()
-    cp.n_seq_max = cfg["seqs"]
-    cp.n_ctx = cfg["seqs"] * cfg["ctx_per_seq"]
-    cp.n_batch = cp.n_ubatch = cfg["n_batch"]
-    cp.kv_unified = False
-    cp.n_threads = cp.n_threads_batch = cfg["threads"]
-    cp.type_k = cp.type_v = KV[cfg["kv"]]
-    cp.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg["flash_attn"]]
-    cp.no_perf = True
-    ctx = L.llama_init_from_model(model, cp)
-    if not ctx:
-        raise SystemExit(f"llama.cpp cannot make a context for {path}")
-    arms[name] = ctx
-    sizes[name] = {"model_size": L.llama_model_size(model), "n_params": L.llama_model_n_params(model),
-                   "n_ctx_seq": L.llama_n_ctx_seq(ctx), "n_seq_max": L.llama_n_seq_max(ctx)}
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-batch = L.llama_batch_init(cfg["n_batch"], 0, 1)
-
-def fill(entries):  # (token, position, sequence, logits?) per batch entry
-    batch.n_tokens = len(entries)
-    for i, (t, p, s, o) in enumerate(entries):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, o
-        batch.seq_id[i][0] = s
-
-def decode(ctx):
-    rc = L.llama_decode(ctx, batch)
-    if rc != 0:
-        raise RuntimeError(f"llama_decode returned {rc}")
-
-def argmax(ctx, rows):  # the logits of the batch's flagged entries, in order
-    return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, n_vocab)).argmax(axis=1).tolist()
-
-print(json.dumps({"llama_cpp": L.__version__, "system_info": L.llama_print_system_info().decode().strip(),
-                  "flash_attn_type": cp.flash_attn_type, "n_vocab": n_vocab, "arms": sizes}), flush=True)
-for line in sys.stdin:
-    if line.strip() == "quit":
-        break
-    req = json.loads(line)
-    ctx = arms[req["arm"]]
-    L.llama_memory_clear(L.llama_get_memory(ctx), True)
-    if req["op"] in ("pp", "logits"):
-        toks = req["tokens"]
-        fill([(t, i, 0, i == len(toks) - 1) for i, t in enumerate(toks)])
-        t0 = time.perf_counter()
-        decode(ctx)
-        L.llama_synchronize(ctx)
-        seconds = time.perf_counter() - t0
-        if req["op"] == "logits":
-            last = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(1, n_vocab))[0]
-            print(json.dumps({"logits": last.tolist()}), flush=True)
-        else:
-            print(json.dumps({"seconds": seconds}), flush=True)
-        continue
-    prompts, n = req["prompts"], req["n"]
-    B, P = len(prompts), len(prompts[0])
-    fill([(t, i, b, i == P - 1) for b, row in enumerate(prompts) for i, t in enumerate(row)])
-    t0 = time.perf_counter()
-    decode(ctx)
-    nxt = argmax(ctx, B)
-    t1 = time.perf_counter()
-    out = [[t] for t in nxt]
-    for step in range(1, n):
-        fill([(nxt[b], P + step - 1, b, True) for b in range(B)])
-        decode(ctx)
-        nxt = argmax(ctx, B)
-        for b in range(B):
-            out[b].append(nxt[b])
-    t2 = time.perf_counter()
-    print(json.dumps({"prefill_s": t1 - t0, "decode_s": t2 - t1, "tokens": out}), flush=True)
-L.llama_batch_free(batch)
-"""
+CONVERT = PEERS / "gguf_convert.py"  # run by the torch environment
+LLAMA_PEER = PEERS / "llamacpp_server.py"  # run by the llama.cpp environment
 
 
 @functools.cache
@@ -330,7 +211,7 @@ def convert(folder: Path, torch_python: str, sdist: Path, log) -> dict[str, dict
     for name, outtype, _ in PAIRS:
         path = out_dir / f"{folder.name}-{outtype}.gguf"
         where = CACHE / "llama-cpp-src" / "vendor" / "llama.cpp"
-        cmd = [f"PYTHONPATH={where}:{where / 'gguf-py'}", torch_python, "-c", '"$CONVERT_CODE"',
+        cmd = [f"PYTHONPATH={where}:{where / 'gguf-py'}", torch_python, str(CONVERT),
                str(where / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
                "--outfile", str(path)]
         if not path.exists() or path.stat().st_mtime < weights_time:  # absent, or older than the weights
@@ -339,7 +220,7 @@ def convert(folder: Path, torch_python: str, sdist: Path, log) -> dict[str, dict
             path_env = os.pathsep.join([str(src), str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")])
             env = dict(os.environ, PYTHONPATH=path_env)
             t = time.perf_counter()
-            run = subprocess.run([torch_python, "-c", CONVERT_CODE, str(src / "convert_hf_to_gguf.py"),
+            run = subprocess.run([torch_python, str(CONVERT), str(src / "convert_hf_to_gguf.py"),
                                   str(folder), "--outtype", outtype, "--outfile", str(tmp)],
                                  capture_output=True, text=True, cwd=src, env=env, check=False)
             if run.returncode != 0 or not tmp.exists():
@@ -364,7 +245,7 @@ class LlamaCpp(H.Peer):
             env["OMP_WAIT_POLICY"] = omp_wait.upper()
         if spincount > 0:
             env["GOMP_SPINCOUNT"] = str(spincount)
-        super().__init__([python, "-c", LLAMA_CODE, json.dumps(cfg)], "the llama.cpp process", env=env, cwd="/")
+        super().__init__([python, str(LLAMA_PEER), json.dumps(cfg)], "the llama.cpp process", env=env, cwd="/")
 
     def ask(self, **request) -> dict:
         return json.loads(super().ask(json.dumps(request)))
