@@ -106,6 +106,8 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_engine.py": """test_engine_matches_generate_any_order_and_slots
         test_neutral_settings_leave_logits_exactly_unchanged test_requests_are_checked
         test_simulator_is_deterministic_and_counts_prefill test_poisson_arrivals""".split(),
+    "test_stop_with_constraint.py": ["test_no_hypothesis_is_an_error_not_an_empty_list",
+                                     "test_include_stop_false_cuts_the_stop_in_every_loop"],
     "test_engine_schedules.py": ["test_a_free_row_in_a_slot_that_held_a_constrained_one"],
     "test_engine_constraints.py": """test_constrained_requests_are_checked_at_submit
         test_ignore_eos_with_an_end_token_constraint_is_refused""".split(),

@@ -205,12 +205,19 @@ def test_free_rows_rules_and_stop_strings(tiny_lm):
     r = BS.beam_search(model, params, prompts[:1], 6, 4, n_best=4, constraint=c, rule=rules.top_k(1))
     assert all(re.fullmatch(pattern, TINY_VOCAB.decode(h.tokens)) for h in r.hypotheses[0])
     assert r.hypotheses[0] and all(h.score >= h.logprob - 1e-5 for h in r.hypotheses[0])
-    # a stop string ends a hypothesis only inside the language: " " never does here ("ab " is
-    # not in it), and every hypothesis still matches
+    # a stop string ends a hypothesis wherever it completes, as it ends a sample: such a text is a
+    # prefix of the language that ends with the stop; every other hypothesis matches
     out = BS.beam_generate(tiny_lm, ["ab", "hi", "a.b"], 6, 4, n_best=4, stop=[" ", "c"], constraint=c)
+    stopped = 0
     for hyps in out:
-        assert hyps and all(re.fullmatch(pattern, h.text) for h in hyps)
-        assert not any(h.text.endswith(" ") for h in hyps)
+        assert hyps
+        for h in hyps:
+            if h.text.endswith((" ", "c")) and not re.fullmatch(pattern, h.text):
+                assert h.finished and c.walk(TINY_VOCAB.encode(h.text)) >= 0, h.text  # a prefix
+                stopped += 1
+            else:
+                assert re.fullmatch(pattern, h.text), h.text
+    assert stopped  # (" " completes after "ab" or "c", outside the language)
 
 
 def test_compile_once_per_bucket(tiny_lm):

@@ -31,9 +31,9 @@ the steps left (the mask applies to the logits before the rule; without a rule a
 model log-probability), and a beam in a final state may also *stop*: the candidate
 ``live_score + log(stop probability)`` (its tokens unchanged) joins the pool of finished
 hypotheses like one that completed an end token, with the length penalty of its current length.
-A stop string ends a constrained hypothesis only where its text is in the language; elsewhere
-the candidate is dropped (its text would end there, outside the language). After ``n``
-steps every live beam is in a final state, so every hypothesis returned is in the language.
+A stop string ends a constrained hypothesis wherever it completes, as it ends a constrained
+sample: the text then ends with the stop string, a prefix of a text in the language. After
+``n`` steps every live beam is in a final state, so every other hypothesis is in the language.
 
 :func:`mode_search` (in :mod:`jaxdecode.decoding.search`, re-exported here) finds the single most probable
 continuation by best-first search; :mod:`jaxdecode.eval.studies.beam_curse` compares the two.
@@ -175,7 +175,7 @@ def _select(st: BeamState, rule, stops, alpha, max_len, active, T: int, con=None
     model_lp = jax.nn.log_softmax(st.logits, axis=-1)  # [B*k, V]
     logits = st.logits
     if con is not None:
-        ok, nxt = C.allowed(con, st.cstate, jnp.broadcast_to(max_len - st.step, st.cstate.shape))
+        ok, _ = C.allowed(con, st.cstate, jnp.broadcast_to(max_len - st.step, st.cstate.shape))
         log_stop = jnp.log(C.stop_probability(con, st.cstate, st.logits, ok))  # [B*k], -inf: cannot stop
         logits = C.mask(st.logits, ok)  # before the rule, as sampling does
     if rule is None:
@@ -194,10 +194,9 @@ def _select(st: BeamState, rule, stops, alpha, max_len, active, T: int, con=None
 
     if stops is not None:
         hits = unflatten_beams(stops_after(stops, st.stop_state), k)  # [B, k, V]
+        # a candidate that completes a stop string finishes, constrained or not (as in sampling: the
+        # text ends at the stop string, a prefix of the language; its token is one the pattern allows)
         ends = hits
-        if con is not None:  # a stop string ends a hypothesis only inside the language (elsewhere
-            # the candidate is dropped: its text would end at the stop string, outside the language)
-            ends = hits & unflatten_beams((nxt >= 0) & con.final[jnp.maximum(nxt, 0)], k)
         live_cand = jnp.where(hits, NEG_INF, cand).reshape(B, k * V)
     else:
         live_cand = cand.reshape(B, k * V)
@@ -452,6 +451,10 @@ def beam_search(model: DecodingModel, params, prompts: Sequence[np.ndarray], n: 
     return _collect(jax.device_get(state), B, n_best, alpha, taken)
 
 
+class BeamSearchError(ValueError):
+    """A row for which beam search found no hypothesis at all (never an empty list)."""
+
+
 def _collect(st: BeamState, B: int, n_best: int, alpha: np.ndarray, steps: int) -> BeamResult:
     """The best finished hypotheses and (for rows still searching) live beams of every row."""
     out = []
@@ -467,6 +470,9 @@ def _collect(st: BeamState, B: int, n_best: int, alpha: np.ndarray, steps: int) 
                 if np.isfinite(st.live_score[b, j]):
                     cands.append((float(np.float32(st.live_score[b, j]) / np.float32(lp)),
                                   float(st.live_logprob[b, j]), st.live_tokens[b, j, :steps], False))
+        if not cands:
+            raise BeamSearchError(f"beam search: no continuation of prompt {b} has a finite score (every "
+                                  f"token the constraint and the rule allow has probability zero)")
         cands.sort(key=lambda c: -c[0])
         out.append([Hypothesis(np.asarray(t, np.int32).copy(), s, lp_, f)
                     for s, lp_, t, f in cands[:n_best]])
@@ -540,7 +546,7 @@ def _rescore(lm, prompt, tokens, alpha: float, rule, constraint) -> tuple[float,
 
 
 __all__ = [
-    "BeamResult", "BeamState", "BeamText", "Hypothesis", "SearchBudgetExceeded", "add_beams",
+    "BeamResult", "BeamSearchError", "BeamState", "BeamText", "Hypothesis", "SearchBudgetExceeded", "add_beams",
     "beam_generate", "beam_init", "beam_search", "flatten_beams", "gather_beams",
     "gather_flat", "gnmt_length_penalty", "mode_search", "unflatten_beams",
 ]
