@@ -219,3 +219,27 @@ def test_a_language_past_max_outputs_gets_sampled_numbers(bpe):
     sampled = out["sampled"]
     assert sampled["masked_samples"]["noncanonical"]["of"] == 8 and sampled["particles"] == 8
     assert sum(sampled["words"]["smc"].values()) == pytest.approx(1.0)
+
+
+
+def test_the_study_command_defaults_to_the_shipped_subword_model(char_lm, tmp_path, monkeypatch):
+    """``jaxdecode study tokenization`` with no --ckpt runs on shakespeare-bpe (the one shipped model
+    it applies to); ``all`` gives the other studies the caller's model."""
+    import jaxdecode
+    from jaxdecode.cli.app import main
+
+    ran = []
+
+    def fake_run(n, lm, folder, **kw):
+        ran.append((n, bool(getattr(lm.vocab, "subword", False))))
+        Path(folder).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(studies, "run_study", fake_run)
+    monkeypatch.setattr("jaxdecode.io.reports.require_matplotlib", lambda: None)
+    assert main(["study", "tokenization", "--out", str(tmp_path / "t"), "--quiet"]) in (0, None)
+    assert ran == [("tokenization", True)]
+    ran.clear()
+    monkeypatch.setattr(studies, "STUDIES", {k: studies.STUDIES[k] for k in ("truncation", "tokenization")})
+    studies.run_command("all", lambda: char_lm, str(tmp_path / "all"), progress=False, echo=lambda s: None,
+                        load_default=jaxdecode.load)
+    assert ran == [("truncation", False), ("tokenization", True)]

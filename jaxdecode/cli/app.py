@@ -218,8 +218,11 @@ def cmd_study(args):
     options = {"prompts": args.prompts, "n": args.n, "budget": args.budget, "draft": _model_draft(args.draft)}
     created = _study_folders(args)
     try:
+        # a study with a shipped model of its own (tokenization: the subword one) runs on it unless
+        # --ckpt names another
+        own = None if args.ckpt else (lambda name: _load(argparse.Namespace(**{**vars(args), "ckpt": name})))
         run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
-                    progress=not args.quiet, options=options)
+                    progress=not args.quiet, options=options, load_default=own)
     except BaseException:
         # a study that failed (no corpus, a bad option) leaves no empty folder behind
         for folder in reversed(created):
@@ -359,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output folder (default results/NAME; with all, "
                                                "one folder per study in it, default results/)")
     s.add_argument("--seed", type=_seed, default=None, help="random seed (default: each study's, 0)")
-    s.add_argument("--ckpt", default=None)
+    s.add_argument("--ckpt", default=None, help="the model (default: the shipped character model; the "
+                                                "tokenization study: the shipped subword one, shakespeare-bpe)")
     s.add_argument("--data", default=None)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--prompts", type=int, default=None, help="beam-curse: held-out prompts (default 24)")

@@ -29,7 +29,8 @@ class StudyUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Study:
     """A study by name: its module under ``jaxdecode.eval.studies``, a one-line description, and the
-    options of the ``study`` command it takes, as ``(command-line dest, run() keyword)``. The
+    options of the ``study`` command it takes, as ``(command-line dest, run() keyword)``, and the
+    shipped checkpoint it runs on when the command names none (None: the default one). The
     registry, :data:`STUDIES`, is a :class:`~jaxdecode.io.registry.Registry`, as the rules' and the
     drafts' are."""
 
@@ -37,6 +38,7 @@ class Study:
     module: str
     about: str
     options: tuple[tuple[str, str], ...] = ()
+    ckpt: str | None = None
 
 
 STUDIES: Registry[Study] = Registry("study", (
@@ -50,7 +52,7 @@ STUDIES: Registry[Study] = Registry("study", (
     Study("constrained", "constrained", "masked against exact conditional sampling of a choice of names (SMC)"),
     Study("cost", "cost", "prefill against decode, throughput against batch size (timings)"),
     Study("tokenization", "tokenization", "non-canonical tokenizations, mass lost at token boundaries, "
-          "masked against conditional over strings, token healing (a subword model)"),
+          "masked against conditional over strings, token healing (a subword model)", ckpt="shakespeare-bpe"),
 ))
 
 
@@ -88,14 +90,16 @@ def run_study(name: str, lm, out_dir, *, seed: int | None = None, data_path=None
 
 
 def run_command(name: str, lm, out: str | None, *, seed: int | None = None, data_path=None,
-                progress: bool = True, options: dict | None = None, echo=print) -> list[Path]:
+                progress: bool = True, options: dict | None = None, echo=print, load_default=None) -> list[Path]:
     """What ``jaxdecode study NAME`` does: ``name`` is a study or ``all``; output goes to ``out``
     (default ``results/NAME``; for ``all``, ``out/NAME`` for each, default ``results/NAME``).
     ``lm``: a loaded model, or a function that loads one (called once, after the study is found,
     so that an unknown or missing study fails before any loading). With ``all`` a study that is
     not installed is skipped with a note on stderr, and options go only to the studies that take
     them; a study whose module finds the model unsuitable (its ``unsuitable(lm)``) is skipped with
-    a note on stderr. Returns the folders written; ``echo`` reports each."""
+    a note on stderr. ``load_default(name)``: loads a shipped checkpoint by name, for the studies
+    that run on their own (:attr:`Study.ckpt`) when the caller chose no model (None: ``lm`` for
+    every study). Returns the folders written; ``echo`` reports each."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
     if name == "all":
         names = []
@@ -109,9 +113,17 @@ def run_command(name: str, lm, out: str | None, *, seed: int | None = None, data
         load_study(name)
         _keywords(name, options)  # bad options fail before any loading
         names = [name]
-    model = lm() if callable(lm) else lm
+    loaded: dict = {}
+
+    def model_for(n: str):
+        own = STUDIES[n].ckpt if load_default is not None else None
+        if own not in loaded:
+            loaded[own] = load_default(own) if own else (lm() if callable(lm) else lm)
+        return loaded[own]
+
     written = []
     for n in names:
+        model = model_for(n)
         if name == "all":
             reason = getattr(load_study(n), "unsuitable", lambda _: None)(model)
             if reason:
