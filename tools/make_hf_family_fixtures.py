@@ -19,6 +19,10 @@ for the Gemmas, the plain one of ``qwen2`` for the others), saved with transform
     qwen3_moe    4 experts, top 2 not renormalized, q/k norms, layer 1 dense (mlp_only_layers)
     qwen2_moe    4 experts, top 2, the sigmoid-gated shared expert, q/k/v biases
     olmoe        4 experts, top 2 renormalized, clip_qkv 3, q/k norms over the projection
+    smollm3      4 layers, the last without rotation (no_rope_layer_interval 4), rope base by
+                 default (2e6), tied output by default
+    granite      embedding multiplier 6, residual multiplier 0.5, attention multiplier 0.25 (for
+                 1/sqrt(8)), logits divided by 4, q/k/v/o biases, untied output
 
 Each folder holds what ``tools/make_hf_fixtures.py`` writes for the first four families
 (config.json, generation_config.json, model.safetensors, tokenizer files, expected.json with
@@ -99,6 +103,9 @@ FAMILIES = {
                                          norm_topk_prob=False, tie_word_embeddings=True)),
     "olmoe": ("OlmoeConfig", dict(BASE, **MOE, intermediate_size=24, norm_topk_prob=True, clip_qkv=3.0,
                                   tie_word_embeddings=True)),
+    "smollm3": ("SmolLM3Config", dict(BASE, num_hidden_layers=4, intermediate_size=32)),
+    "granite": ("GraniteConfig", dict(BASE, embedding_multiplier=6.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.25, logits_scaling=4.0, attention_bias=True)),
 }
 SEED_BASE = 7000
 # Qwen3's own folders ship sampling defaults; the generate calls here pass do_sample=False
