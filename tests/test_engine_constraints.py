@@ -17,7 +17,7 @@ from jaxdecode import constraints as C
 from jaxdecode import rules
 from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
-from jaxdecode.serving.simulator import StepTimeModel, VirtualClock, with_arrivals
+from jaxdecode.serving.simulator import StepClock, StepTimeModel, VirtualClock, with_arrivals
 from jaxdecode.serving.warmup import count_compiles
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
@@ -210,11 +210,12 @@ def test_warm_up_covers_the_constrained_programs(tiny, cache):
     ]
     refs = _generate_each(lm, reqs)
     kw = {"num_blocks": 12, "block_size": 4} if cache == "paged" else {}
-    make = lambda: Engine(lm, 3, cache=cache, prefill_chunk=4, decode_steps=2, **kw)
+    # arrivals spaced by engine steps, not seconds: the same admissions on any machine, however loaded
+    make = lambda: Engine(lm, 3, cache=cache, prefill_chunk=4, decode_steps=2, clock=StepClock(), **kw)
     engine = make()
     assert engine.warm_up(reqs) > 0
     assert engine.idle and engine.warm_up(reqs) == 0
-    spaced = with_arrivals(reqs, [0.004 * i for i in range(len(reqs))])
+    spaced = with_arrivals(reqs, [float(i) for i in range(len(reqs))])
     for run_on, stream in ((engine, reqs), (make(), spaced)):
         with count_compiles() as counted:
             report = run_on.run(stream)

@@ -1,6 +1,6 @@
 """The engine's texts do not depend on when requests arrive: time as a test input.
 
-A :class:`StepClock` counts engine steps instead of seconds, so a schedule (which request arrives
+A :class:`~jaxdecode.serving.simulator.StepClock` counts engine steps instead of seconds, so a schedule (which request arrives
 before which step) replays the same admissions, slot assignments and batch neighbours on any
 machine, however loaded. Each schedule draws requests of every kind the engine serves (constrained
 by a regex or a choice, greedy, penalized, stopped by a stop string, asking for top
@@ -25,35 +25,12 @@ from jaxdecode import constraints as C
 from jaxdecode import rules
 from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
+from jaxdecode.serving.simulator import StepClock
 
 CACHES = ("dense", "paged")
 SCHEDULES = 1000  # per cache, in CHUNKS tests (so that the suite's workers share them)
 CHUNKS = 2
 SLOTS = 3  # one slot count: every engine runs the same compiled programs
-
-
-class StepClock:
-    """Time counted in engine steps: every step the engine records takes one unit, and waiting
-    for an arrival jumps to it. Not virtual, so the engine runs as it does on a real clock
-    (with ``overlap`` on, each call sent before the previous call's tokens are read)."""
-
-    virtual = False
-
-    def __init__(self):
-        self.t = 0.0
-
-    def start(self):
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def step_done(self, rows: int, prefill_tokens: int) -> float:
-        self.t += 1.0
-        return self.t
-
-    def wait_until(self, t: float):
-        self.t = max(self.t, float(t))
 
 
 @pytest.fixture(scope="module")

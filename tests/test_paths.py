@@ -109,19 +109,19 @@ INT8_SAME_PREFIX = 12  # measured: all 16 greedy tokens of every row agree with 
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])
 def test_int8_kv_cache_on_llama_after_warm_up(cache):
-    """The engine's int8 KV cache on the Llama, warmed up, then run on the wall clock with overlap
-    and staggered arrivals: nothing compiles, every row finishes, and greedy rows agree with the
+    """The engine's int8 KV cache on the Llama, warmed up, then run with overlap and arrivals
+    staggered by engine steps: nothing compiles, every row finishes, and greedy rows agree with the
     float cache's ``generate`` on their first tokens."""
     from jaxdecode.serving.engine import Engine, Request
-    from jaxdecode.serving.simulator import with_arrivals
+    from jaxdecode.serving.simulator import StepClock, with_arrivals
     from jaxdecode.serving.warmup import count_compiles
 
     lm = model("llama")
     reqs = [Request(p, INT8_N, greedy=True) for p in INT8_PROMPTS]
     kw = {"cache": "paged", "num_blocks": 32, "block_size": 8} if cache == "paged" else {}
-    engine = Engine(lm, 2, kv_dtype="int8", overlap=True, **kw)
+    engine = Engine(lm, 2, kv_dtype="int8", overlap=True, clock=StepClock(), **kw)
     assert engine.warm_up(reqs) > 0
-    stream = with_arrivals(reqs, [0.003 * i for i in range(len(reqs))])
+    stream = with_arrivals(reqs, [float(i) for i in range(len(reqs))])  # staggered by engine steps
     with count_compiles() as counted:
         report = engine.run(stream)
     assert counted[0] == 0

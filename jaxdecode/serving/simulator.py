@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxdecode.serving.engine import DEFAULT_PREFILL_CHUNK, POLICIES, Engine, Report, Request
 
-__all__ = ["DEFAULT_STEP_MODEL", "ReplayExecutor", "StepTimeModel", "VirtualClock", "compare",
+__all__ = ["DEFAULT_STEP_MODEL", "ReplayExecutor", "StepClock", "StepTimeModel", "VirtualClock", "compare",
            "poisson_arrivals", "scripts_of", "simulate", "with_arrivals"]
 
 
@@ -141,6 +141,19 @@ class VirtualClock:
 
     def wait_until(self, t: float):
         self.t = max(self.t, t)
+
+
+class StepClock(VirtualClock):
+    """Time counted in engine steps: each step the engine records takes one unit, and waiting
+    for an arrival jumps to it, so a request arriving at ``t`` joins at the first step that starts
+    at or after step ``t``, on any machine. Unlike :class:`VirtualClock` it is not virtual: the
+    engine runs as on a real clock (``overlap`` stays on). Tests use it to script the timing of
+    arrivals, admissions and slot assignments (``tests/test_engine_schedules.py``)."""
+
+    virtual = False
+
+    def __init__(self):
+        super().__init__(StepTimeModel(1.0, 0.0, 0.0))
 
 
 class ReplayExecutor:
