@@ -37,8 +37,9 @@ def choice(bpe):
 
 
 def _stops():
-    """One- and two-character stops starting at every position of TEXT, and the whole text."""
-    out = [TEXT[i] for i in range(len(TEXT))] + [TEXT[i:i + 2] for i in range(len(TEXT) - 1)] + [TEXT]
+    """A one-character stop at every position of TEXT (a repeated character stops at its first
+    occurrence), stops across the multi-byte characters and the spaces, and the whole text."""
+    out = [TEXT[i] for i in range(len(TEXT))] + ["é", "éo", "o ❤", "❤ J", "t —", "— a", TEXT]
     return list(dict.fromkeys(out))
 
 
