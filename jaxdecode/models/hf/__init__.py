@@ -17,6 +17,8 @@ from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tok
 from jaxdecode.models.hf.families import read_config
 from jaxdecode.models.hf.linear import STORED, WEIGHTS, mode, prepare
 from jaxdecode.models.hf.quantized import QuantizedError, is_quantized, packed, read_int8
+from jaxdecode.models.hf.sharding import ShardingError
+from jaxdecode.models.hf.sliced import read_sliced
 from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
 from jaxdecode.models.hf.transformer import HFCache, HFDecoder
 from jaxdecode.models.hf.weights import WeightsError, read_params
@@ -75,13 +77,15 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
             if weights not in ("auto", "int8") or dtype != "float32":
                 raise HFError(f"{folder} holds int8 weights: load it with weights 'auto' or 'int8' and dtype "
                               f"float32")
-            params, how, kept = read_int8(folder, cfg), "int8", "int8"
+            params, how, kept = read_int8(folder, cfg, mesh), "int8", "int8"
             params = packed(params) if native else params
+        elif mesh is not None:  # each device's slice read from the files, in its kept form
+            params, kept = read_sliced(folder, cfg, dtype, how, mesh)
         else:
             params = read_params(folder, cfg, getattr(jnp, dtype), stored)
-    except (ConfigError, TokenizerError, WeightsError, QuantizedError) as e:
+    except (ConfigError, TokenizerError, WeightsError, QuantizedError, ShardingError) as e:
         raise HFError(str(e)) from None
-    if not is_quantized(raw):
+    if not is_quantized(raw) and mesh is None:
         kept = STORED.get(stored.pop(), "float32") if len(stored) == 1 else "float32"
         params = prepare(params, cfg, how, kept, native)
     vocab.eos_ids = eos  # constraints allow them in final states
@@ -100,9 +104,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
                        eos_ids=eos, generation_defaults=defaults, reload=reload)
     if mesh is None:
         return lm
-    from jaxdecode.models.hf.sharding import ShardingError
-
-    try:
+    try:  # the parameters are in place already: this sets the decoder's mesh
         return lm.shard(mesh)
     except ShardingError as e:
         raise HFError(str(e)) from None

@@ -79,16 +79,22 @@ def is_quantized(raw: dict) -> bool:
     return MARK in raw
 
 
-def read_int8(folder: Path, cfg) -> dict:
+def read_int8(folder: Path, cfg, mesh=None) -> dict:
     """The parameter tree of an int8 folder (int8 matrices as ``{"q", "scale"}``), checked
-    against its config: every layer present, shapes as the config implies for the matrices named."""
+    against its config: every layer present, shapes as the config implies for the matrices named.
+    With ``mesh``: placed on it by the partition rules (:mod:`.sharding`), each device's slice
+    read from the file (a scale with its columns)."""
     import jax.numpy as jnp
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     path = folder / "model.safetensors"
     try:
-        state = load_file(str(path))
+        if mesh is None:
+            state = {k: jnp.asarray(a) for k, a in load_file(str(path)).items()}
+        else:  # shapes and dtypes only: the values are read per device below
+            with safe_open(str(path), framework="numpy") as f:
+                state = {k: _struct(f.get_slice(k)) for k in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise QuantizedError(f"{path}: corrupt or truncated safetensors file ({e})") from None
     params: dict = {}
@@ -102,9 +108,9 @@ def read_int8(folder: Path, cfg) -> dict:
         else:
             target, name, rest = params, parts[0], parts[1:]
         if rest:
-            target.setdefault(name, {})[rest[0]] = jnp.asarray(a)
+            target.setdefault(name, {})[rest[0]] = a
         else:
-            target[name] = jnp.asarray(a)
+            target[name] = a
     if any(not layer for layer in layers) or "embed" not in params:
         raise QuantizedError(f"{path}: the int8 folder lacks layers or the embedding its config implies")
     for where in (params, *layers):
@@ -115,6 +121,70 @@ def read_int8(folder: Path, cfg) -> dict:
     if params["embed"].shape != (cfg.V, cfg.d):
         raise QuantizedError(f"{path}: the embedding has shape {tuple(params['embed'].shape)}, the config "
                              f"implies {(cfg.V, cfg.d)}")
+    params["layers"] = tuple(layers)
+    return params if mesh is None else _sliced(path, params, cfg, mesh)
+
+
+def _struct(sl):
+    import jax
+
+    dtypes = {"I8": np.int8, "F32": np.float32, "BF16": "bfloat16", "F16": np.float16}
+    if sl.get_dtype() not in dtypes:
+        raise QuantizedError(f"tensor of dtype {sl.get_dtype()} in an int8 folder")
+    return jax.ShapeDtypeStruct(tuple(sl.get_shape()), np.dtype(jax.numpy.dtype(dtypes[sl.get_dtype()])))
+
+
+def _sliced(path: Path, structs: dict, cfg, mesh) -> dict:
+    """``structs`` (the tree of the file's shapes) read onto ``mesh``, each device its slice."""
+    import jax
+
+    from jaxdecode.models.hf import sharding
+    from jaxdecode.models.hf.sliced import Files
+
+    where = sharding.shardings(structs, cfg, mesh)
+    files = Files()  # the file mapped for one tensor at a time
+
+    def place(key, s, at):
+        try:
+            return jax.make_array_from_callback(s.shape, at, lambda i: files.get(path).get_slice(key)[i])
+        finally:
+            files.close()
+
+    flat = {k: place(k, s, at) for k, (s, at) in _by_name(structs, where).items()}
+    return _unflatten(flat, cfg.L)
+
+
+def _by_name(structs: dict, where: dict) -> dict:
+    """Checkpoint name -> (shape stand-in, sharding), over the tree (the names of :func:`_flatten`)."""
+    out = {}
+
+    def put(prefix, s, at):
+        if isinstance(s, dict):
+            for k in s:
+                out[f"{prefix}.{k}"] = (s[k], at[k])
+        else:
+            out[prefix] = (s, at)
+
+    for name, s in structs.items():
+        if name == "layers":
+            for i, layer in enumerate(s):
+                for k, v in layer.items():
+                    put(f"layers.{i}.{k}", v, where["layers"][i][k])
+        else:
+            put(name, s, where[name])
+    return out
+
+
+def _unflatten(flat: dict, L: int) -> dict:
+    params: dict = {}
+    layers: list[dict] = [{} for _ in range(L)]
+    for key, a in flat.items():
+        parts = key.split(".")
+        target, parts = (layers[int(parts[1])], parts[2:]) if parts[0] == "layers" else (params, parts)
+        if len(parts) > 1:
+            target.setdefault(parts[0], {})[parts[1]] = a
+        else:
+            target[parts[0]] = a
     params["layers"] = tuple(layers)
     return params
 
