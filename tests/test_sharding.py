@@ -85,10 +85,10 @@ def text_case():
 
 def run_text_case(sharded: bool) -> list:
     import jaxdecode
-    from jaxdecode.decoding.sampling import sharded_generate
+    from jaxdecode.decoding.placement import make_mesh
 
     lm, prompts, n, kw = text_case()
-    outs = (sharded_generate if sharded else jaxdecode.generate)(lm, prompts, n, **kw)
+    outs = jaxdecode.generate(lm, prompts, n, mesh=make_mesh() if sharded else None, **kw)
     return [[g.prompt, g.text, g.tokens.tolist(), g.finish_reason] for g in outs]
 
 

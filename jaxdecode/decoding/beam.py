@@ -62,9 +62,10 @@ from jaxdecode.decoding.common import (
     push_recent,
     round_up,
 )
-from jaxdecode.decoding.stops import StopAutomaton, as_automaton, stop_automaton, stops_after
-from jaxdecode.models.base import DecodingModel
+from jaxdecode.decoding.params import BEAM, DecodeParams, resolve, stop_automaton_for
 from jaxdecode.decoding.search import SearchBudgetExceeded, mode_search
+from jaxdecode.decoding.stops import StopAutomaton, as_automaton, stops_after
+from jaxdecode.models.base import DecodingModel
 
 NEG_INF = -jnp.inf
 TOKEN_BUCKET = 64  # the generated-token buffers are this many tokens wide, rounded up
@@ -496,23 +497,28 @@ class BeamText:
         return self.logprob / len(self.tokens) if len(self.tokens) else float("nan")
 
 
-def beam_generate(lm, prompts: str | Sequence[str], n: int, k: int, *, n_best: int = 1,
-                  length_penalty: float | Sequence[float] = 0.0, stop: str | Sequence[str] | None = None,
-                  include_stop: bool = True,
-                  rule=None, chunk: int = DEFAULT_CHUNK, constraint=None,
-                  memory_budget: int | str | None = None) -> list[list[BeamText]]:
-    """Beam search of width ``k`` for ``n`` characters after each prompt with a loaded model.
+def beam_generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None = None, k: int | None = None,
+                  *, n_best: int = 1, length_penalty: float | Sequence[float] = 0.0,
+                  **overrides) -> list[list[BeamText]]:
+    """Beam search of width ``k`` for up to ``params.n`` tokens after each prompt with a loaded
+    model (``params``: a :class:`~jaxdecode.decoding.params.DecodeParams` or the number of new
+    tokens ``n``; keywords override its fields, as for :func:`jaxdecode.generate`).
 
     Returns one list per prompt (also for a single string) of up to ``n_best`` continuations,
     best first. ``stop``: stop strings that finish a hypothesis (included in its text).
     ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt (see
-    :func:`beam_search`).
+    :func:`beam_search`). The rule settings change the scores (see :func:`beam_search`).
     """
+    p = resolve(params, overrides, BEAM)
+    if k is None:
+        raise TypeError("beam_generate needs the beam width k")
+    n, stop, include_stop, rule, constraint = p.n, p.stop, p.include_stop, p.rule(), p.constraint
+    chunk = DEFAULT_CHUNK if p.chunk is None else p.chunk
     prompts, encoded = encode_prompts(lm, prompts, 1)
-    ends = stop_automaton(lm, stop)  # stop strings however tokenized, and the end tokens
+    ends = stop_automaton_for(lm, p)  # stop strings however tokenized, stop token ids and the end tokens
     constraint = C.per_sample(constraint, len(prompts), 1)
     res = beam_search(lm.decoder, lm.params, encoded, n, k, n_best=n_best, length_penalty=length_penalty,
-                      end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint, memory_budget=memory_budget)
+                      end_tokens=ends, rule=rule, chunk=chunk, constraint=constraint, memory_budget=p.memory_budget)
     alpha = _alpha_per_row(length_penalty, len(prompts), len(prompts))
 
     def text(i, h):

@@ -51,14 +51,15 @@ from jaxdecode.decoding.common import (
     round_up,
     text_streamer,
 )
-from jaxdecode.decoding.stops import advance, as_automaton, stop_automaton
-from jaxdecode.models.base import DecodingModel
+from jaxdecode.decoding.params import CONTRASTIVE, DecodeParams, resolve, stop_automaton_for
 from jaxdecode.decoding.sampling import TokenResult
+from jaxdecode.decoding.stops import advance, as_automaton
+from jaxdecode.models.base import DecodingModel
 
 DEFAULT_CHUNK = 32
 HISTORY_BUCKET = 128
 
-__all__ = ["contrastive_tokens", "contrastive_generate", "check_settings"]
+__all__ = ["check_settings", "contrastive_generate", "contrastive_tokens"]
 
 
 class ContrastiveState(NamedTuple):
@@ -281,20 +282,22 @@ def contrastive_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarra
                        np.asarray(st.done)[:B])
 
 
-def contrastive_generate(lm, prompts: str | Sequence[str], n: int = 300, k: int = 4,
-                         alpha: float | Sequence[float] = 0.6, *, stop: str | Sequence[str] | None = None,
-                         include_stop: bool = True,
-                         on_text: Callable[[int, str], None] | None = None,
-                         memory_budget: int | str | None = None) -> list[Generation]:
+def contrastive_generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None = None, k: int = 4,
+                         alpha: float | Sequence[float] = 0.6, *,
+                         on_text: Callable[[int, str], None] | None = None, **overrides) -> list[Generation]:
     """Contrastive search with a loaded model ``lm``: one :class:`Generation` per prompt
-    (``sample_logprobs`` are 0: the choice is deterministic). ``alpha`` may give one value per
+    (``sample_logprobs`` are 0: the choice is deterministic). ``params``: a
+    :class:`~jaxdecode.decoding.params.DecodeParams` or the number of new tokens ``n``; keywords
+    override its fields, as for :func:`jaxdecode.generate`. ``alpha`` may give one value per
     prompt; they share one compiled program."""
+    p = resolve(params, overrides, CONTRASTIVE)
     prompts, rows = encode_prompts(lm, prompts, 1)
-    res = contrastive_tokens(lm.decoder, lm.params, rows, n, k, alpha, stops=stop_automaton(lm, stop),
-                             on_chunk=text_streamer(lm, on_text), memory_budget=memory_budget)
+    res = contrastive_tokens(lm.decoder, lm.params, rows, p.n, k, alpha, stops=stop_automaton_for(lm, p),
+                             chunk=DEFAULT_CHUNK if p.chunk is None else p.chunk,
+                             on_chunk=text_streamer(lm, on_text), memory_budget=p.memory_budget)
     out = []
     for r, prompt in enumerate(prompts):
-        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], p.stop, p.include_stop)
         c = len(toks)
         out.append(Generation(prompt=prompt, text=text, tokens=toks, model_logprobs=res.model_logprobs[r, :c],
                               sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))

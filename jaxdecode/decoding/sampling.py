@@ -28,7 +28,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from jaxdecode import constraints as C
+from jaxdecode.decoding import budget as budget_lib
 from jaxdecode.decoding.common import (
     PROMPT_BUCKET,
     SPAN_BUCKET,
@@ -45,9 +48,14 @@ from jaxdecode.decoding.common import (
     sample_keys,
     text_streamer,
 )
-from jaxdecode.decoding import budget as budget_lib
-from jaxdecode.decoding.stops import as_automaton, stop_automaton
-from jaxdecode import constraints as C
+from jaxdecode.decoding.params import (
+    GENERATE,
+    DecodeParams,
+    ParamsError,
+    min_tokens_rule,
+    resolve,
+    stop_automaton_for,
+)
 from jaxdecode.decoding.placement import (
     AXIS,
     ONE_DEVICE,
@@ -55,31 +63,41 @@ from jaxdecode.decoding.placement import (
     _batch_axes,
     _rows_struct,
     _spec_tree,
-    make_mesh,
     pad_batch,
 )
-from jaxdecode.models.base import DecodingModel
-from jaxdecode.rules import make_rule
-from jax.sharding import PartitionSpec as P
-
-from jaxdecode.decoding.steps import (  # noqa: F401 (re-exported)
+from jaxdecode.decoding.steps import (
     DEFAULT_CHUNK,
     SMALL_BATCH_CHUNK,
     WHOLE_CHUNK_MAX,
     SamplingState,
     StepOutput,
+    TokenResult,
     _cache_chunk,
-    _window_chunk,
+    _grow,
     _prefill,
     _prefill_shared,
-    _grow,
-    _window_start,
     _rule_init,
-    TokenResult,
+    _window_chunk,
+    _window_start,
 )
+from jaxdecode.decoding.stops import as_automaton
+from jaxdecode.models.base import DecodingModel
+from jaxdecode.rules import make_rule
 
-__all__ = ["Generation", "SamplingState", "StepOutput", "TokenResult", "generate", "sample_tokens", "sharded_generate",
-           "PROMPT_BUCKET", "SPAN_BUCKET", "batch_bucket", "round_up", "pad_rule", "push_recent"]
+__all__ = [
+    "PROMPT_BUCKET",
+    "SPAN_BUCKET",
+    "Generation",
+    "SamplingState",
+    "StepOutput",
+    "TokenResult",
+    "batch_bucket",
+    "generate",
+    "pad_rule",
+    "push_recent",
+    "round_up",
+    "sample_tokens",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,63 +389,64 @@ def _axes_list(state_axes: SamplingState, state: SamplingState) -> list:
     return out
 
 
-def generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
-             key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
-             stop: str | Sequence[str] | None = None, include_stop: bool = True, chunk: int | None = None,
-             on_text: Callable[[int, str], None] | None = None, constraint=None,
-             memory_budget: int | str | None = None, max_rows: int | None = None,
-             progress: bool | str = False, mesh=None, generation_config: bool = True) -> list[Generation]:
-    """Generate ``n`` tokens after each prompt with a loaded model ``lm``.
+def generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None = None, *,
+             key: jax.Array | None = None, on_text: Callable[[int, str], None] | None = None,
+             progress: bool | str = False, mesh=None, **overrides) -> list[Generation]:
+    """Generate up to ``params.n`` tokens after each prompt with a loaded model ``lm``.
 
-    Returns ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
+    ``params``: a :class:`~jaxdecode.decoding.params.DecodeParams` (None: the defaults; an int:
+    the number of new tokens ``n``); keywords (any of its fields, ``rule=`` for an explicit
+    chain) override it: ``generate(lm, prompts, n=200, top_p=0.9)``. Returns
+    ``len(prompts) * num_samples`` :class:`Generation` objects, prompt-major.
 
-    Seeds are per prompt, like a per-request seed: ``seed`` is one seed for every prompt or a list
-    with one per prompt, and sample ``j`` of a prompt is drawn with the key ``PRNGKey(seed)`` of
-    its prompt and row id ``j``. So a prompt's samples depend only on the prompt, its seed, ``j``
-    and the settings: never on the other prompts of the request, its position among them, or how
-    the request is split into batches (``memory_budget``, ``max_rows``: see
-    :func:`sample_tokens`). ``key`` (instead of ``seed``): one key for every prompt.
+    Seeds are per prompt, like a per-request seed: ``seed`` is one seed for every prompt or one
+    per prompt, and sample ``j`` of a prompt is drawn with the key ``PRNGKey(seed)`` of its
+    prompt and row id ``j``. So a prompt's samples depend only on the prompt, its seed, ``j`` and
+    the settings: never on the other prompts of the request, its position among them, or how the
+    request is split into batches (``memory_budget``, ``max_rows``: see :func:`sample_tokens`).
+    ``key`` (instead of ``seed``): one key for every prompt.
 
     ``stop``: strings that end a sample once its text holds one, however the model spelled it in
     tokens; the text keeps the stop string (``include_stop=False``: cut, as OpenAI's API does).
+    ``stop_token_ids`` end a sample too (the token stays in its text); ``min_tokens``: no end
+    token or stop token before that many new tokens.
 
     ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
     :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
-    ``progress``: a bar on stderr. ``mesh``: split each batch over devices (see
-    :func:`sample_tokens`).
+    ``progress``: a bar on stderr. ``mesh``: a :class:`jax.sharding.Mesh` with a ``"data"`` axis
+    (:func:`~jaxdecode.decoding.placement.make_mesh`): each batch is split over its devices, with
+    the same texts, tokens and log-probabilities, on every process (see :func:`sample_tokens`).
 
-    With neither ``rule`` nor ``greedy``, a Hugging Face folder's ``generation_config.json``
-    defaults apply (its temperature, top-k, top-p, repetition penalty, or greedy decoding: see
-    :func:`~jaxdecode.decoding.common.default_settings`); ``generation_config=False`` ignores them.
+    With neither a rule setting nor ``greedy``, a Hugging Face folder's ``generation_config.json``
+    defaults apply (its temperature, top-k, top-p, repetition penalty, or greedy decoding, each
+    where the request leaves it unset: see :func:`~jaxdecode.decoding.common.default_settings`);
+    ``generation_config=False`` ignores them.
     """
-    if rule is None and not greedy and generation_config:
-        settings, greedy = default_settings(lm)
+    p = resolve(params, overrides, GENERATE)
+    rule, greedy = p.rule(), p.greedy
+    if p.chain is None and not greedy and p.generation_config:
+        settings, greedy = default_settings(lm, p.rule_settings())
         rule = make_rule(**settings)
+    if p.min_tokens:
+        if p.stop or p.constraint is not None:
+            raise ParamsError("min_tokens is not supported with stop strings or a constraint (it masks the "
+                              "end tokens and stop token ids only)")
+        rule = min_tokens_rule(p.min_tokens, tuple(getattr(lm, "eos_ids", ())) + p.stop_token_ids, rule)
+    num_samples = p.num_samples
     prompts, rows = encode_prompts(lm, prompts, num_samples)
-    stops = stop_automaton(lm, stop)
-    keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
+    stops = stop_automaton_for(lm, p)
+    keys, row_ids = sample_keys(len(prompts), num_samples, list(p.seed) if isinstance(p.seed, tuple) else p.seed,
+                                key)
 
-    constraint = C.per_sample(constraint, len(prompts), num_samples)
-    res = sample_tokens(lm.decoder, lm.params, rows, n, keys, rule=rule, greedy=greedy, stops=stops,
-                        row_ids=row_ids, chunk=chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
-                        memory_budget=memory_budget, max_rows=max_rows, progress=progress, mesh=mesh)
+    constraint = C.per_sample(p.constraint, len(prompts), num_samples)
+    res = sample_tokens(lm.decoder, lm.params, rows, p.n, keys, rule=rule, greedy=greedy, stops=stops,
+                        row_ids=row_ids, chunk=p.chunk, on_chunk=text_streamer(lm, on_text), constraint=constraint,
+                        memory_budget=p.memory_budget, max_rows=p.max_rows, progress=progress, mesh=mesh)
     out = []
     for r in range(len(rows)):
-        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
+        toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], p.stop, p.include_stop)
         c = len(toks)
         out.append(Generation(prompt=prompts[r // num_samples], text=text, tokens=toks,
                               model_logprobs=res.model_logprobs[r, :c],
                               sample_logprobs=res.sample_logprobs[r, :c], finish_reason=reason))
     return out
-
-
-def sharded_generate(lm, prompts: str | Sequence[str], n: int = 300, *, seed: int | Sequence[int] = 0,
-                     key: jax.Array | None = None, rule=None, greedy: bool = False, num_samples: int = 1,
-                     stop: str | Sequence[str] | None = None, chunk: int | None = None,
-                     on_text: Callable[[int, str], None] | None = None, constraint=None,
-                     mesh: jax.sharding.Mesh | None = None) -> list[Generation]:
-    """:func:`jaxdecode.generate` with the batch split over ``mesh`` (default: every device); the
-    same texts, tokens and log-probabilities, on every process."""
-    return generate(lm, prompts, n, seed=seed, key=key, rule=rule, greedy=greedy, num_samples=num_samples,
-                    stop=stop, chunk=chunk, on_text=on_text, constraint=constraint,
-                    mesh=make_mesh() if mesh is None else mesh)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.decoding import budget as budget_lib
+from jaxdecode.decoding.params import SCORE, DecodeParams, resolve
 from jaxdecode.models.base import DecodingModel
 
 WIDTH_BUCKET = 64
@@ -142,12 +143,18 @@ def token_logprobs(model: DecodingModel, params, sequences: Sequence[np.ndarray]
     return out
 
 
-def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, constraint=None, *,
-                memory_budget: int | str | None = None, max_rows: int | None = None) -> list[Score]:
+def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None,
+                params: DecodeParams | None = None, **overrides) -> list[Score]:
     """Score each text as a continuation of its prompt (default: a newline, the corpus's separator).
-    With ``constraint`` (a :class:`jaxdecode.constraints.Constraint`) each score also says whether
-    its text, as the vocabulary encodes it, is in the pattern's language (``in_language``). A text
-    and a prompt may also be given as one string each."""
+    ``params``: a :class:`~jaxdecode.decoding.params.DecodeParams` (keywords override its fields);
+    scoring honours ``constraint`` (each score then also says whether its text, as the vocabulary
+    encodes it, is in the pattern's language: ``in_language``), ``memory_budget`` and
+    ``max_rows``. A text and a prompt may also be given as one string each."""
+    if params is not None and not isinstance(params, DecodeParams):  # a constraint, as the fourth argument was
+        overrides = {"constraint": params} | overrides
+        params = None
+    settings = resolve(params, overrides, SCORE)
+    constraint = settings.constraint
     texts = [texts] if isinstance(texts, str) else list(texts)
     prompts = [prompts] if isinstance(prompts, str) else prompts
     if not texts:
@@ -164,6 +171,7 @@ def score_texts(lm, texts: Sequence[str], prompts: Sequence[str] | None = None, 
         # the continuation is a piece inside a sequence: no special tokens of its own (a BOS)
         seqs.append(np.concatenate([prompt, getattr(lm.vocab, "encode_piece", lm.vocab.encode)(t)]))
         starts.append(len(prompt))
-    lps = token_logprobs(lm.decoder, lm.params, seqs, starts, memory_budget=memory_budget, max_rows=max_rows)
+    lps = token_logprobs(lm.decoder, lm.params, seqs, starts, memory_budget=settings.memory_budget,
+                         max_rows=settings.max_rows)
     member = [None if constraint is None else constraint.accepts(s[st:]) for s, st in zip(seqs, starts)]
     return [Score(prompt=p, text=t, logprobs=lp, in_language=m) for p, t, lp, m in zip(prompts, texts, lps, member)]

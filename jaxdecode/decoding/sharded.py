@@ -23,7 +23,7 @@ power-of-two bucket). A row's random stream depends only on its key, its row id 
 the texts and tokens equal single-device generation exactly.
 
 Several processes (hosts) run the same program (SPMD): each calls :func:`sharded_sample_tokens`
-(or :func:`jaxdecode.decoding.sampling.sharded_generate`) with the same request, builds only the shards of its own devices
+(or :func:`jaxdecode.generate` with ``mesh=``) with the same request, builds only the shards of its own devices
 (:func:`jax.make_array_from_callback`), and receives every row's result
 (:func:`jax.experimental.multihost_utils.process_allgather`). Processes that each hold their own
 prompts join them with :func:`gather_prompts` first. See ``docs/multihost.md``.

@@ -13,46 +13,70 @@ import jax
 import numpy as np
 
 from jaxdecode import constraints as C
-from jaxdecode.decoding.common import check_int, encode_stop_strings, sample_keys, stop_string_list
+from jaxdecode.decoding.common import encode_stop_strings, sample_keys, stop_string_list
+from jaxdecode.decoding.params import DEFAULTS, ENGINE, TOP_LOGPROBS, DecodeParams  # noqa: F401 (re-exported)
 from jaxdecode.rules import REGISTRY, Chain, Rule
 from jaxdecode.serving.stream import stop_watch
-
 
 # ----------------------------------------------------------------------------- requests
 
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One request: ``num_samples`` continuations of ``n`` tokens after ``prompt``.
+    """One request: ``num_samples`` continuations of up to ``n`` tokens after ``prompt``.
 
-    ``seed``: sample ``j`` is drawn with ``PRNGKey(seed)`` and row id ``j`` (as
-    :func:`jaxdecode.generate`). ``rule``: a :mod:`jaxdecode.rules` rule or chain, or None; its
-    settings are scalars or one per sample (``[num_samples]``). ``greedy``: the argmax of the
-    processed logits. ``stop``: a string or strings ending a sample once generated (included in
-    its text). ``arrival``: seconds after the start of :meth:`Engine.run`. ``prompt`` may also be
+    ``params``: the request's :class:`~jaxdecode.decoding.params.DecodeParams`; the other fields,
+    where given, override it (a field left at None takes the value of ``params``, or its
+    default). ``seed``: sample ``j`` is drawn with ``PRNGKey(seed)`` and row id ``j`` (as
+    :func:`jaxdecode.generate`). ``rule``: a :mod:`jaxdecode.rules` rule or chain (``params``'
+    named settings otherwise make one); its settings are scalars or one per sample
+    (``[num_samples]``). ``greedy``: the argmax of the processed logits. ``stop``: a string or
+    strings ending a sample once generated (included in its text); ``params.stop_token_ids`` end
+    one too. ``arrival``: seconds after the start of :meth:`Engine.run`. ``prompt`` may also be
     token ids. ``top_logprobs``: for each generated token, the model's ``top_logprobs`` most
     probable tokens and their log-probabilities (at most :data:`TOP_LOGPROBS`). ``ignore_eos``:
     the model's end tokens do not end a sample. ``constraint``: a compiled
     :class:`~jaxdecode.constraints.Constraint` (:func:`~jaxdecode.constraints.compile_regex`,
     ``compile_choices``, ``compile_json_schema``) every sample's text follows, ending where the
     pattern lets it as in :func:`jaxdecode.generate` (not with ``ignore_eos`` on a model whose end
-    token ends the pattern's text).
+    token ends the pattern's text). The settings are checked when the engine takes the request.
     """
 
     prompt: str | Sequence[int]
-    n: int
-    seed: int = 0
-    num_samples: int = 1
+    n: int | None = None
+    seed: int | None = None
+    num_samples: int | None = None
     rule: Any = None
-    greedy: bool = False
+    greedy: bool | None = None
     stop: str | Sequence[str] | None = None
     arrival: float = 0.0
-    top_logprobs: int = 0
-    ignore_eos: bool = False
+    top_logprobs: int | None = None
+    ignore_eos: bool | None = None
     constraint: Any = None  # a jaxdecode.constraints.Constraint every sample's text must match
+    params: DecodeParams | None = None
+
+    def __post_init__(self):
+        # the fields given override params; the others show its values. A setting that does not
+        # check is kept as given and refused, with the request's number, when the engine takes it.
+        base = DEFAULTS if self.params is None else self.params
+        given = {name: getattr(self, name) for name in _SHARED if getattr(self, name) is not None}
+        try:
+            self.params, self._invalid = base.replace(**_as_params(given)), None
+        except (ValueError, TypeError) as e:
+            self._invalid = e
+        for name in _SHARED:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(base, _AS.get(name, name)))
 
 
-TOP_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
+_SHARED = ("n", "seed", "num_samples", "rule", "greedy", "stop", "top_logprobs", "ignore_eos", "constraint")
+_AS = {"rule": "chain"}  # Request's name of a DecodeParams field
+
+
+def _as_params(fields: dict) -> dict:
+    return {_AS.get(k, k): v for k, v in fields.items()}
+
+
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,24 +122,29 @@ def make_rows(engine, r: Request, i: int) -> list:
     checked; nothing is queued."""
     if not isinstance(r, Request):
         raise ValueError(f"request {i}: expected a Request, got {type(r).__name__}")
-    n = check_int(f"request {i}: the number of new tokens n", r.n, 0)
-    N = check_int(f"request {i}: num_samples", r.num_samples, 1)
-    if not isinstance(r.greedy, (bool, np.bool_)):
-        raise ValueError(f"request {i}: greedy must be True or False, got {r.greedy!r}")
+    if r._invalid is not None:
+        raise type(r._invalid)(f"request {i}: {r._invalid}")
+    try:
+        p = r.params.check_for(ENGINE)
+    except ValueError as e:
+        raise ValueError(f"request {i}: {e}") from None
+    n, N = p.n, p.num_samples
     if isinstance(r.arrival, bool) or not isinstance(r.arrival, (int, float, np.integer, np.floating)) \
             or not math.isfinite(r.arrival) or r.arrival < 0:
         raise ValueError(f"request {i}: arrival must be a finite time >= 0 seconds, got {r.arrival!r}")
-    top_k = check_int(f"request {i}: top_logprobs", r.top_logprobs, 0)
-    if top_k > TOP_LOGPROBS:
-        raise ValueError(f"request {i}: top_logprobs must be at most {TOP_LOGPROBS}, got {top_k}")
-    _check_constraint(r.constraint, n, engine.V, bool(r.ignore_eos), i)
+    top_k = p.top_logprobs
+    _check_constraint(p.constraint, n, engine.V, p.ignore_eos, i)
     try:
         prompt = prompt_tokens(engine.lm, engine.V, r.prompt)
-        stops = encode_stop_strings(engine.lm, r.stop)
-        if r.ignore_eos:
+        stops = encode_stop_strings(engine.lm, p.stop)
+        if p.ignore_eos:
             stops = stops[:len(stops) - len(getattr(engine.lm, "end_stops", []))]
-        keys, row_ids = sample_keys(1, N, r.seed)
-        parts = rule_parts(r.rule)
+        for t in p.stop_token_ids:
+            if t >= engine.V:
+                raise ValueError(f"the stop token id {t} lies outside the vocabulary of {engine.V}")
+            stops.append(np.asarray([t], np.int32))
+        keys, row_ids = sample_keys(1, N, p.seed)
+        parts = rule_parts(p.rule())
     except ValueError as e:
         raise ValueError(f"request {i}: {e}") from None
     if len(prompt) + n > engine.T:
@@ -134,9 +163,9 @@ def make_rows(engine, r: Request, i: int) -> list:
                          f"layout ({_kinds_text(engine._layout)}): it must be the layout with parts "
                          f"left out, and only parts with a neutral setting may be left out")
     keys = np.asarray(keys, np.uint32)
-    texts = stop_string_list(r.stop)
-    return [_Row(i, int(j), prompt, n, stops, bool(r.greedy), keys[j], _row_settings(parts, j, N, i),
-                 top_k=top_k, watch=stop_watch(engine.lm, texts), constraint=r.constraint) for j in row_ids]
+    texts = stop_string_list(p.stop)
+    return [_Row(i, int(j), prompt, n, stops, bool(p.greedy), keys[j], _row_settings(parts, j, N, i),
+                 top_k=top_k, watch=stop_watch(engine.lm, texts), constraint=p.constraint) for j in row_ids]
 
 
 def _check_constraint(c, n: int, V: int, ignore_eos: bool, i: int) -> None:

@@ -34,9 +34,10 @@ from jaxdecode.decoding.common import (
     sample_keys,
     text_streamer,
 )
-from jaxdecode.decoding.stops import as_automaton, stop_automaton
-from jaxdecode.models.base import DecodingModel
+from jaxdecode.decoding.params import SPECULATIVE, DecodeParams, resolve, stop_automaton_for
+from jaxdecode.decoding.stops import as_automaton
 from jaxdecode.io.vocab import same_vocabulary
+from jaxdecode.models.base import DecodingModel
 from jaxdecode.rules import processed_logprobs
 from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
 
@@ -442,33 +443,36 @@ class SpeculativeGeneration(Generation):
     stats: SpeculativeStats = None
 
 
-def speculative_generate(lm, prompts: str | Sequence[str], n: int, *, draft: Draft, gamma: int = 4,
-                         seed: int | Sequence[int] = 0, key: jax.Array | None = None, rule=None,
-                         greedy: bool = False,
-                         num_samples: int = 1, stop: str | Sequence[str] | None = None, include_stop: bool = True,
+def speculative_generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None = None, *,
+                         draft: Draft, gamma: int = 4, key: jax.Array | None = None,
                          on_text: Callable[[int, str], None] | None = None,
-                         constraint=None, memory_budget: int | str | None = None) -> list[SpeculativeGeneration]:
-    """Generate ``n`` tokens after each prompt by speculative sampling with ``draft``.
+                         **overrides) -> list[SpeculativeGeneration]:
+    """Generate up to ``params.n`` tokens after each prompt by speculative sampling with ``draft``
+    (``params``: a :class:`~jaxdecode.decoding.params.DecodeParams` or the number of new tokens
+    ``n``; keywords override its fields, as for :func:`jaxdecode.generate`).
 
     Returns ``len(prompts) * num_samples`` generations, prompt-major; sample ``j`` of prompt
-    ``i`` is drawn with its prompt's seed and row id ``j`` (as :func:`jaxdecode.decoding.sampling.generate`:
-    ``seed`` is one seed or one per prompt). Each
-    carries its row's :class:`SpeculativeStats`; :meth:`SpeculativeStats.total` sums them.
-    ``stop``: stop strings (the text ends after the first); ``on_text(row, new_text)`` streams.
-    ``constraint``: a :class:`jaxdecode.constraints.Constraint`, or one per prompt.
+    ``i`` is drawn with its prompt's seed and row id ``j`` (as :func:`jaxdecode.generate`:
+    ``seed`` is one seed or one per prompt). Each carries its row's :class:`SpeculativeStats`;
+    :meth:`SpeculativeStats.total` sums them. ``stop``: stop strings (the text ends after the
+    first); ``on_text(row, new_text)`` streams. ``constraint``: a
+    :class:`jaxdecode.constraints.Constraint`, or one per prompt. Rules must keep no state.
     """
+    p = resolve(params, overrides, SPECULATIVE)
+    num_samples, stop, include_stop = p.num_samples, p.stop, p.include_stop
     vocab = getattr(draft, "vocab", None)  # a draft model's tokens (ModelDraft.from_lm) must be the target's
     # (a vocabulary of another size is refused by the draft's check, naming both sizes)
     if vocab is not None and len(vocab) == len(lm.vocab) and not same_vocabulary(vocab, lm.vocab):
         raise ValueError("the draft model's vocabulary is not the target's (other tokens under the same ids): "
                          "a draft must share the target's tokenizer")
     prompts, rows = encode_prompts(lm, prompts, num_samples)
-    stop_tokens = stop_automaton(lm, stop)
+    stop_tokens = stop_automaton_for(lm, p)
+    seed = list(p.seed) if isinstance(p.seed, tuple) else p.seed
     keys, row_ids = sample_keys(len(prompts), num_samples, seed, key)
-    res = speculative_tokens(lm.decoder, lm.params, rows, n, keys, row_ids=row_ids, draft=draft, gamma=gamma,
-                             rule=rule, greedy=greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
-                             constraint=C.per_sample(constraint, len(prompts), num_samples),
-                             memory_budget=memory_budget)
+    res = speculative_tokens(lm.decoder, lm.params, rows, p.n, keys, row_ids=row_ids, draft=draft, gamma=gamma,
+                             rule=p.rule(), greedy=p.greedy, stops=stop_tokens, on_chunk=text_streamer(lm, on_text),
+                             constraint=C.per_sample(p.constraint, len(prompts), num_samples),
+                             memory_budget=p.memory_budget)
     out = []
     for r in range(len(rows)):
         toks, text, reason = finish_text(lm, res.tokens[r, :res.counts[r]], res.stopped[r], stop, include_stop)
