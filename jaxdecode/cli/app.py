@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxdecode.cli.chat import add_chat  # chat: an interactive conversation
 
     add_chat(sub, _seed)
+    from jaxdecode.cli.explore import add_explore  # explore: the decoding explorer in a browser
+
+    add_explore(sub)
     return p
 
 

@@ -120,6 +120,9 @@ def cmd_serve(args):
         server = Server(runner.vocab, runner=runner, defaults={} if args.no_generation_config else runner.defaults,
                         **kw)
         compiled = runner.compiled_at_start
+    from jaxdecode.cli.explore import make_explorer  # the explorer's page and endpoints (/, /explore/...)
+
+    server.explorer = make_explorer(options, lm if args.engine_thread else None)
     if args.warm_up:
         print(f"jaxdecode: warm-up compiled {compiled[0]} programs in {compiled[1]:.1f} s", flush=True)
     app = build_app(server)

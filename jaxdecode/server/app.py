@@ -144,6 +144,9 @@ def build_app(server: Server) -> FastAPI:
 
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
+    from jaxdecode.server.explore import add_explorer  # the explorer: its page at / and /explore/...
+
+    add_explorer(app, getattr(server, "explorer", None))
     return app
 
 
