@@ -119,6 +119,7 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_faults.py": """test_checkpoint_weights_interrupted test_atomic_folder_new_target_interrupted
         test_save_over_a_file_is_refused test_distilled_cache_write_interrupted
         test_study_output_interrupted""".split(),
+    "test_int4.py": "test_pack4_round_trip_and_nibble_order test_an_int4_rows_product_does_not_depend_on_the_other_rows".split(),
     "test_hf.py": """test_logits_equal_transformers test_greedy_ids_and_end_token_equal_transformers[llama]
         test_greedy_ids_and_end_token_equal_transformers[gpt2]
         test_continuation_logprobs_equal_transformers[qwen2]

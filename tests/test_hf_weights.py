@@ -188,7 +188,7 @@ def test_stored_bfloat16_weights_stay_bfloat16_and_give_the_widened_result(tmp_p
 @pytest.mark.quick
 def test_bad_weight_options_are_refused_in_one_line():
     with pytest.raises(checkpoint.CheckpointError, match="weights must be one of"):
-        checkpoint.load(FIXTURES / "llama", weights="int4")
+        checkpoint.load(FIXTURES / "llama", weights="int3")
     with pytest.raises(checkpoint.CheckpointError, match="needs dtype float32"):
         checkpoint.load(FIXTURES / "llama", dtype="bfloat16", weights="int8")
     with pytest.raises(checkpoint.CheckpointError, match="native CPU layer computes in float32"):

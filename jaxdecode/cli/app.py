@@ -379,10 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("quantize", help="a Hugging Face folder's weight matrices in int8, saved as a folder that "
-                                         "loads back as it was written")
+    s = sub.add_parser("quantize", help="a Hugging Face folder's weight matrices in int8 or int4, saved as a "
+                                         "folder that loads back as it was written")
     s.add_argument("src", help="the Hugging Face folder (or a shipped model's name)")
     s.add_argument("out_dir")
+    s.add_argument("--weights", default="int8", choices=("int8", "int4"),
+                   help="int8 (a scale per column; default) or int4 (a scale per column and group of 32)")
     s.add_argument("--force", action="store_true", help="replace an existing output folder")
     s.set_defaults(func=cmd_quantize)
 

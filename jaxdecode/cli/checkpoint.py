@@ -55,22 +55,22 @@ def cmd_quantize(args):
     import os
 
     from jaxdecode.models import checkpoint
-    from jaxdecode.models.hf.quantized import QuantizedError, save_int8
+    from jaxdecode.models.hf.quantized import QuantizedError, save
 
     if os.path.exists(args.out_dir) and not args.force:
         raise UsageError(f"{args.out_dir} exists (--force replaces it)")
     try:
-        lm = checkpoint.load(args.src, weights="int8", backend="portable")
+        lm = checkpoint.load(args.src, weights=args.weights, backend="portable")
     except checkpoint.CheckpointError as e:
         if "applies to Hugging Face folders" in str(e):
             raise UsageError(f"quantize takes a Hugging Face folder; {args.src} is a character model") from None
         raise
     try:
-        out = save_int8(lm, args.out_dir)
+        out = save(lm, args.out_dir)
     except QuantizedError as e:
         raise UsageError(str(e)) from None
     size = sum(f.stat().st_size for f in out.iterdir())
-    print(f"wrote {out} ({lm.num_params:,} parameters, int8 matrices; {size / 1e6:.1f} MB)")
+    print(f"wrote {out} ({lm.num_params:,} parameters, {args.weights} matrices; {size / 1e6:.1f} MB)")
 
 
 def cmd_train(args):

@@ -193,10 +193,10 @@ def _settings(args) -> dict:
 
 def add_weights_flag(s) -> None:
     """``--weights``: how a Hugging Face model keeps its matrices (jaxdecode.models.hf.linear)."""
-    s.add_argument("--weights", default=None, choices=("auto", "float32", "stored", "bfloat16", "int8"),
+    s.add_argument("--weights", default=None, choices=("auto", "float32", "stored", "bfloat16", "int8", "int4"),
                    help="how a Hugging Face model keeps its weight matrices: auto (as stored on the native CPU "
-                        "path, float32 elsewhere), float32, stored (bfloat16/float16 stay so), bfloat16, or "
-                        "int8 (weight-only, quantized when loaded)")
+                        "path, float32 elsewhere), float32, stored (bfloat16/float16 stay so), bfloat16, "
+                        "int8 (weight-only, quantized when loaded) or int4 (weight-only, groups of 32)")
 
 
 def _load(args):

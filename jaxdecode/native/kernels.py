@@ -54,6 +54,8 @@ _LINEAR = {"float32": ("jaxdecode_linear_f32", "JaxdecodeLinearF32"),
            "bfloat16": ("jaxdecode_linear_bf16", "JaxdecodeLinearBF16"),
            "float16": ("jaxdecode_linear_f16", "JaxdecodeLinearF16"),
            "int8": ("jaxdecode_linear_s8", "JaxdecodeLinearS8")}
+_LINEAR4 = ("jaxdecode_linear_q4", "JaxdecodeLinearQ4")  # int4 in groups of 32 (csrc/linear4.h)
+GROUP4 = 32
 PAGED_TARGET = "jaxdecode_paged_attention"  # called by the CharLM's paged form (models/charlm/paged.py)
 PAGED_INT8_TARGET = "jaxdecode_paged_attention_int8"  # the same over an int8 pool (models/base.py, Int8Blocks)
 DENSE_MAX_ROWS = 2  # from 3 rows on XLA's own matrix product is as fast or faster (measured)
@@ -164,7 +166,7 @@ def _library() -> str | None:
         jax.ffi.register_ffi_target(_LAYER, jax.ffi.pycapsule(lib.JaxdecodeDecodeLayer), platform="cpu")
         jax.ffi.register_ffi_target(_PAGED_LAYER, jax.ffi.pycapsule(lib.JaxdecodePagedLayer), platform="cpu")
         jax.ffi.register_ffi_target(_HF_LAYER, jax.ffi.pycapsule(lib.JaxdecodeHFLayer), platform="cpu")
-        for target, symbol in _LINEAR.values():
+        for target, symbol in (*_LINEAR.values(), _LINEAR4):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_INT8_TARGET, jax.ffi.pycapsule(lib.JaxdecodePagedAttentionInt8),
@@ -276,6 +278,31 @@ def unpack(wp):
     return wp.transpose(1, 0, 2).reshape(K, 16 * P)
 
 
+def pack4(u, scale):
+    """Int4 weights ``u`` ``[K, N]`` (uint8 values 0..15, the weight ``(u - 8) * scale``) and their
+    float16 scales ``[K / 32, N]`` (one per column and group of 32 along ``K``) packed for
+    :func:`linear`: ``(up [N / 16, K / 2, 16] uint8, sp [N / 16, K / 32, 16] float16)``, up's byte
+    ``(p, j, c)`` holding ``u[2j, 16p + c]`` in its low four bits and ``u[2j + 1, 16p + c]`` in its
+    high four (csrc/linear4.h). numpy in, numpy out."""
+    u = np.asarray(u, np.uint8)
+    K, N = u.shape
+    pairs = (u[0::2] & 15) | ((u[1::2] & 15) << 4)  # [K / 2, N]
+    up = np.ascontiguousarray(pairs.reshape(K // 2, N // 16, 16).transpose(1, 0, 2))
+    scale = np.asarray(scale, np.float16)
+    sp = np.ascontiguousarray(scale.reshape(K // GROUP4, N // 16, 16).transpose(1, 0, 2))
+    return up, sp
+
+
+def unpack4(up, sp):
+    """The inverse of :func:`pack4`: ``(u [K, N] uint8, scale [K / 32, N] float16)``."""
+    up, sp = np.asarray(up), np.asarray(sp)
+    P, half, _ = up.shape
+    pairs = up.transpose(1, 0, 2).reshape(half, 16 * P)
+    u = np.empty((2 * half, 16 * P), np.uint8)
+    u[0::2], u[1::2] = pairs & 15, pairs >> 4
+    return u, sp.transpose(1, 0, 2).reshape(sp.shape[1], 16 * P)
+
+
 def packed_dense(x, wp, b):
     """``x @ w + b`` natively with ``wp = pack(w)`` (for a few rows)."""
     check_float32(x, wp, b)
@@ -285,12 +312,23 @@ def packed_dense(x, wp, b):
 def linear(x, wp, scale=None):
     """``x @ W`` natively for ``x`` ``[..., K]`` float32 (any number of rows) and ``W`` ``[K, N]``
     packed by :func:`pack` in the dtype it is kept in: float32, bfloat16, float16, or int8 with
-    ``scale`` ``[N]`` float32 (``W = Q * scale`` per column). The kernel widens each weight to
+    ``scale`` ``[N]`` float32 (``W = Q * scale`` per column); or int4 packed by :func:`pack4`
+    (``wp`` uint8, ``scale`` its float16 scales). The kernel widens each weight to
     float32 as it reads it, and reads each panel of 16 columns once for all the rows (csrc/linear.cc).
     A row's result does not depend on the other rows of the call."""
     name = jnp.dtype(wp.dtype).name
+    if name == "uint8":  # int4, two weights a byte
+        if scale is None or jnp.dtype(scale.dtype) != jnp.float16:
+            raise TypeError("the native linear layer needs float16 scales with int4 weights")
+        check_float32(x)
+        lead, K = x.shape[:-1], x.shape[-1]
+        M, N = math.prod(lead), 16 * wp.shape[0]
+        _registered()
+        call = jax.ffi.ffi_call(_LINEAR4[0], jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+        return call(x.reshape(M, K), wp, scale).reshape(*lead, N)
     if name not in _LINEAR:
-        raise TypeError(f"the native linear layer takes float32, bfloat16, float16 or int8 weights, got {name}")
+        raise TypeError(f"the native linear layer takes float32, bfloat16, float16, int8 or int4 (uint8) "
+                        f"weights, got {name}")
     if (name == "int8") != (scale is not None):
         raise TypeError("the native linear layer needs a scale with int8 weights, and only with them")
     check_float32(x)
@@ -311,7 +349,7 @@ def hf_layer(x, pos, cos, sin, weights: dict, k, v, heads: int, eps: float, scal
     ``x`` ``[B, S, d]`` float32 at positions ``pos`` ``[B, S]``; ``cos``, ``sin`` ``[B, S, D / 2]``
     the rotation there; ``weights``: ``norm1_w``, ``norm2_w`` ``[d]``, ``qkv`` and ``gu`` (gate
     then up) and ``wo``, ``w_down``, each ``{"packed": [N / 16, K, 16], "scale"?}`` in one dtype
-    (:func:`pack`; int8 with its scale), and optionally ``bqkv`` ``[N]``, ``q_norm``, ``k_norm``
+    (:func:`pack`; int8 with its scale; or int4 by :func:`pack4`), and optionally ``bqkv`` ``[N]``, ``q_norm``, ``k_norm``
     ``[D]``. Each row's new keys and values are written into the cache ``k, v`` ``[B, KV, C, D]``
     at its positions (in place where XLA can donate it), and position ``pos[b, s]`` attends to the
     cache's positions ``0..pos[b, s]`` (the last ``window`` of them, if given); a row whose
@@ -325,7 +363,10 @@ def hf_layer(x, pos, cos, sin, weights: dict, k, v, heads: int, eps: float, scal
     mats = []
     for name in ("qkv", "wo", "gu", "w_down"):
         w = weights[name]
-        mats += [w["packed"], none if w.get("scale") is None else jnp.asarray(w["scale"], jnp.float32)]
+        s = w.get("scale")
+        if s is not None and jnp.dtype(w["packed"].dtype) != jnp.uint8:  # int4's stay float16
+            s = jnp.asarray(s, jnp.float32)
+        mats += [w["packed"], none if s is None else s]
     vec = lambda name: jnp.asarray(weights[name], jnp.float32) if weights.get(name) is not None else none
     kv = jax.ShapeDtypeStruct(k.shape, jnp.float32)
     _registered()

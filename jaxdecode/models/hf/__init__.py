@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, generation_defaults
 from jaxdecode.models.hf.families import read_config
 from jaxdecode.models.hf.linear import STORED, WEIGHTS, mode, prepare
-from jaxdecode.models.hf.quantized import QuantizedError, is_quantized, packed, read_int8
+from jaxdecode.models.hf.quantized import QuantizedError, is_quantized, kind, packed, read_int8
 from jaxdecode.models.hf.sharding import ShardingError
 from jaxdecode.models.hf.sliced import read_sliced
 from jaxdecode.models.hf.tokenizer import HFTokenizer, TokenizerError
@@ -74,10 +74,11 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
         eos = end_tokens(folder, raw, cfg.V, vocab.size)
         defaults = generation_defaults(folder)
         if is_quantized(raw):  # saved by `jaxdecode quantize`: read back as written
-            if weights not in ("auto", "int8") or dtype != "float32":
-                raise HFError(f"{folder} holds int8 weights: load it with weights 'auto' or 'int8' and dtype "
+            held = kind(raw)
+            if weights not in ("auto", held) or dtype != "float32":
+                raise HFError(f"{folder} holds {held} weights: load it with weights 'auto' or '{held}' and dtype "
                               f"float32")
-            params, how, kept = read_int8(folder, cfg, mesh), "int8", "int8"
+            params, how, kept = read_int8(folder, cfg, mesh), held, held
             params = packed(params) if native else params
         elif mesh is not None:  # each device's slice read from the files, in its kept form
             params, kept = read_sliced(folder, cfg, dtype, how, mesh)

@@ -1,10 +1,14 @@
-"""A Hugging Face folder quantized to int8 once, saved, and loaded back exactly (``jaxdecode quantize``).
+"""A Hugging Face folder quantized to int8 or int4 once, saved, and loaded back exactly
+(``jaxdecode quantize [--weights int4]``).
 
-The folder keeps the source's ``config.json`` (with a ``"jaxdecode_weights"`` record added),
-tokenizer and generation files, and one ``model.safetensors`` holding jaxdecode's parameter tree
-as it is after :func:`jaxdecode.models.hf.linear.prepare` with ``weights="int8"``: every int8
-matrix as ``<path>.q`` (int8 ``[K, N]``) and ``<path>.scale`` (float32 ``[N]``), every other
-parameter as loaded. Loading it reads those tensors back as they were written, so its outputs
+The folder keeps the source's ``config.json`` (with a ``"jaxdecode_weights"`` record added, whose
+``"format"`` is ``"int8"`` or ``"int4"``), tokenizer and generation files, and one
+``model.safetensors`` holding jaxdecode's parameter tree as it is after
+:func:`jaxdecode.models.hf.linear.prepare` with ``weights="int8"`` or ``"int4"``: every int8
+matrix as ``<path>.q`` (int8 ``[K, N]``) and ``<path>.scale`` (float32 ``[N]``), every int4
+matrix as ``<path>.q4`` (uint8 ``[K / 2, N]``, two weights a byte: row ``k`` even in the low
+four bits, ``k + 1`` in the high four, each stored as ``q + 8``) and ``<path>.scale`` (float16
+``[K / 32, N]``), every other parameter as loaded. Loading it reads those tensors back as they were written, so its outputs
 equal those of the model it was saved from, on either path. It is jaxdecode's own layout:
 transformers cannot read it (there is no transformers format for weight-only int8 without a
 quantization library).
@@ -21,6 +25,10 @@ import numpy as np
 MARK = "jaxdecode_weights"
 RECORD = {"format": "int8", "scheme": "symmetric, one float32 scale per output column",
           "layout": "jaxdecode parameter tree (not readable by transformers)"}
+RECORD4 = {"format": "int4", "scheme": "symmetric, one float16 scale per output column and group of 32 "
+                                       "input rows (matrices whose input is not a multiple of 32: int8)",
+           "layout": "jaxdecode parameter tree (not readable by transformers)"}
+FORMATS = ("int8", "int4")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
           "special_tokens_map.json")
 
@@ -35,12 +43,22 @@ def _flatten(params) -> dict[str, np.ndarray]:
     flat: dict[str, np.ndarray] = {}
 
     def put(prefix, value):
-        if isinstance(value, dict) and "scale" in value:  # an int8 matrix, portable or packed
+        if isinstance(value, dict) and ("q4" in value or "packed" in value and value["packed"].dtype == np.uint8):
+            if "q4" in value:  # int4, portable or packed: two weights a byte
+                u = np.asarray(value["q4"]).astype(np.int8) + 8
+                scale = np.asarray(value["scale"], np.float16)
+            else:
+                u, scale = kernels.unpack4(value["packed"], value["scale"])
+            u = u.astype(np.uint8)
+            flat[prefix + ".q4"] = u[0::2] | (u[1::2] << 4)
+            flat[prefix + ".scale"] = np.asarray(scale, np.float16)
+        elif isinstance(value, dict) and "scale" in value:  # an int8 matrix, portable or packed
             q = value["q"] if "q" in value else kernels.unpack(value["packed"])
             flat[prefix + ".q"] = np.asarray(q)
             flat[prefix + ".scale"] = np.asarray(value["scale"], np.float32)
         elif isinstance(value, dict):
-            raise QuantizedError(f"parameter {prefix} is not int8 (load the model with weights='int8')")
+            raise QuantizedError(f"parameter {prefix} is not quantized (load the model with weights='int8' or "
+                                 f"'int4')")
         else:
             flat[prefix] = np.asarray(value)
 
@@ -55,28 +73,57 @@ def _flatten(params) -> dict[str, np.ndarray]:
 
 
 def save_int8(lm, dst) -> Path:
-    """Write ``lm`` (a Hugging Face model loaded with ``weights="int8"``) as an int8 folder."""
+    """Write ``lm`` (a Hugging Face model loaded with ``weights="int8"`` or ``"int4"``) as a
+    quantized folder of that format."""
     from safetensors.numpy import save_file
 
     from jaxdecode.io.files import atomic_folder
 
-    if lm.meta.get("format") != "huggingface" or lm.meta.get("weights") != "int8":
-        raise QuantizedError("quantize: the model must be a Hugging Face folder loaded with weights='int8'")
+    kind = lm.meta.get("weights")
+    if lm.meta.get("format") != "huggingface" or kind not in FORMATS:
+        raise QuantizedError("quantize: the model must be a Hugging Face folder loaded with weights='int8' or "
+                             "'int4'")
     src = Path(lm.path)
     flat = _flatten(lm.params)
     with atomic_folder(dst, error=QuantizedError) as tmp:
         config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        config[MARK] = dict(RECORD, source=str(src))
+        config[MARK] = dict(RECORD if kind == "int8" else RECORD4, source=str(src))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
-        save_file(flat, str(tmp / "model.safetensors"), metadata={"format": "jaxdecode-int8"})
+        save_file(flat, str(tmp / "model.safetensors"), metadata={"format": f"jaxdecode-{kind}"})
     return Path(dst)
+
+
+save = save_int8
 
 
 def is_quantized(raw: dict) -> bool:
     return MARK in raw
+
+
+def kind(raw: dict) -> str:
+    """The format of a quantized folder's config (``"int8"``, ``"int4"``); one line if unknown."""
+    record = raw.get(MARK)
+    found = record.get("format", "int8") if isinstance(record, dict) else "int8"
+    if found not in FORMATS:
+        raise QuantizedError(f"the folder's {MARK} record names format {found!r}, not one of {', '.join(FORMATS)}")
+    return found
+
+
+def _int4(path: Path, name: str, v: dict) -> dict:
+    """A matrix read as ``{"q4": uint8 [K / 2, N], "scale"}`` as the portable int4 matrix, checked."""
+    import jax.numpy as jnp
+
+    a, scale = np.asarray(v["q4"]), v["scale"]
+    if set(v) != {"q4", "scale"} or a.dtype != np.uint8 or a.ndim != 2 or scale.dtype != jnp.float16 \
+            or (2 * a.shape[0]) % 32 or tuple(scale.shape) != (2 * a.shape[0] // 32, a.shape[1]):
+        raise QuantizedError(f"{path}: matrix {name!r} is not an int4 matrix with a float16 scale per column and "
+                             f"group of 32")
+    u = np.empty((2 * a.shape[0], a.shape[1]), np.int8)
+    u[0::2], u[1::2] = a & 15, a >> 4
+    return {"q4": jnp.asarray((u - 8).astype(jnp.int4)), "scale": jnp.asarray(scale)}
 
 
 def read_int8(folder: Path, cfg, mesh=None) -> dict:
@@ -115,7 +162,11 @@ def read_int8(folder: Path, cfg, mesh=None) -> dict:
         raise QuantizedError(f"{path}: the int8 folder lacks layers or the embedding its config implies")
     for where in (params, *layers):
         for name, v in where.items():
-            if isinstance(v, dict) and (set(v) != {"q", "scale"} or v["q"].dtype != jnp.int8
+            if isinstance(v, dict) and "q4" in v:  # int4 (read whole: no mesh)
+                if mesh is not None:
+                    raise QuantizedError(f"{path}: an int4 folder is read on one device, not on a mesh")
+                where[name] = _int4(path, name, v)
+            elif isinstance(v, dict) and (set(v) != {"q", "scale"} or v["q"].dtype != jnp.int8
                                         or v["scale"].shape != (v["q"].shape[1],)):
                 raise QuantizedError(f"{path}: matrix {name!r} is not an int8 matrix with one scale per column")
     if params["embed"].shape != (cfg.V, cfg.d):
@@ -190,14 +241,20 @@ def _unflatten(flat: dict, L: int) -> dict:
 
 
 def packed(params: dict) -> dict:
-    """An int8 tree's matrices packed for the native kernel (where their width allows it)."""
-    from jaxdecode.models.hf.linear import packed_int8
+    """A quantized tree's matrices packed for the native kernel (where their width allows it)."""
+    from jaxdecode.models.hf.linear import packed_int4, packed_int8
 
-    pack = lambda v: packed_int8(v) if isinstance(v, dict) else v
+    def pack(v):
+        if isinstance(v, dict) and "q4" in v:
+            if v["q4"].shape[1] % 16:
+                return v
+            return packed_int4(np.asarray(v["q4"]).astype(np.int8) + 8, np.asarray(v["scale"]))
+        return packed_int8(v) if isinstance(v, dict) else v
 
     out = {k: pack(v) for k, v in params.items() if k != "layers"}
     out["layers"] = tuple({k: pack(v) for k, v in layer.items()} for layer in params["layers"])
     return out
 
 
-__all__ = ["MARK", "QuantizedError", "is_quantized", "packed", "read_int8", "save_int8"]
+__all__ = ["FORMATS", "MARK", "QuantizedError", "is_quantized", "kind", "packed", "read_int8", "save",
+           "save_int8"]

@@ -12,8 +12,9 @@
 // whose phases (below) run on the calling thread and one more, which claim work items phase by
 // phase and wait for each other only between phases (threads.h).
 //
-// The four matrices are packed in panels of 16 columns in one dtype (float32, bfloat16, float16, or
-// int8 with a float32 scale per column), and go through linear.h's product, so every product is
+// The four matrices are packed in panels of 16 columns in one dtype (float32, bfloat16, float16,
+// int8 with a float32 scale per column, or int4 in groups of 32 with float16 scales), and go through
+// linear.h's product (linear4.h's for int4), so every product is
 // summed exactly as the separate native product sums it. Inputs: x [R, d] (R = B * S, row b's S
 // new positions in order), pos [R] (the position of each: it is written there, and sees the
 // cache's positions 0..pos; a row whose positions run past the cache is written at its end, as
@@ -25,11 +26,13 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attend.h"
 #include "common.h"
 #include "linear.h"
+#include "linear4.h"
 #include "threads.h"
 
 namespace jaxdecode {
@@ -77,7 +80,7 @@ constexpr int64_t kActChunk = 256;  // the activation's work item: this many val
 struct Problem {
   const float *x, *n1, *n2, *bqkv, *qn, *kn, *cs, *sn;  // bqkv, qn, kn: null when absent
   const void *wqkv, *wo, *wgu, *wd;
-  const float *sqkv, *so, *sgu, *sd;  // int8 scales, else null
+  const void *sqkv, *so, *sgu, *sd;  // int8 scales (float32), int4 scales (float16), else null
   float *kc, *vc;
   const int32_t* pos;
   float* y;
@@ -103,11 +106,15 @@ struct Phases {
   int64_t Chunks() const { return (p.F + kActChunk - 1) / kActChunk; }
 
   // Panels [i * per, ...) of the product y [R, N] = x [R, K] @ w, as `items` ranges.
-  void Product(const float* x, int64_t K, const void* w, const float* s, float* y, int64_t N,
+  void Product(const float* x, int64_t K, const void* w, const void* s, float* y, int64_t N,
                int64_t i) const {
     const int64_t panels = N / 16, per = (panels + p.items - 1) / p.items;
     const int64_t p0 = std::min(panels, i * per), p1 = std::min(panels, p0 + per);
-    if (p0 < p1) Panels<T>(x, p.R, K, static_cast<const T*>(w), s, y, N, p0, p1);
+    if (p0 >= p1) return;
+    if constexpr (std::is_same<T, Q4>::value)
+      Panels4(x, p.R, K, static_cast<const Q4*>(w), static_cast<const F16*>(s), y, N, p0, p1);
+    else
+      Panels<T>(x, p.R, K, static_cast<const T*>(w), static_cast<const float*>(s), y, N, p0, p1);
   }
 
   void Run(int phase, int64_t i) const {
@@ -176,10 +183,10 @@ struct Phases {
 ffi::Error HFLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pos,
                        ffi::Buffer<ffi::F32> cs, ffi::Buffer<ffi::F32> sn, ffi::Buffer<ffi::F32> n1,
                        ffi::Buffer<ffi::F32> bqkv, ffi::Buffer<ffi::F32> qn, ffi::Buffer<ffi::F32> kn,
-                       ffi::AnyBuffer wqkv, ffi::Buffer<ffi::F32> sqkv, ffi::AnyBuffer wo,
-                       ffi::Buffer<ffi::F32> so, ffi::Buffer<ffi::F32> n2, ffi::AnyBuffer wgu,
-                       ffi::Buffer<ffi::F32> sgu, ffi::AnyBuffer wd,
-                       ffi::Buffer<ffi::F32> sd, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                       ffi::AnyBuffer wqkv, ffi::AnyBuffer sqkv, ffi::AnyBuffer wo,
+                       ffi::AnyBuffer so, ffi::Buffer<ffi::F32> n2, ffi::AnyBuffer wgu,
+                       ffi::AnyBuffer sgu, ffi::AnyBuffer wd,
+                       ffi::AnyBuffer sd, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> kout,
                        ffi::ResultBuffer<ffi::F32> vout, int64_t S, int64_t heads, int64_t window, float eps,
                        float scale) {
@@ -193,25 +200,33 @@ ffi::Error HFLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (int64_t(cs.element_count()) != R * (D / 2) || int64_t(sn.element_count()) != R * (D / 2))
     return bad("cos and sin are not [R, D/2]");
   const int64_t Q = H * D, N = Q + 2 * KV * D;
-  auto packed = [](const ffi::AnyBuffer& w, int64_t K, int64_t cols) {
+  const ffi::DataType dt = wqkv.element_type();
+  const bool int4 = dt == ffi::DataType::U8;  // two weights a byte (linear4.h)
+  auto packed = [int4](const ffi::AnyBuffer& w, int64_t K, int64_t cols) {
     auto wdim = w.dimensions();
-    return wdim.size() == 3 && wdim[0] * 16 == cols && wdim[1] == K && wdim[2] == 16;
+    return wdim.size() == 3 && wdim[0] * 16 == cols && (int4 ? 2 * wdim[1] : wdim[1]) == K && wdim[2] == 16 &&
+           (!int4 || K % kGroup4 == 0);
   };
   if (!packed(wqkv, d, N) || !packed(wo, Q, d) || wgu.dimensions().size() != 3)
     return bad("a matrix is not packed to the layer's shape");
   const int64_t F = wgu.dimensions()[0] * 8;
   if (!packed(wgu, d, 2 * F) || !packed(wd, F, d))
     return bad("the MLP's matrices are not packed to its shape");
-  const ffi::DataType dt = wqkv.element_type();
   if (wo.element_type() != dt || wgu.element_type() != dt || wd.element_type() != dt)
     return bad("the four matrices must share one dtype");
   const bool int8 = dt == ffi::DataType::S8;
-  auto scale_of = [&](const ffi::Buffer<ffi::F32>& s, int64_t cols) -> const float* {
-    return int8 && int64_t(s.element_count()) == cols ? s.typed_data() : nullptr;
+  // int8: a float32 scale per column; int4: a float16 scale per column and group of 32 (K / 32 * cols)
+  auto scale_of = [&](const ffi::AnyBuffer& s, int64_t K, int64_t cols) -> const void* {
+    if (int8 && s.element_type() == ffi::DataType::F32 && int64_t(s.element_count()) == cols)
+      return s.untyped_data();
+    if (int4 && s.element_type() == ffi::DataType::F16 && int64_t(s.element_count()) == K / kGroup4 * cols)
+      return s.untyped_data();
+    return nullptr;
   };
-  const float *s1 = scale_of(sqkv, N), *s2 = scale_of(so, d);
-  const float *s3 = scale_of(sgu, 2 * F), *s4 = scale_of(sd, d);
-  if (int8 != (s1 && s2 && s3 && s4)) return bad("int8 matrices need a scale per column, and only they");
+  const void *s1 = scale_of(sqkv, d, N), *s2 = scale_of(so, Q, d);
+  const void *s3 = scale_of(sgu, d, 2 * F), *s4 = scale_of(sd, F, d);
+  if (int8 != (s1 && s2 && s3 && s4) && !int4) return bad("int8 matrices need a scale per column, and only they");
+  if (int4 && !(s1 && s2 && s3 && s4)) return bad("int4 matrices need a float16 scale per column and group of 32");
   if (n1.element_count() != d || n2.element_count() != d) return bad("a norm's weight is not [d]");
   const bool bias = bqkv.element_count() != 0, norms = qn.element_count() != 0;
   if ((bias && bqkv.element_count() != N) || (norms && (qn.element_count() != D || kn.element_count() != D)))
@@ -236,7 +251,8 @@ ffi::Error HFLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     case ffi::DataType::BF16: RunPhases(pool, threads, Phases<uint16_t>{p}); break;
     case ffi::DataType::F16: RunPhases(pool, threads, Phases<F16>{p}); break;
     case ffi::DataType::S8: RunPhases(pool, threads, Phases<int8_t>{p}); break;
-    default: return bad("the matrices must be float32, bfloat16, float16 or int8");
+    case ffi::DataType::U8: RunPhases(pool, threads, Phases<Q4>{p}); break;
+    default: return bad("the matrices must be float32, bfloat16, float16, int8 or int4");
   }
   return ffi::Error::Success();
 }
@@ -256,14 +272,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeHFLayer, jaxdecode::HFLayerImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q norm [D], or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k norm [D], or empty
                                   .Arg<ffi::AnyBuffer>()         // Wqkv, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // its scale, or empty
+                                  .Arg<ffi::AnyBuffer>()         // its scale, or empty
                                   .Arg<ffi::AnyBuffer>()         // Wo, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // its scale, or empty
+                                  .Arg<ffi::AnyBuffer>()         // its scale, or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm 2 [d]
                                   .Arg<ffi::AnyBuffer>()         // Wgu (gate, then up), packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // its scale, or empty
+                                  .Arg<ffi::AnyBuffer>()         // its scale, or empty
                                   .Arg<ffi::AnyBuffer>()         // Wdown, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // its scale, or empty
+                                  .Arg<ffi::AnyBuffer>()         // its scale, or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k cache
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v cache
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [R, d]

@@ -1,12 +1,13 @@
 // The linear layers of the Hugging Face decoder: FFI handlers JaxdecodeLinearF32, ...BF16, ...F16
-// and ...S8, y = x @ W for any number of rows on the packed product of linear.h, the panels shared
-// between the calling thread and the pool.
+// and ...S8, y = x @ W for any number of rows on the packed product of linear.h, and ...Q4 on
+// linear4.h's (int4 in groups of 32), the panels shared between the calling thread and the pool.
 
 #include <algorithm>
 #include <cstdint>
 
 #include "common.h"
 #include "linear.h"
+#include "linear4.h"
 #include "threads.h"
 
 namespace jaxdecode {
@@ -39,8 +40,44 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// The ranges of panels of one call: twice as many as threads (a thread that starts late takes fewer).
+template <typename F>
+void SplitPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t panels, F run) {
+  const int64_t work = M * K * 16 * panels;
+  const int64_t threads = work < (int64_t{1} << 15) ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
+  const int64_t items = std::min<int64_t>(panels, threads > 1 ? 2 * threads : 1);
+  const int64_t per = (panels + items - 1) / items;
+  const int64_t count = (panels + per - 1) / per;
+  ParallelFor(pool, count, threads, [=](int64_t i) { run(i * per, std::min(panels, (i + 1) * per)); });
+}
+
+ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
+                        ffi::Buffer<ffi::F16> sp, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions(), sd = sp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || xd[1] != 2 * wd[1] || xd[1] % kGroup4)
+    return ffi::Error::InvalidArgument("linear: expected x [M, K] (K a multiple of 32) and wp [N/16, K/2, 16]");
+  const int64_t M = xd[0], K = xd[1], panels = wd[0], N = 16 * panels;
+  if (sd.size() != 3 || sd[0] != panels || sd[1] != K / kGroup4 || sd[2] != 16)
+    return ffi::Error::InvalidArgument("linear: expected int4 scales [N/16, K/32, 16]");
+  const float* xs = x.typed_data();
+  const Q4* w = reinterpret_cast<const Q4*>(wp.untyped_data());
+  const F16* s = reinterpret_cast<const F16*>(sp.untyped_data());
+  float* ys = y->typed_data();
+  if (M == 0) return ffi::Error::Success();
+  SplitPanels(pool, M, K, panels, [=](int64_t p0, int64_t p1) { Panels4(xs, M, K, w, s, ys, N, p0, p1); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxdecode
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdecodeLinearQ4, jaxdecode::LinearQ4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // wp [N/16, K/2, 16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [N/16, K/32, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
 
 #define JAXDECODE_LINEAR(NAME, DT, T)                                                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (jaxdecode::LinearImpl<DT, T>),                       \
