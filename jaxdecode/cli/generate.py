@@ -17,10 +17,22 @@ from jaxdecode.cli.common import (
     _past_window,
     _print_json,
     _print_samples,
-    _unit,
     _stops,
     _streaming,
+    _unit,
 )
+
+
+def decode_params(args, settings: dict | None = None, **fields):
+    """The :class:`~jaxdecode.decoding.params.DecodeParams` of the generate command's flags: ``-n``,
+    ``--memory-budget``, the rule flags ``settings`` (already checked, their errors naming the
+    flags) and ``fields`` (the stop strings, the constraint, ... each variant honours)."""
+    from jaxdecode.decoding.params import DecodeParams
+
+    try:
+        return DecodeParams(n=args.n, memory_budget=args.memory_budget, **(settings or {}), **fields)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def generate_contrastive(args, prompt, settings):
@@ -41,8 +53,7 @@ def generate_contrastive(args, prompt, settings):
     stream, on_text = _streaming(args, prompt)
     on_text, done = _past_window(args, lm, len(ids), args.n, 1, on_text)
     try:
-        out = contrastive_generate(lm, prompt, args.n, k, alpha, stop=stop, on_text=on_text,
-                                   memory_budget=args.memory_budget)[0]
+        out = contrastive_generate(lm, prompt, decode_params(args, stop=stop), k, alpha, on_text=on_text)[0]
     except ValueError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -106,8 +117,8 @@ def generate_beam(args, prompt, rule, settings):
     constraint = _constraint(args, lm)
     stop = _stops(args, lm)
     _past_window(args, lm, len(ids), args.n, bar=False)  # beam search reports nothing until the end
-    hyps = beam_generate(lm, prompt, args.n, args.beam, n_best=n_best, length_penalty=alpha, stop=stop, rule=rule,
-                         constraint=constraint, memory_budget=args.memory_budget)[0]
+    params = decode_params(args, settings, stop=stop, constraint=constraint)
+    hyps = beam_generate(lm, prompt, params, args.beam, n_best=n_best, length_penalty=alpha)[0]
     if args.json:
         doc = {"outputs": [{"prompt": prompt, "text": h.text, "mean_logprob": h.mean_logprob,
                             "tokens": np.asarray(h.tokens).tolist(), "score": h.score,
@@ -150,8 +161,8 @@ def generate_speculative(args, prompt, rule, settings):
         draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
                            progress=not args.quiet)
     else:  # a smaller model of the same family and tokenizer
-        from jaxdecode.models import checkpoint
         from jaxdecode.io.vocab import same_vocabulary
+        from jaxdecode.models import checkpoint
 
         small = checkpoint.load(args.speculative, dtype=getattr(args, "dtype", None) or "float32")
         if small.decoder.V != lm.decoder.V or getattr(small.vocab, "size", None) != getattr(lm.vocab, "size", None) \
@@ -160,10 +171,9 @@ def generate_speculative(args, prompt, rule, settings):
                              f"is not the model's ({lm.decoder.V}); a draft must share the model's tokenizer")
         draft = ModelDraft.from_lm(small)
     stream, on_text = _streaming(args, prompt)
-    outs = speculative_generate(lm, prompt, args.n, draft=draft, gamma=gamma, seed=args.seed, rule=rule,
-                                memory_budget=args.memory_budget,
-                                greedy=args.greedy, num_samples=args.num_samples, stop=stop, on_text=on_text,
-                                constraint=constraint)
+    params = decode_params(args, settings, seed=args.seed, greedy=args.greedy, num_samples=args.num_samples,
+                           stop=stop, constraint=constraint)
+    outs = speculative_generate(lm, prompt, params, draft=draft, gamma=gamma, on_text=on_text)
     total = SpeculativeStats.total([o.stats for o in outs])
     line = (f"speculative ({args.speculative}, gamma={gamma}): acceptance {total.acceptance_rate:.2f}, "
             f"{total.chars_per_pass:.2f} tokens per target pass "

@@ -14,12 +14,13 @@ import time
 import uuid
 import weakref
 
-from jaxdecode.decoding.common import default_settings
 from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
-from jaxdecode.rules import NEUTRAL, RuleError, make_rule
-from jaxdecode.serving.engine import Request
+from jaxdecode.decoding.common import default_settings
+from jaxdecode.decoding.params import DecodeParams
+from jaxdecode.rules import NEUTRAL, make_rule
 from jaxdecode.server.protocol import APIError
 from jaxdecode.server.runner import FINISHED, Handle
+from jaxdecode.serving.engine import Request
 
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 # the server's rule layout: every kind a request may set, in make_rule's order, each with the setting
@@ -30,35 +31,44 @@ LAYOUT = ("repetition_penalty", "frequency_penalty", "presence_penalty", "temper
 
 
 def server_layout(V: int):
-    return make_rule(**{name: V if NEUTRAL[name] == "V" else NEUTRAL[name] for name in LAYOUT})
+    return make_rule(**_neutral(V))
 
 
-def sampling(body, V: int, defaults: dict | None = None) -> dict:
-    """The engine settings of a request's sampling fields: ``rule``, ``greedy`` and ``seed``.
-    ``defaults``: the model folder's ``generation_config.json`` settings
-    (:func:`~jaxdecode.decoding.common.default_settings`), which apply to the fields the request
-    leaves out (as vLLM applies them)."""
+def decode_params(body, V: int, defaults: dict | None = None) -> DecodeParams:
+    """The :class:`~jaxdecode.decoding.params.DecodeParams` of a request's sampling fields (rule
+    settings, greedy, seed, ``n`` samples, stop token ids, ``ignore_eos``); the new-token count,
+    stop strings and log-probabilities are each endpoint's. ``defaults``: the model folder's
+    ``generation_config.json`` settings (:func:`~jaxdecode.decoding.common.default_settings`),
+    which apply to the fields the request leaves out (as vLLM applies them)."""
     top_k = body.top_k
     if top_k is not None and (top_k in (-1, 0) or top_k >= V):
         top_k = V  # "no top-k", set: it wins over a folder's top_k
-    asked = dict(repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-                 presence_penalty=body.presence_penalty, temperature=body.temperature, top_k=top_k,
-                 top_p=body.top_p, min_p=body.min_p)
+    asked = {name: getattr(body, name) for name in LAYOUT} | {"top_k": top_k}
     greedy = body.temperature == 0.0
     if greedy:
         asked["temperature"] = None
     settings, greedy = default_settings(_Defaults(defaults), asked, greedy)
     # each setting at its neutral value leaves the logits unchanged: left out of the chain
-    neutral = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, temperature=1.0,
-                   top_k=V, top_p=1.0, min_p=0.0)
-    settings = {k: (None if greedy and k == "temperature" or v == neutral[k] else v)
-                for k, v in settings.items() if k in neutral}
-    try:
-        rule = make_rule(**settings)
-    except (RuleError, ValueError) as e:
-        raise APIError(400, str(e)) from None
+    neutral = _neutral(V)
+    settings = {k: v for k, v in settings.items()
+                if k in neutral and v != neutral[k] and not (greedy and k == "temperature")}
     seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-    return dict(rule=rule, greedy=greedy, seed=seed)
+    try:
+        return DecodeParams(**settings, greedy=greedy, seed=seed, num_samples=body.n,
+                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def sampling(body, V: int, defaults: dict | None = None) -> dict:
+    """The engine :class:`~jaxdecode.serving.Request` keywords of a request's sampling fields:
+    ``params``, its :func:`decode_params`."""
+    return {"params": decode_params(body, V, defaults)}
+
+
+def _neutral(V: int) -> dict:
+    """Each setting of :data:`LAYOUT` at its neutral value (:data:`jaxdecode.rules.NEUTRAL`)."""
+    return {name: V if NEUTRAL[name] == "V" else NEUTRAL[name] for name in LAYOUT}
 
 
 class _Defaults:  # what default_settings reads: a model's generation_defaults

@@ -109,6 +109,7 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # end a sample (the token stays in its text, as vLLM)
     structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None  # the older names of structured_outputs' regex, choice and json
     guided_choice: list[str] | None = None
@@ -122,7 +123,6 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
     best_of: int | None = None
     suffix: str | None = None
     guided_grammar: str | None = None
@@ -199,7 +199,7 @@ _NONE = (lambda v: v is None)
 _EMPTY = (lambda v: v is None or v == [] or v == {})
 UNSUPPORTED = {
     "logit_bias": _EMPTY, "allowed_token_ids": (lambda v: v is None), "bad_words": _EMPTY,
-    "min_tokens": (lambda v: v == 0), "stop_token_ids": _EMPTY,
+    "min_tokens": (lambda v: v == 0),
     "best_of": (lambda v: v in (None, 1)), "suffix": (lambda v: v in (None, "")),
     "guided_grammar": _NONE, "guided_decoding_backend": _NONE,
     "use_beam_search": (lambda v: not v), "length_penalty": (lambda v: v in (None, 1.0)),

@@ -127,7 +127,7 @@ def make_rows(engine, r: Request, i: int) -> list:
     try:
         p = r.params.check_for(ENGINE)
     except ValueError as e:
-        raise ValueError(f"request {i}: {e}") from None
+        raise type(e)(f"request {i}: {e}") from None
     n, N = p.n, p.num_samples
     if isinstance(r.arrival, bool) or not isinstance(r.arrival, (int, float, np.integer, np.floating)) \
             or not math.isfinite(r.arrival) or r.arrival < 0:
