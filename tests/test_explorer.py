@@ -255,6 +255,20 @@ def test_bad_input_is_one_clear_error(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+@pytest.mark.quick
+def test_explore_command_takes_serves_options():
+    """``jaxdecode explore`` parses every option of ``serve`` and leaves the port to a free one."""
+    from jaxdecode.cli.app import build_parser
+    from jaxdecode.cli.explore import cmd_explore
+
+    args = build_parser().parse_args(["explore", "--slots", "3", "--engine-thread"])
+    assert args.func is cmd_explore and args.port is None and args.slots == 3 and args.engine_thread
+    assert build_parser().parse_args(["explore", "--port", "8123"]).port == 8123
+    serve = build_parser().parse_args(["serve"])
+    assert {k for k in vars(serve) if k not in ("func", "command")} == {
+        k for k in vars(args) if k not in ("func", "command")}
+
+
 # ----------------------------------------------------------------------------- the page in a browser
 
 
@@ -345,6 +359,17 @@ def test_page_bars_top_p_and_no_other_host(server, page, lm, shots):
     origin = server.root
     urls = page.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert urls and all(u.startswith(origin + "/") for u in urls), urls
+    # the keyboard: Enter on a focused bar appends its token
+    bar = _by(page, "#bars li.bar")[1]
+    token = int(bar.get_attribute("data-token"))
+    bar.send_keys("\n")
+    _wait(page, lambda d: len(_by(d, "#path tbody tr")) == 1, "the token appended")
+    assert _text(page.find_element("id", "path-text")) == lm.vocab.decode([token])
+    # a phone's width: nothing wider than the screen but the beam tree's own scrolling box
+    page.set_window_size(390, 844)
+    assert page.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    page.save_screenshot(str(shots / "phone.png"))
+    page.set_window_size(1280, 1100)
 
 
 def test_page_seeded_path_beam_tree_and_views(server, page, lm, shots):
