@@ -1,5 +1,5 @@
-"""The newer Hugging Face families (Qwen3, Gemma 1-3, Phi-3, OLMo 2, Mixtral, Qwen2/3-MoE, OLMoE)
-against transformers' own outputs.
+"""The newer Hugging Face families (Qwen3, Gemma 1-3, Phi-3, OLMo 2, Mixtral, Qwen2/3-MoE, OLMoE,
+SmolLM3, Granite) against transformers' own outputs.
 
 The references are fixtures written by ``tools/make_hf_family_fixtures.py`` with transformers
 5.25 and torch (float32, eager attention): logits of three prompts and of 32 ids reaching four
@@ -27,7 +27,7 @@ from jaxdecode.models import checkpoint
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 FAMILIES = ("qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3", "olmo2", "mixtral", "qwen3_moe",
-            "qwen2_moe", "olmoe")
+            "qwen2_moe", "olmoe", "smollm3", "granite")
 MOES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 
 

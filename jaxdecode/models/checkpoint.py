@@ -232,8 +232,9 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     safetensors weights, ``tokenizer.json``) loads through :func:`jaxdecode.models.hf.load_hf`
     with ``dtype`` (``"float32"`` or ``"bfloat16"``), an optional smaller window ``max_length``,
     ``weights`` (how its matrices are kept: ``"auto"``, ``"float32"``, ``"stored"``,
-    ``"bfloat16"`` or ``"int8"``, see :mod:`jaxdecode.models.hf.linear`) and ``backend`` (the
-    native CPU layer runs its products). A folder that cannot
+    ``"bfloat16"``, ``"int8"`` or ``"int4"``, see :mod:`jaxdecode.models.hf.linear`) and ``backend``
+    (the native CPU layer runs its products). A GGUF file (``model.gguf``) loads through
+    :func:`jaxdecode.models.gguf.load_gguf`, its matrices in their types' nearest kept forms. A folder that cannot
     be loaded (a corrupt or mismatched file, NaN weights, a config.json that is neither kind's) is
     refused with one :class:`CheckpointError` sentence naming the file and the problem.
 
@@ -247,7 +248,7 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     from safetensors.numpy import load_file
 
     from jaxdecode.models.hf import HFError, load_hf
-    from jaxdecode.models.hf.config import no_model_type
+    from jaxdecode.models.hf.families import no_model_type
 
     path = resolve(path)
     if mesh is not None:
@@ -255,6 +256,12 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
             raise CheckpointError("the native CPU layer runs on one device: a model on a mesh needs "
                                   "backend='portable'")
         backend = "portable"
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _gguf().is_gguf(path)):  # llama.cpp's format
+        try:
+            return _gguf().load_gguf(path, dtype=dtype, max_length=max_length, weights=weights, backend=backend,
+                                     mesh=mesh)
+        except (_gguf().GGUFError, HFError) as e:
+            raise CheckpointError(str(e)) from None
     if path.is_file():
         hint = ""
         if path.suffix == ".pt":
@@ -290,6 +297,12 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     params = jax.tree_util.tree_map(jnp.asarray, params)
     lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=meta, path=path, backend=backend)
     return lm if mesh is None else _on_mesh(lm, mesh)
+
+
+def _gguf():
+    from jaxdecode.models import gguf
+
+    return gguf
 
 
 def _on_mesh(lm: LanguageModel, mesh) -> LanguageModel:

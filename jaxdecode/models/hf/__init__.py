@@ -13,8 +13,8 @@ import json
 import warnings
 from pathlib import Path
 
-from jaxdecode.models.hf.config import SUPPORTED, ConfigError, HFConfig, end_tokens, generation_defaults
-from jaxdecode.models.hf.families import read_config
+from jaxdecode.models.hf.config import ConfigError, HFConfig, end_tokens, generation_defaults
+from jaxdecode.models.hf.families import SUPPORTED, read_config
 from jaxdecode.models.hf.linear import STORED, WEIGHTS, mode, prepare
 from jaxdecode.models.hf.quantized import QuantizedError, is_quantized, kind, packed, read_int8
 from jaxdecode.models.hf.sharding import ShardingError

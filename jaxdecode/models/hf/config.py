@@ -6,7 +6,7 @@ positions (rotary, partial or with a local base on sliding layers, or learned), 
 MLP (gated, plain, or a mixture of experts with an optional shared expert), which projections
 carry biases, soft-capping, a sliding attention window per layer, tied or untied output.
 Anything the decoder does not implement is refused in one line by :func:`read_config` rather than
-decoded into silent garbage.
+decoded into silent garbage. Which family sets which field is the table of :mod:`.families`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ import json
 import math
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
-             "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2")
-GEMMAS = ("gemma", "gemma2", "gemma3_text", "gemma3")
-MOES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-# rope_theta when config.json has none (transformers' defaults)
-DEFAULT_THETA = {"mixtral": 1e6, "gemma3_text": 1e6, "gemma3": 1e6}
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 
@@ -65,6 +59,11 @@ class HFConfig:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # the rope base of sliding layers (Gemma 3)
     rotary_dim: int | None = None  # rotate only the first rotary_dim of each head (Phi-3's partial)
+    rotate: tuple = ()  # per layer: whether it rotates (SmolLM3's layers without); () every layer
+    embed_multiplier: float = 1.0  # Granite: embeddings times this
+    residual_multiplier: float = 1.0  # Granite: each block's output times this before the residual sum
+    attn_multiplier: float | None = None  # Granite: the scores' scale (for attn_scalar ** -0.5)
+    logits_scaling: float = 1.0  # Granite: logits divided by this
     clip_qkv: float | None = None  # OLMoE: q, k, v clipped to [-c, c]
     experts: int = 0  # a mixture of experts: how many, top_k chosen per token, renormalized or not
     top_k: int = 0
@@ -73,6 +72,7 @@ class HFConfig:
     shared_ffn: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated), 0 for none
     moe_layers: tuple = ()  # per layer: whether its MLP is the mixture
     multimodal: bool = False  # Gemma 3's image-text folders: the text decoder's weights only
+    native_layer: bool = True  # the family's layers may run as one native call (where they fit)
 
     @property
     def groups(self) -> int:
@@ -86,6 +86,17 @@ class HFConfig:
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (a query at ``i`` sees keys ``i - W < j <= i``), or None."""
         return self.windows[layer] if self.windows else self.sliding_window
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates its queries and keys."""
+        return self.positions == "rope" and (not self.rotate or self.rotate[layer])
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        if self.attn_multiplier is not None:
+            return self.attn_multiplier
+        return 1 / math.sqrt(self.attn_scalar or self.head_dim)
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -150,35 +161,6 @@ def _rope(cfg: dict, where: str, default_theta: float = 10000.0) -> tuple[float,
         return float(theta), tuple(sorted((k, float(scaling[k])) for k in keys)) + (("rope_type", "llama3"),)
     raise ConfigError(f"{where}: rope_scaling: rope scaling of type {kind!r} is not supported "
                       "(supported: default, linear, llama3)")
-
-
-def _gpt2(cfg: dict, where: str) -> HFConfig:
-    d = _int(cfg, "n_embd", where)
-    heads = _int(cfg, "n_head", where)
-    if d % heads:
-        raise ConfigError(f"{where}: n_embd={d} is not a multiple of n_head={heads}")
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
-        raise ConfigError(f"{where}: activation {act!r} is not supported "
-                          f"(supported: {', '.join(ACTIVATIONS)})")
-    if cfg.get("scale_attn_by_inverse_layer_idx"):
-        raise ConfigError(f"{where}: scale_attn_by_inverse_layer_idx=true is not supported")
-    if cfg.get("scale_attn_weights") is False:
-        raise ConfigError(f"{where}: scale_attn_weights=false is not supported")
-    if cfg.get("tie_word_embeddings") is False:
-        raise ConfigError(f"{where}: a GPT-2 with an untied output layer is not supported")
-    return HFConfig(
-        model_type="gpt2", V=_int(cfg, "vocab_size", where), T=_int(cfg, "n_positions", where, 1024), d=d,
-        L=_int(cfg, "n_layer", where), heads=heads, kv_heads=heads, head_dim=d // heads,
-        ffn=_int({"n_inner": cfg.get("n_inner") or 4 * d}, "n_inner", where),
-        eps=_float(cfg, "layer_norm_epsilon", where, 1e-5), norm="layer",
-        positions="learned", mlp="plain", act=act, qkv_bias=True, o_bias=True, mlp_bias=True, tied=True)
-
-
-def no_model_type(path) -> str:
-    """The error for a ``config.json`` that is neither a Hugging Face nor a character model's."""
-    return (f"{path} has no model_type (supported: {', '.join(SUPPORTED)}; a jaxdecode character "
-            "model's config.json has V, T, d, L, heads and chars instead)")
 
 
 GENERATION_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")

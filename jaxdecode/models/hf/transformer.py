@@ -5,12 +5,14 @@ of its :class:`~.config.HFConfig` (which family sets which: :mod:`.families`):
 
 - the Llama line: RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``, in float32; Gemma's ``* (1 + w)``),
   rotary positions (rotate-half convention, ``rope_theta``, ``llama3`` or linear scaling, a local
-  base on sliding layers, partial rotary dimensions), grouped-query attention (each key/value head
-  serves ``heads / kv_heads`` query heads) scaled by ``head_dim`` or ``query_pre_attn_scalar``,
-  optionally soft-capped, q/k norms per head or over the projection, a sliding window per layer
-  (a query at position ``i`` sees keys at ``j`` with ``i - W < j <= i``), a gated MLP
-  (``down(act(gate x) * up x)``) or a mixture of experts (:mod:`.moe`), norms before, around or
-  after each block, embeddings scaled by ``sqrt(d)``, soft-capped logits, tied or untied output.
+  base on sliding layers, partial rotary dimensions, layers without rotation), grouped-query
+  attention (each key/value head serves ``heads / kv_heads`` query heads) scaled by ``head_dim``,
+  ``query_pre_attn_scalar`` or a multiplier, optionally soft-capped, q/k norms per head or over
+  the projection, a sliding window per layer (a query at position ``i`` sees keys at ``j`` with
+  ``i - W < j <= i``), a gated MLP (``down(act(gate x) * up x)``) or a mixture of experts
+  (:mod:`.moe`), norms before, around or after each block, block outputs times a residual
+  multiplier, embeddings scaled by ``sqrt(d)`` or a multiplier, soft-capped or divided logits,
+  tied or untied output.
 - GPT-2: LayerNorm, learned positions, one attention head per key/value head, a ``gelu_new``
   MLP with biases, output tied to the token embedding.
 
@@ -182,6 +184,8 @@ class HFDecoder(DecodingModel):
         x = params["embed"][tokens].astype(self.dtype)  # (a matrix may be kept in another dtype)
         if self.cfg.embed_scale:  # Gemma: sqrt(d), rounded to the parameters' dtype as transformers does
             x = x * jnp.asarray(math.sqrt(self.cfg.d), x.dtype)
+        if self.cfg.embed_multiplier != 1.0:  # Granite
+            x = x * jnp.asarray(self.cfg.embed_multiplier, x.dtype)
         if self.cfg.positions == "learned":
             x = x + params["pos"][jnp.clip(pos, 0, self.cfg.T - 1)]
         return x
@@ -205,7 +209,7 @@ class HFDecoder(DecodingModel):
         v = v.reshape(B, S, cfg.kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = _norm(cfg, q, p["q_norm"]), _norm(cfg, k, p["k_norm"])
-        if cfg.positions == "rope":
+        if cfg.rotates(layer):
             q, k = self._rope(q, pos, layer), self._rope(k, pos, layer)
         return q, k, v  # [B, S, heads or KV, hd]
 
@@ -216,7 +220,7 @@ class HFDecoder(DecodingModel):
         cfg = self.cfg
         B, S, H, hd = q.shape
         G = cfg.groups
-        scale = 1 / math.sqrt(cfg.attn_scalar or hd)
+        scale = cfg.scale
         if self.backend == "native" and cfg.window(layer) is None and cfg.attn_softcap is None:
             return self._attend_native(q, k, v, pos, scale)
         q = q.reshape(B, S, cfg.kv_heads, G, hd)
@@ -250,7 +254,7 @@ class HFDecoder(DecodingModel):
     def _finish(self, p, x, att, layer):
         cfg = self.cfg
         a = matmul(att, p["wo"]) + (_vec(p["bo"], 3) if "bo" in p else 0)
-        x = x + (a if cfg.layout == "pre" else _norm(cfg, a, p["norm_pa"]))
+        x = x + self._residual(a if cfg.layout == "pre" else _norm(cfg, a, p["norm_pa"]))
         h = x if cfg.layout == "post" else _norm(cfg, x, p["norm2_w"], p.get("norm2_b"))
         if cfg.is_moe(layer):
             out = moe_mlp(cfg, p, h, lambda z: _act(cfg.act, z))
@@ -267,7 +271,12 @@ class HFDecoder(DecodingModel):
             else:
                 mid = _act(cfg.act, up)
             out = matmul(mid, p["w_down"]) + (_vec(p["b_down"], 3) if "b_down" in p else 0)
-        return x + (out if cfg.layout == "pre" else _norm(cfg, out, p["norm_pf"]))
+        return x + self._residual(out if cfg.layout == "pre" else _norm(cfg, out, p["norm_pf"]))
+
+    def _residual(self, y):
+        """A block's output as added to the residual stream (Granite's residual multiplier)."""
+        m = self.cfg.residual_multiplier
+        return y if m == 1.0 else y * jnp.asarray(m, y.dtype)
 
     def _head(self, params, x):
         hidden = _norm(self.cfg, x, params["norm_w"], params.get("norm_b"))
@@ -275,6 +284,8 @@ class HFDecoder(DecodingModel):
             logits = matmul(hidden, params["head"], jnp.float32)
         else:
             logits = jnp.einsum("bsd,vd->bsv", hidden, params["embed"], preferred_element_type=jnp.float32)
+        if self.cfg.logits_scaling != 1.0:  # Granite
+            logits = logits / self.cfg.logits_scaling
         return _softcap(logits, self.cfg.final_softcap), hidden.astype(jnp.float32)
 
     # --- the full forward
@@ -339,13 +350,15 @@ class HFDecoder(DecodingModel):
 
     def _fusable(self, p, layer, kc, vc) -> bool:
         """Whether layer ``layer`` runs as one native call (:func:`~jaxdecode.native.kernels.hf_layer`):
-        a pre-norm RMSNorm layer with full rotate-half rotation (over a sliding window or not), a
-        SiLU-gated MLP, at most q/k/v biases and per-head q/k norms, its four matrices packed in
-        one dtype, over a float32 cache. Any other layer takes the product-by-product path below,
-        which is the same computation."""
+        of a family whose entry says the fused layer covers it (``native_layer``), a pre-norm
+        RMSNorm layer with full rotate-half rotation or none (over a sliding window or not), a
+        SiLU-gated MLP, at most q/k/v biases and per-head q/k norms, no residual multiplier, its
+        four matrices packed in one dtype, over a float32 cache. Any other layer takes the
+        product-by-product path below, which is the same computation."""
         cfg = self.cfg
         mats = [p.get(k) for k in ("qkv", "wo", "gu", "w_down")]
-        return (self.backend == "native" and self.fuse and jnp.dtype(self.dtype) == jnp.float32
+        return (self.backend == "native" and self.fuse and cfg.native_layer and cfg.residual_multiplier == 1.0
+                and jnp.dtype(self.dtype) == jnp.float32
                 and kc.dtype == jnp.float32 and vc.dtype == jnp.float32
                 and cfg.layout == "pre" and cfg.norm == "rms" and not cfg.norm_offset
                 and cfg.mlp == "gated" and cfg.act in ("silu", "swish") and cfg.positions == "rope"
@@ -357,22 +370,25 @@ class HFDecoder(DecodingModel):
                 and not any(k in p for k in ("bo", "b_up", "b_gate", "b_down", "norm1_b", "norm2_b")))
 
     def _fused(self, p, x, pos, layer, kc, vc, turns):
-        """Layer ``layer`` as one native call; ``turns`` caches the rotation's cos and sin at ``pos``."""
+        """Layer ``layer`` as one native call; ``turns`` caches the rotation's cos and sin at ``pos``
+        (a layer without rotation turns by 0: cos 1, sin 0)."""
         from jaxdecode.native import kernels
 
         cfg = self.cfg
         window = cfg.window(layer)
         local = window is not None and cfg.local_rope_theta is not None
-        if local not in turns:
+        key = local if cfg.rotates(layer) else "none"
+        if key not in turns:
             inv = jnp.asarray(inv_frequencies(cfg, window is not None))
             angle = pos.astype(jnp.float32)[:, :, None] * inv[None, None, :]
-            turns[local] = (jnp.cos(angle), jnp.sin(angle))
-        cos, sin = turns[local]
+            turns[key] = ((jnp.cos(angle), jnp.sin(angle)) if key != "none"
+                          else (jnp.ones_like(angle), jnp.zeros_like(angle)))
+        cos, sin = turns[key]
         w = dict(p)
         if "bq" in p:
             w["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]]).astype(jnp.float32)
         return kernels.hf_layer(x, pos, cos, sin, w, kc, vc, heads=cfg.heads, eps=cfg.eps,
-                                scale=1 / math.sqrt(cfg.attn_scalar or cfg.head_dim), window=window)
+                                scale=cfg.scale, window=window)
 
     def prefill(self, params, tokens, lengths, capacity):
         """:func:`~jaxdecode.models.base.prefill_by_extend`'s result, with the output layer computed

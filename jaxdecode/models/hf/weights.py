@@ -1,11 +1,12 @@
 """Reading a Hugging Face folder's safetensors into the decoder's parameter tree.
 
-Loading is a table from checkpoint tensor names to parameter paths (:func:`tensor_table`), checked
-both ways: a missing tensor, a tensor of the wrong shape or an integer dtype, a shard the index
-names but the folder lacks (or that lacks a tensor the index puts in it), a weight the table does
-not know, a corrupt file, NaN or infinite values, is one :class:`WeightsError` line naming the
-file and the tensor. Buffers that are not weights (GPT-2's ``attn.bias``/``attn.masked_bias``
-masks, rotary ``inv_freq``) and an output matrix stored beside a tied embedding are skipped.
+Loading is a table from checkpoint tensor names to parameter paths (:func:`tensor_table`, from the
+names of the family's entry, :class:`~.families.Tensors`), checked both ways: a missing tensor, a
+tensor of the wrong shape or an integer dtype, a shard the index names but the folder lacks (or
+that lacks a tensor the index puts in it), a weight the table does not know, a corrupt file, NaN
+or infinite values, is one :class:`WeightsError` line naming the file and the tensor. Buffers that
+are not weights (GPT-2's ``attn.bias``/``attn.masked_bias`` masks, rotary ``inv_freq``) and an
+output matrix stored beside a tied embedding are skipped.
 
 The parameter tree (``layers`` a tuple of ``L`` dicts: each layer's matrices are separate buffers,
 which a decode step reads in place)::
@@ -34,6 +35,7 @@ import numpy as np
 
 from jaxdecode.io.files import read_json
 from jaxdecode.models.hf.config import HFConfig
+from jaxdecode.models.hf.families import family
 
 
 class WeightsError(ValueError):
@@ -41,90 +43,78 @@ class WeightsError(ValueError):
 
 
 IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
-VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 def tensor_table(cfg: HFConfig) -> dict[str, tuple[str, int | None, str | None, tuple[int, ...]]]:
-    """Checkpoint name -> ``(parameter, layer or None, how, shape)``; ``how`` is ``"T"`` (transpose
-    an ``nn.Linear`` weight), ``"qkv"`` (GPT-2's fused ``c_attn``, split into three) or None."""
+    """Checkpoint name -> ``(parameter, layer or None, how, shape)``, from the names of the config's
+    family (:class:`~.families.Tensors`); ``how`` is ``"T"`` (transpose an ``nn.Linear`` weight),
+    ``"qkv"`` (a fused ``Conv1D`` q/k/v, split in three), ``"Tqkv"``/``"Tgu"`` (a fused
+    ``nn.Linear`` q/k/v or gate/up, transposed and split) or None."""
+    names = family(cfg).tensors
     d, F, hd = cfg.d, cfg.ffn, cfg.head_dim
     q, kv = cfg.heads * hd, cfg.kv_heads * hd
-    table: dict = {}
-    if cfg.model_type == "gpt2":
-        table["wte.weight"] = ("embed", None, None, (cfg.V, d))
-        table["wpe.weight"] = ("pos", None, None, (cfg.T, d))
-        table["ln_f.weight"] = ("norm_w", None, None, (d,))
-        table["ln_f.bias"] = ("norm_b", None, None, (d,))
-        for i in range(cfg.L):
-            h = f"h.{i}."
-            table |= {
-                h + "ln_1.weight": ("norm1_w", i, None, (d,)), h + "ln_1.bias": ("norm1_b", i, None, (d,)),
-                h + "attn.c_attn.weight": ("wqkv", i, "qkv", (d, 3 * d)),
-                h + "attn.c_attn.bias": ("bqkv", i, "qkv", (3 * d,)),
-                h + "attn.c_proj.weight": ("wo", i, None, (d, d)),
-                h + "attn.c_proj.bias": ("bo", i, None, (d,)),
-                h + "ln_2.weight": ("norm2_w", i, None, (d,)), h + "ln_2.bias": ("norm2_b", i, None, (d,)),
-                h + "mlp.c_fc.weight": ("w_up", i, None, (d, F)),
-                h + "mlp.c_fc.bias": ("b_up", i, None, (F,)),
-                h + "mlp.c_proj.weight": ("w_down", i, None, (F, d)),
-                h + "mlp.c_proj.bias": ("b_down", i, None, (d,)),
-            }
-        return table
-    table["model.embed_tokens.weight"] = ("embed", None, None, (cfg.V, d))
-    table["model.norm.weight"] = ("norm_w", None, None, (d,))
+
+    def mat(name: str, param: str, layer, n_in: int, n_out: int, fused: str = "") -> dict:
+        """A matrix ``x @ W`` ``[n_in, n_out]`` (``nn.Linear`` stores it ``[n_out, n_in]``)."""
+        if names.linear:
+            return {name + ".weight": (param, layer, "T" + fused, (n_out, n_in))}
+        return {name + ".weight": (param, layer, fused or None, (n_in, n_out))}
+
+    def norm(name: str, param: str, layer, n: int = d) -> dict:
+        out = {name + ".weight": (param, layer, None, (n,))}
+        if cfg.norm == "layer":
+            out[name + ".bias"] = (param.removesuffix("_w") + "_b", layer, None, (n,))
+        return out
+
+    table: dict = {names.embed + ".weight": ("embed", None, None, (cfg.V, d))}
+    if cfg.positions == "learned":
+        table[names.positions + ".weight"] = ("pos", None, None, (cfg.T, d))
+    table |= norm(names.norm, "norm_w", None)
     if not cfg.tied:
-        table["lm_head.weight"] = ("head", None, "T", (cfg.V, d))
+        table |= mat(names.head, "head", None, d, cfg.V)
     for i in range(cfg.L):
-        h = f"model.layers.{i}."
-        table |= {h + "self_attn.o_proj.weight": ("wo", i, "T", (d, q))}
-        if cfg.layout != "post":
-            table[h + "input_layernorm.weight"] = ("norm1_w", i, None, (d,))
-        after = "norm2_w" if cfg.layout == "pre" else "norm_pa"
-        table[h + "post_attention_layernorm.weight"] = (after, i, None, (d,))
-        if cfg.layout == "sandwich":
-            table[h + "pre_feedforward_layernorm.weight"] = ("norm2_w", i, None, (d,))
-        if cfg.layout != "pre":
-            table[h + "post_feedforward_layernorm.weight"] = ("norm_pf", i, None, (d,))
+        h = names.layer.format(i=i)
+        for name, param in names.norms:
+            table |= norm(h + name, param, i)
+        if names.qkv:
+            table |= mat(h + names.qkv, "wqkv", i, d, q + 2 * kv, "qkv")
+        else:
+            table |= (mat(h + names.q, "wq", i, d, q) | mat(h + names.k, "wk", i, d, kv)
+                      | mat(h + names.v, "wv", i, d, kv))
+        table |= mat(h + names.o, "wo", i, q, d)
         if cfg.qk_norm:
             qn, kn = (hd, hd) if cfg.qk_norm == "head" else (q, kv)
-            table |= {h + "self_attn.q_norm.weight": ("q_norm", i, None, (qn,)),
-                      h + "self_attn.k_norm.weight": ("k_norm", i, None, (kn,))}
-        if cfg.model_type == "phi3":
-            table |= {h + "self_attn.qkv_proj.weight": ("wqkv", i, "Tqkv", (q + 2 * kv, d)),
-                      h + "mlp.gate_up_proj.weight": ("w_gate_up", i, "Tgu", (2 * F, d)),
-                      h + "mlp.down_proj.weight": ("w_down", i, "T", (d, F))}
-        else:
-            table |= {h + "self_attn.q_proj.weight": ("wq", i, "T", (q, d)),
-                      h + "self_attn.k_proj.weight": ("wk", i, "T", (kv, d)),
-                      h + "self_attn.v_proj.weight": ("wv", i, "T", (kv, d))}
+            table |= norm(h + names.q_norm, "q_norm", i, qn) | norm(h + names.k_norm, "k_norm", i, kn)
+        if cfg.qkv_bias and names.qkv:
+            table[h + names.qkv + ".bias"] = ("bqkv", i, "qkv", (q + 2 * kv,))
+        elif cfg.qkv_bias:
+            table |= {h + names.q + ".bias": ("bq", i, None, (q,)), h + names.k + ".bias": ("bk", i, None, (kv,)),
+                      h + names.v + ".bias": ("bv", i, None, (kv,))}
+        if cfg.o_bias:
+            table[h + names.o + ".bias"] = ("bo", i, None, (d,))
         if cfg.is_moe(i):
             table |= _expert_table(cfg, i)
-        elif cfg.model_type != "phi3":
-            table |= {h + "mlp.gate_proj.weight": ("w_gate", i, "T", (F, d)),
-                      h + "mlp.up_proj.weight": ("w_up", i, "T", (F, d)),
-                      h + "mlp.down_proj.weight": ("w_down", i, "T", (d, F))}
-        if cfg.qkv_bias:
-            table |= {h + "self_attn.q_proj.bias": ("bq", i, None, (q,)),
-                      h + "self_attn.k_proj.bias": ("bk", i, None, (kv,)),
-                      h + "self_attn.v_proj.bias": ("bv", i, None, (kv,))}
-        if cfg.o_bias:
-            table[h + "self_attn.o_proj.bias"] = ("bo", i, None, (d,))
+            continue
+        if names.gate_up:
+            table |= mat(h + names.gate_up, "w_gate_up", i, d, 2 * F, "gu")
+        else:
+            table |= mat(h + names.gate, "w_gate", i, d, F) if cfg.mlp == "gated" else {}
+            table |= mat(h + names.up, "w_up", i, d, F)
+        table |= mat(h + names.down, "w_down", i, F, d)
         if cfg.mlp_bias:
-            table |= {h + "mlp.gate_proj.bias": ("b_gate", i, None, (F,)),
-                      h + "mlp.up_proj.bias": ("b_up", i, None, (F,)),
-                      h + "mlp.down_proj.bias": ("b_down", i, None, (d,))}
+            if cfg.mlp == "gated":
+                table[h + names.gate + ".bias"] = ("b_gate", i, None, (F,))
+            table |= {h + names.up + ".bias": ("b_up", i, None, (F,)),
+                      h + names.down + ".bias": ("b_down", i, None, (d,))}
     return table
 
 
 def _expert_table(cfg: HFConfig, i: int) -> dict:
     """Layer ``i``'s router, experts (stacked: ``e_gate/j`` is expert ``j``) and shared expert."""
     d, F, Fs = cfg.d, cfg.moe_ffn, cfg.shared_ffn
-    h = f"model.layers.{i}."
-    if cfg.model_type == "mixtral":
-        mlp, names = h + "block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        mlp, names = h + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    spec = family(cfg)
+    mlp, names = spec.tensors.layer.format(i=i) + spec.moe.prefix, spec.moe.names
     table = {mlp + "gate.weight": ("router", i, "T", (cfg.experts, d))}
     for j in range(cfg.experts):
         e = f"{mlp}experts.{j}."
@@ -182,17 +172,11 @@ def _short(e: Exception) -> str:
     return str(e).removeprefix("Error while deserializing header: ")
 
 
-TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                 ("language_model.lm_head.", "lm_head."))
-
-
 def _canonical(name: str, cfg: HFConfig) -> str:
-    if cfg.model_type == "gpt2" and name.startswith("transformer."):
-        return name[len("transformer."):]
-    if cfg.multimodal:
-        for old, new in TEXT_PREFIXES:
-            if name.startswith(old):
-                return new + name[len(old):]
+    """A stored name as the family's table names it (a prefix some folders add, renamed)."""
+    for old, new in family(cfg).tensors.renames:
+        if name.startswith(old):
+            return new + name[len(old):]
     return name
 
 
@@ -201,21 +185,20 @@ def _check_layers(files: dict[str, Path], source: Path, cfg: HFConfig) -> None:
     (a ``num_hidden_layers`` of a billion would otherwise take minutes to be refused)."""
     held = {int(m.group(1)) for name in files if (m := LAYER.search(name))}
     if cfg.L > len(held):
-        key = "n_layer" if cfg.model_type == "gpt2" else "num_hidden_layers"
         raise WeightsError(f"{source}: the weights hold {len(held)} layers, "
-                           f"but config.json's {key} is {cfg.L}")
+                           f"but config.json's {family(cfg).layers_field} is {cfg.L}")
 
 
 def _match_table(files: dict[str, Path], source: Path, cfg: HFConfig, table: dict) -> dict:
     """Checkpoint name (canonical) -> ``(stored name, file)``, every table entry found once."""
     found: dict[str, tuple[str, Path]] = {}
+    skipped = family(cfg).tensors.skipped
     for name, path in files.items():
         canon = _canonical(name, cfg)
         if canon in table:
             found[canon] = (name, path)
-        elif IGNORED.search(canon) or canon == "lm_head.weight" and cfg.tied:
-            continue
-        elif cfg.multimodal and VISION.search(canon):
+        elif (IGNORED.search(canon) or canon == "lm_head.weight" and cfg.tied
+              or skipped and re.search(skipped, canon)):
             continue
         else:
             raise WeightsError(f"{path}: unexpected tensor {name!r} for a {cfg.model_type} of this "
@@ -314,11 +297,9 @@ def _split(cfg: HFConfig, param: str, how: str | None, a: np.ndarray) -> list[tu
     """A checkpoint tensor as ``(parameter, array)`` pieces: transposed, and split where fused."""
     if how in ("T", "Tqkv", "Tgu"):
         a = a.T
-    if how == "qkv":  # GPT-2's c_attn: three equal parts
-        return list(zip([param[0] + s + param[4:] for s in "qkv"], np.split(a, 3, axis=-1)))
-    if how == "Tqkv":  # Phi-3's qkv_proj: H*hd, KV*hd, KV*hd
-        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        return list(zip(("wq", "wk", "wv"), np.split(a, [q, q + kv], axis=-1)))
-    if how == "Tgu":  # Phi-3's gate_up_proj: gate, then up
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    if how in ("qkv", "Tqkv"):  # fused q/k/v (GPT-2's c_attn, Phi-3's qkv_proj): H*hd, KV*hd, KV*hd
+        return list(zip([param[0] + s + param[4:] for s in "qkv"], np.split(a, [q, q + kv], axis=-1)))
+    if how == "Tgu":  # fused gate and up (Phi-3's gate_up_proj): gate, then up
         return list(zip(("w_gate", "w_up"), np.split(a, 2, axis=-1)))
     return [(param, a)]
