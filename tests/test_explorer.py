@@ -255,6 +255,24 @@ def test_bad_input_is_one_clear_error(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+def test_api_key_guards_the_explorer():
+    """With --api-key the /explore/ routes want the key as /v1/ does (the page itself stays open,
+    and asks for it); with --engine-thread the explorer computes on the engine's own model."""
+    key = "explorer-key-0123"
+    s = Server("--slots", "1", "--api-key", key, "--engine-thread")
+    try:
+        assert s.client.get("/").status_code == 200
+        for r in (s.client.get("/explore/info"), s.client.post("/explore/next", json={"prompt": "a"}),
+                  s.client.get("/explore/info", headers={"Authorization": "Bearer wrong"})):
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        auth = {"Authorization": f"Bearer {key}"}
+        assert s.client.get("/explore/info", headers=auth).json()["vocab_size"] == 65
+        got = s.client.post("/explore/next", json={"prompt": PROMPT, "top": 3}, headers=auth)
+        assert got.status_code == 200 and len(got.json()["tokens"]) == 3
+    finally:
+        s.stop()
+
+
 @pytest.mark.quick
 def test_explore_command_takes_serves_options():
     """``jaxdecode explore`` parses every option of ``serve`` and leaves the port to a free one."""

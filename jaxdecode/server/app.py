@@ -146,7 +146,7 @@ def build_app(server: Server) -> FastAPI:
     app.post("/v1/chat/completions")(chat_completions)
     from jaxdecode.server.explore import add_explorer  # the explorer: its page at / and /explore/...
 
-    add_explorer(app, getattr(server, "explorer", None))
+    add_explorer(app, getattr(server, "explorer", None), api_key=server.api_key)
     return app
 
 

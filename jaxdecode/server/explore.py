@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import math
 import threading
 from importlib import resources
@@ -357,12 +358,17 @@ async def _body(request: HTTPRequest) -> dict:
     return body
 
 
-def add_explorer(app, explorer: Explorer | None) -> None:
+def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> None:
     """Register the page (``/``, ``/static/...``) and the endpoints (``/explore/...``) on ``app``;
-    with no explorer, the endpoints answer 503."""
+    with no explorer, the endpoints answer 503. With ``api_key``, the endpoints require it as the
+    ``/v1/`` routes do (``Authorization: Bearer KEY``); the page asks for it."""
     static = resources.files("jaxdecode.server") / STATIC
 
-    def need() -> Explorer:
+    def need(request: HTTPRequest) -> Explorer:
+        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                               f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
         if explorer is None:
             raise APIError(503, "this server has no explorer model (start it with jaxdecode serve or "
                                 "jaxdecode explore)")
@@ -384,8 +390,8 @@ def add_explorer(app, explorer: Explorer | None) -> None:
         return FileResponse(str(static / name), media_type=kind.get(name.rsplit(".", 1)[-1], "text/plain"))
 
     @app.get("/explore/info")
-    async def info():
-        ex = need()
+    async def info(request: HTTPRequest):
+        ex = need(request)
 
         def describe(lm):
             return {"vocab_size": lm.decoder.V, "window": lm.decoder.T,
@@ -399,14 +405,14 @@ def add_explorer(app, explorer: Explorer | None) -> None:
 
     @app.post("/explore/next")
     async def next_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         top = _field(body, "top", int, 30, 1, LIMITS["top"])
         prompt, settings = _prompt(body), _settings(body)
         return await ex.run(lambda lm: next_token(lm, prompt, _path(body, lm.decoder.V), settings, top))
 
     @app.post("/explore/sample")
     async def sample_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
         seed = _field(body, "seed", int, 0, 0, 2**63 - 1)
         n = _field(body, "n", int, 1, 1, LIMITS["n"])
@@ -415,7 +421,7 @@ def add_explorer(app, explorer: Explorer | None) -> None:
 
     @app.post("/explore/compare")
     async def compare_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
         n = _field(body, "n", int, 12, 1, LIMITS["n"])
         k = _field(body, "k", int, 4, 1, LIMITS["k"])
@@ -428,7 +434,7 @@ def add_explorer(app, explorer: Explorer | None) -> None:
 
     @app.post("/explore/beam")
     async def beam_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
         n = _field(body, "n", int, 6, 1, LIMITS["tree_steps"])
         k = _field(body, "k", int, 3, 1, LIMITS["k"])
@@ -437,7 +443,7 @@ def add_explorer(app, explorer: Explorer | None) -> None:
 
     @app.post("/explore/constrained")
     async def constrained_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
         regex, choices = _field(body, "regex", str), _field(body, "choices", list)
         if (regex is None) == (choices is None):
@@ -453,7 +459,7 @@ def add_explorer(app, explorer: Explorer | None) -> None:
 
     @app.post("/explore/speculative")
     async def speculative_view(request: HTTPRequest):
-        ex, body = need(), await _body(request)
+        ex, body = need(request), await _body(request)
         if ex.speculate is None:
             raise APIError(501, "this server offers no speculative runs")
         prompt, settings = _prompt(body), _settings(body)

@@ -6,8 +6,14 @@ const state = { info: null, path: [], seeded: null, lastNextMs: null, nextSeq: 0
 
 // --------------------------------------------------------------------------- helpers
 
+// a server started with --api-key wants it on /explore/ too; it is kept for this tab only
+function headers() {
+  const key = sessionStorage.getItem("jaxdecode-api-key");
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function post(url, body) {
-  const r = await fetch(url, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  const r = await fetch(url, { method: "POST", headers: { "Content-Type": "application/json", ...headers() }, body: JSON.stringify(body) });
   const data = await r.json();
   if (!r.ok) throw new Error(data.error ? data.error.message : `${r.status}`);
   return data;
@@ -268,8 +274,20 @@ function selectTab(tab) {
 }
 
 async function start() {
+  $("key-box").addEventListener("submit", (e) => {
+    e.preventDefault();
+    sessionStorage.setItem("jaxdecode-api-key", $("api-key").value);
+    location.reload();
+  });
   try {
-    state.info = await (await fetch("/explore/info")).json();
+    const r = await fetch("/explore/info", { headers: headers() });
+    if (r.status === 401) {
+      $("key-box").hidden = false;
+      status("this server needs its API key", true);
+      return;
+    }
+    state.info = await r.json();
+    if (!r.ok) throw new Error(state.info.error ? state.info.error.message : `${r.status}`);
   } catch (e) { status(`the explorer is not available: ${e.message}`, true); return; }
   const info = state.info;
   $("model").textContent = `${info.vocab_size} tokens, window ${info.window}` + (info.speculative ? "" : " · no speculative runs");
