@@ -114,7 +114,6 @@ def full_logprobs(lm, prompt: str, path=()) -> np.ndarray:
 # ----------------------------------------------------------------------------- the JSON endpoints
 
 
-@pytest.mark.quick
 def test_next_token_raw_and_after_each_rule(server, lm):
     # (rules that do not change under a shift of the logits: the reference applies them to log-probabilities)
     settings = {"presence_penalty": 0.8, "temperature": 0.7, "top_p": 0.8}
