@@ -402,6 +402,11 @@ def test_page_seeded_path_beam_tree_and_views(server, page, lm, shots):
     g = jaxdecode.generate(lm, PROMPT, 8, seed=5, rule=jaxdecode.make_rule(top_k=12))[0]
     _wait(page, lambda d: len(_by(d, "#path tbody tr")) == 8, "a path of 8 tokens")
     assert _text(page.find_element("id", "path-text")) == g.text
+    cells = [[_text(td) for td in tr.find_elements("tag name", "td")] for tr in _by(page, "#path tbody tr")]
+    assert [c[2] for c in cells] == [f"{math.exp(x):.4f}" for x in g.model_logprobs]
+    assert [c[3] for c in cells] == [f"{math.exp(x):.4f}" for x in g.sample_logprobs]
+    running = np.cumsum(np.asarray(g.model_logprobs, np.float64))
+    assert all(abs(float(c[4]) - r) <= 2e-4 for c, r in zip(cells, running))  # printed to 4 places
     page.save_screenshot(str(shots / "step.png"))
 
     _set(page, "rule-top_k", "")
