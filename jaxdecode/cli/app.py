@@ -118,17 +118,16 @@ def cmd_generate(args):
     from jaxdecode.decoding.common import default_settings
 
     settings, greedy = default_settings(lm, settings, args.greedy, not args.no_generation_config)
-    rule = _cli_rule(settings)
+    _cli_rule(settings)  # the merged settings checked, their errors naming the flags
     stream, on_text = _streaming(args, prompt)
     on_text, done = _past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
     # a large request (within the window) shows a bar of its own; it runs in batches that fit memory
     big = (not args.quiet and not stream and len(ids) + args.n <= lm.decoder.T
            and args.num_samples * args.n >= BIG_REQUEST)
     try:
-        outs = generate(lm, prompt, args.n, seed=args.seed, rule=rule, greedy=greedy,
-                        num_samples=args.num_samples, stop=stop, on_text=on_text, constraint=constraint,
-                        memory_budget=args.memory_budget, max_rows=args.max_rows, progress=big,
-                        generation_config=False)
+        params = G.decode_params(args, settings, greedy=greedy, seed=args.seed, num_samples=args.num_samples,
+                                 stop=stop, constraint=constraint, max_rows=args.max_rows, generation_config=False)
+        outs = generate(lm, prompt, params, on_text=on_text, progress=big)
     finally:
         done()
     if args.json:
