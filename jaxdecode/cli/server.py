@@ -120,7 +120,7 @@ def cmd_serve(args):
         server = Server(runner.vocab, runner=runner, defaults={} if args.no_generation_config else runner.defaults,
                         **kw)
         compiled = runner.compiled_at_start
-    from jaxdecode.cli.explore import make_explorer  # the explorer's page and endpoints (/, /explore/...)
+    from jaxdecode.cli.explorer import make_explorer  # the explorer's page and endpoints (/, /explore/...)
 
     server.explorer = make_explorer(options, lm if args.engine_thread else None)
     if args.warm_up:
