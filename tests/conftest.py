@@ -147,6 +147,7 @@ QUICK = {  # a file: its quick tests, separated by white space
         test_paged_settings_are_checked_and_dense_stays_the_default""".split(),
     "test_quick_subset.py": """test_every_quick_name_is_a_test_of_its_file
         test_every_quick_name_selects_a_test test_every_test_file_has_a_quick_test""".split(),
+    "test_params.py": "test_a_bad_setting_is_one_error_naming_it test_keywords_override_fields".split(),
     "test_rules.py": """test_truncation_matches_reference test_temperature_matches_reference
         test_repetition_penalty_matches_reference
         test_frequency_and_presence_penalties_match_reference
