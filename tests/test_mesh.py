@@ -4,7 +4,7 @@ JAX reads the number of CPU devices when its backend starts, so the cases run in
 their own on 8 forced CPU devices (``tests/mesh_cases.py``, which prints JSON); this process keeps
 its single device. The cases: for the Hugging Face fixtures of each kind (dense with grouped-query
 attention, a sliding window, Gemma 2's soft-capping, a mixture of experts) and the character
-model, greedy tokens and logits of the cached path on model axes 2, 4, 8 and a 2 x 4 mesh;
+model, greedy tokens and logits of the cached path on model axes 2, 8 and a 2 x 4 mesh (Llama also on 4);
 ``generate`` greedy and seeded, also with the rows split over "data"; beam search, scoring,
 contrastive and speculative decoding and the engine on both caches on a model axis; what each
 device holds (``addressable_shards``) and the collectives of the compiled decode step.
@@ -21,7 +21,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 FAMILIES = ("llama", "mistral", "gemma2", "mixtral", "charlm")
-MESHES = ("1x2", "1x4", "1x8", "2x4")
+MESHES = {"llama": ("1x2", "1x4", "1x8", "2x4")}  # every other family: model axes 2 and 8, and 2 x 4
 # two processes of about equal work, run side by side (each compiles on one core)
 CASES = ([f"family:{f}" for f in FAMILIES],
          ["generate:llama", "loops:llama-draft", "layout:llama:2", "layout:llama:4", "layout:mixtral:2"])
@@ -45,7 +45,7 @@ def test_greedy_and_logits_equal_one_device(results, family):
     """Every mesh gives one device's greedy tokens, and its logits within float32 rounding of the
     all-reduces' order (1e-5 of the logits' scale)."""
     got = results[f"family:{family}"]
-    for mesh in MESHES:
+    for mesh in MESHES.get(family, ("1x2", "1x8", "2x4")):
         assert got[mesh]["greedy"] == got["ref"], f"{family} on {mesh}"
         assert got[mesh]["logits"] <= 1e-5 * max(1.0, got["scale"]), f"{family} on {mesh}: {got[mesh]['logits']}"
 
