@@ -9,6 +9,12 @@
     # one process over its local devices (no coordinator)
     python tools/multihost_demo.py --local-devices 4 --prompt "ROMEO:\\n" -n 120 --greedy
 
+    # a model split over each process's 4 devices, the rows over the two processes (data x model = 2 x 4)
+    python tools/multihost_demo.py --coordinator localhost:12355 --num-processes 2 --process-id 0 \\
+        --local-devices 4 --model 4 --checkpoint FOLDER --prompt "Hello" --prompt "The cat" -n 20 --greedy &
+    python tools/multihost_demo.py --coordinator localhost:12355 --num-processes 2 --process-id 1 \\
+        --local-devices 4 --model 4 --checkpoint FOLDER --prompt "Hello" --prompt "The cat" -n 20 --greedy
+
 Every process gets the same command line but its own ``--process-id``. The prompts are dealt out
 in contiguous blocks: process ``i`` encodes only its own block, the blocks are gathered into one
 request (:func:`jaxdecode.decoding.sharded.gather_prompts`), the batch is split over a mesh of all
@@ -17,6 +23,11 @@ texts of its own prompts; ``--out FILE`` writes every row (with the cluster's la
 
 The texts equal ``jaxdecode.generate(lm, prompts, n, seed=..., rule=..., stop=...)`` on one
 device: seeds are per prompt, and a row's randomness depends only on its key, row id and step.
+
+With ``--model M``, the mesh is ``data x model`` (:func:`jaxdecode.make_mesh` with ``model=M``:
+M consecutive devices, a process's own first, hold one copy of the model split over them, and the
+rows are split over the copies); every process loads only its own devices' slices of the weights
+(``load(folder, mesh=...)``) and runs ``jaxdecode.generate(..., mesh=...)`` with every prompt.
 
 The coordinator (``--coordinator HOST:PORT``, default ``$JAX_COORDINATOR_ADDRESS``) is process
 0's address, reachable from every host. ``--local-devices N`` makes N CPU devices of this
@@ -46,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--local-devices", type=int, default=None,
                    help="run on N CPU devices of this process (XLA's host platform device count)")
+    p.add_argument("--model", type=int, default=None,
+                   help="split the model over M devices (a \"model\" axis; the rows over the rest)")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the shipped model)")
     p.add_argument("--backend", default=None, choices=["auto", "native", "portable"])
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more); \\n escapes")
@@ -81,11 +94,13 @@ def main(argv=None) -> int:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=args.timeout)
 
-    from jaxdecode.models import checkpoint
     from jaxdecode import rules
-    from jaxdecode.decoding.common import sample_keys
     from jaxdecode.decoding import sharded as sharding
+    from jaxdecode.decoding.common import sample_keys
+    from jaxdecode.models import checkpoint
 
+    if args.model is not None:
+        return _on_model_axis(args)
     lm = checkpoint.load(args.checkpoint, backend=args.backend)
     prompts = [_unescape(t) for t in args.prompt]
     stops = [lm.vocab.encode(_unescape(s)) for s in args.stop or []]
@@ -118,6 +133,42 @@ def main(argv=None) -> int:
                     "stopped": bool(res.stopped[r]), "mean_logprob": mean(r)} for r in range(len(rows))]
         Path(args.out).write_text(json.dumps({"layout": layout, "own_rows": [own.start, own.stop],
                                               "outputs": outputs}, indent=1))
+    if count > 1:
+        jax.distributed.shutdown()
+    return 0
+
+
+def _on_model_axis(args) -> int:
+    """Every prompt through ``generate`` on a ``data x model`` mesh of the cluster's devices, the
+    model loaded slice by slice; every process prints and writes every row."""
+    import jax
+
+    import jaxdecode
+    from jaxdecode import rules
+    from jaxdecode.decoding.placement import make_mesh
+    from jaxdecode.models import checkpoint
+
+    mesh = make_mesh(model=args.model)
+    lm = checkpoint.load(args.checkpoint, backend=args.backend, mesh=mesh)
+    prompts = [_unescape(t) for t in args.prompt]
+    rule = rules.make_rule(temperature=args.temperature, top_p=args.top_p,
+                           repetition_penalty=args.repetition_penalty)
+    gens = jaxdecode.generate(lm, prompts, args.n, greedy=args.greedy, seed=args.seed, rule=rule,
+                              stop=[_unescape(s) for s in args.stop or []] or None, mesh=mesh)
+    me, count = jax.process_index(), jax.process_count()
+    shape = {k: int(v) for k, v in mesh.shape.items()}
+    print(f"process {me} of {count}: {jax.local_device_count()} local devices, mesh {shape}", flush=True)
+    for g in gens:
+        print(f"--- {g.finish_reason} {g.prompt!r}")
+        print(g.text, flush=True)
+    if args.out:
+        layout = {"process_index": me, "process_count": count, "local_devices": jax.local_device_count(),
+                  "devices": jax.device_count(), "mesh": shape,
+                  "model_axis_local": all(d.process_index == row[0].process_index
+                                          for row in mesh.devices for d in row)}
+        outputs = [{"prompt": g.prompt, "text": g.text, "tokens": g.tokens.tolist(),
+                    "stopped": g.finish_reason == "stop"} for g in gens]
+        Path(args.out).write_text(json.dumps({"layout": layout, "outputs": outputs}, indent=1))
     if count > 1:
         jax.distributed.shutdown()
     return 0
