@@ -1186,9 +1186,9 @@ def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(fields,
     """The folder's generation_config.json settings apply where the request sets nothing, as vLLM
     applies them; a field the request sets wins, even at its neutral value."""
     from jaxdecode.rules import make_rule
-    from jaxdecode.server.handlers import sampling
+    from jaxdecode.server.handlers import decode_params
     from jaxdecode.server.protocol import CompletionRequest
 
-    got = sampling(CompletionRequest(prompt="a", seed=1, **fields), 100, defaults)
-    assert got["greedy"] == want_greedy
-    assert repr(got["rule"]) == repr(make_rule(**want_rule) if want_rule else None)
+    got = decode_params(CompletionRequest(prompt="a", seed=1, **fields), 100, defaults)
+    assert got.greedy == want_greedy
+    assert repr(got.rule()) == repr(make_rule(**want_rule) if want_rule else None)
