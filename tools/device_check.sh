@@ -3,8 +3,8 @@
 #   1. installs the accelerator's jax (CUDA 12 when nvidia-smi answers, else TPU);
 #   2. runs the portable path's tests and tests/test_mesh.py on the real devices;
 #   3. benchmarks greedy decoding of the 106M Llama at batch 1 and 64, each figure printed beside
-#      the bound of the device's memory bandwidth (scripts/mesh_bench.py --speed).
-# Usage: bash scripts/device_check.sh   (JAXDECODE_NO_INSTALL=1 skips step 1)
+#      the bound of the device's memory bandwidth (python -m benchmarks.bench_mesh --speed).
+# Usage: bash tools/device_check.sh   (JAXDECODE_NO_INSTALL=1 skips step 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -29,5 +29,5 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider -n 0 -x \
 # devices is exercised by the benchmark below when the machine has more than one
 timeout 180 $PY -m pytest -q -p no:cacheprovider -n 0 tests/test_mesh.py || echo "mesh tests: FAILED"
 
-timeout 120 $PY scripts/mesh_bench.py --speed
+timeout 120 $PY -m benchmarks.bench_mesh --speed
 echo "device check: $(( $(date +%s) - start )) s"

@@ -4,10 +4,13 @@ collectives of one decode step (how many, of what shape, and their bytes), with 
 the output layer split by vocabulary and by hidden size. A reader can check the counts here, not
 the speed (docs/scaling.md).
 
-    python scripts/mesh_bench.py [--batch 2] [--families llama,mistral,gemma2,mixtral] [--json FILE]
-    python scripts/mesh_bench.py --speed [--folder DIR]   # on a GPU/TPU: greedy tokens/s of the
-                                                          # 106M Llama at batch 1 and 64 beside the
-                                                          # bound of the device's memory bandwidth
+    python -m benchmarks.bench_mesh [--batch 2] [--families llama,mistral,gemma2,mixtral] [--out FILE]
+    python -m benchmarks.bench_mesh --speed [--folder DIR]   # on a GPU/TPU: greedy tokens/s of the
+                                                             # 106M Llama at batch 1 and 64 beside
+                                                             # the bound of the device's bandwidth
+
+The counts go to benchmarks/results/bench_mesh.json (``--out``); a ``--speed`` run is written
+only where ``--out`` names a file.
 
 ``--speed`` writes a SmolLM-135M-shaped Llama (random weights, 106M parameters; the shape of
 benchmarks/bench_hf_llama.py) with numpy and safetensors alone when the folder lacks one.
@@ -19,11 +22,12 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import harness as H
+
+ROOT = H.ROOT
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|"
                         r"reduce-scatter)(?:-start)?\(")
@@ -184,7 +188,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--families", default="llama,mistral,gemma2,mixtral")
-    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--out", default=None, help="the result file (default for the counts: "
+                    "benchmarks/results/bench_mesh.json; '-': none)")
     ap.add_argument("--speed", action="store_true", help="benchmark greedy decoding on the real devices")
     ap.add_argument("--folder", default=str(Path.home() / ".cache" / "jaxdecode-bench" / "llama106m-np"))
     args = ap.parse_args(argv)
@@ -195,10 +200,10 @@ def main(argv=None):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         rows = counts(args.families.split(","), args.batch)
         print_counts(rows, args.batch)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    out = args.out or (None if args.speed else H.default_out("bench_mesh"))
+    if out and out != "-":
+        H.write_json(out, H.result("benchmarks.bench_mesh", argv, rows=rows))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()
