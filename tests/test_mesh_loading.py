@@ -159,3 +159,18 @@ def test_a_bad_slice_is_refused_in_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "model.layers.1.mlp.down_proj.weight" in msg and "NaN" in msg
     assert str(folder / "model.safetensors") in msg
+
+
+def test_int4_on_a_mesh_is_refused_in_one_line():
+    """int4 matrices run on one device: a load onto a mesh, or a split, says so in one line."""
+    import jaxdecode
+    from jaxdecode.decoding.placement import make_mesh
+    from jaxdecode.models.checkpoint import CheckpointError
+    from jaxdecode.models.hf.sharding import ShardingError
+
+    mesh = make_mesh(data=1, model=1)
+    with pytest.raises(CheckpointError, match="weights='int4' runs on one device"):
+        jaxdecode.load(LLAMA, weights="int4", mesh=mesh)
+    lm = jaxdecode.load(LLAMA, weights="int4", backend="portable")
+    with pytest.raises(ShardingError, match="kept in a form that runs on one device"):
+        lm.shard(mesh)

@@ -111,6 +111,9 @@ def param_specs(params: dict, cfg, ways: int, embedding: str = "vocab") -> dict:
             if "packed" in value:
                 raise ShardingError("a model packed for the native CPU layer runs on one device: load it "
                                     "with backend='portable' to place it on a mesh")
+            if set(value) != {"q", "scale"}:
+                raise ShardingError(f"matrix {name!r} is kept in a form that runs on one device (int8, "
+                                    f"bfloat16 and float32 matrices split over a mesh)")
             return {"q": _spec(axes, rules), "scale": _spec(axes[-1:], rules)}
         if len(axes) != value.ndim:
             raise ShardingError(f"parameter {name!r} has {value.ndim} dimensions, its rule names {len(axes)}")

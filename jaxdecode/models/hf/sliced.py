@@ -229,6 +229,9 @@ def _sources(folder: Path, cfg, files: Files) -> tuple[dict, set]:
     return flat, stored
 
 
+FORMS = ("float32", "stored", "bfloat16", "int8")  # the ways of keeping the matrices read by slices
+
+
 def _forms(tree: dict, how: str, kept: str, dtype: str) -> dict:
     """Each parameter's form, as :func:`.linear.prepare` keeps it on the portable path: a dtype
     name, or ``"int8"`` for ``{"q", "scale"}``."""
@@ -334,6 +337,9 @@ def read_sliced(folder: Path, cfg, dtype: str, how: str, mesh, embedding: str = 
     import jax.numpy as jnp
 
     ways = sharding.check_mesh(mesh)
+    if how not in FORMS:
+        raise sharding.ShardingError(f"weights={how!r} runs on one device: a model on a mesh keeps its matrices "
+                                     f"as one of {', '.join(FORMS)}")
     files = Files()
     try:
         tree, stored = _sources(Path(folder), cfg, files)
