@@ -75,3 +75,25 @@ def test_two_processes_with_a_model_axis_equal_one_device(cluster):
         assert [o["prompt"] for o in got["outputs"]] == PROMPTS
         assert [o["tokens"] for o in got["outputs"]] == [g.tokens.tolist() for g in ref]
         assert [o["text"] for o in got["outputs"]] == [g.text for g in ref]
+
+
+def test_the_demo_on_a_model_axis_in_one_process(tmp_path):
+    """The demo's model-axis path in this process (one device, a model axis of 1): every row,
+    one device's tokens."""
+    import importlib.util
+
+    import jaxdecode
+
+    spec = importlib.util.spec_from_file_location("multihost_demo", ROOT / "tools" / "multihost_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    out = tmp_path / "one.json"
+    argv = ["--model", "1", "--checkpoint", str(LLAMA), "-n", "3", "--greedy", "--out", str(out)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert demo.main([*argv, "--prompt", PROMPTS[0]]) == 0
+        lm = jaxdecode.load(LLAMA, backend="portable")
+    got = json.loads(out.read_text())
+    assert got["layout"]["mesh"] == {"data": 1, "model": 1} and got["layout"]["process_count"] == 1
+    ref = jaxdecode.generate(lm, PROMPTS[:1], 3, greedy=True)
+    assert [o["tokens"] for o in got["outputs"]] == [g.tokens.tolist() for g in ref]
