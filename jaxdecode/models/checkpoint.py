@@ -234,9 +234,10 @@ def load(path: str | os.PathLike | None = None, *, backend: str | None = None, d
     ``weights`` (how its matrices are kept: ``"auto"``, ``"float32"``, ``"stored"``,
     ``"bfloat16"``, ``"int8"`` or ``"int4"``, see :mod:`jaxdecode.models.hf.linear`) and ``backend``
     (the native CPU layer runs its products). A GGUF file (``model.gguf``) loads through
-    :func:`jaxdecode.models.gguf.load_gguf`, its matrices in their types' nearest kept forms. A folder that cannot
-    be loaded (a corrupt or mismatched file, NaN weights, a config.json that is neither kind's) is
-    refused with one :class:`CheckpointError` sentence naming the file and the problem.
+    :func:`jaxdecode.models.gguf.load_gguf`, its matrices in their types' nearest kept forms. A
+    folder or file that cannot be loaded (a corrupt or mismatched file, NaN weights, a config.json
+    that is neither kind's) is refused with one :class:`CheckpointError` sentence naming the file
+    and the problem.
 
     ``mesh``: a :class:`jax.sharding.Mesh` with a ``"model"`` axis
     (:func:`jaxdecode.decoding.placement.make_mesh`): the parameters are split over it by their

@@ -244,8 +244,9 @@ def export(src, dst, dtype: str = "bfloat16") -> Path:
 
 
 def training_record(lm) -> dict:
-    """The ``"training"`` record of the folder ``lm`` was loaded from (empty if it has none)."""
-    if lm.path is None:
+    """The ``"training"`` record of the folder ``lm`` was loaded from (empty if it has none, or
+    was loaded from a file)."""
+    if lm.path is None or not Path(lm.path).is_dir():
         return {}
     return json.loads((Path(lm.path) / "config.json").read_text(encoding="utf-8")).get("training") or {}
 

@@ -32,10 +32,11 @@ constexpr int64_t kGroup4 = 32;  // weights along K sharing one scale
 // Weights k and k + 1 (k even) of a panel's 16 columns, from the 16 bytes at p, with scales sv.
 static inline void Widen4(const Q4* p, v16 sv, v16& w0, v16& w1) {
 #if defined(__AVX512F__)
+  // u - 8 looked up in a register of the sixteen values (the permute reads an index's low four bits)
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  const __m512i eight = _mm512_set1_epi32(8);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+  const __m512 lo = _mm512_permutexvar_ps(b, table);
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
   std::memcpy(&w0, &lo, sizeof w0);
   std::memcpy(&w1, &hi, sizeof w1);
 #else

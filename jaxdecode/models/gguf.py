@@ -1,0 +1,359 @@
+"""GGUF files (llama.cpp's format): ``load("model.gguf")`` and ``--ckpt model.gguf``.
+
+The file is read with the reader llama.cpp publishes (the ``gguf`` package). What it holds
+becomes what a Hugging Face folder of the same model would load as (:mod:`jaxdecode.models.hf`):
+
+- **configuration** from the metadata (``{arch}.embedding_length``, ``.block_count``,
+  ``.attention.head_count`` and so on) for the architectures ``llama`` (Llama, Mistral; a
+  ``.attention.sliding_window`` makes it Mistral's), ``qwen2`` and ``qwen3``;
+- **tokenizer** from ``tokenizer.ggml.*`` built as a ``tokenizers`` tokenizer: byte-level BPE
+  (``tokenizer.ggml.model`` ``"gpt2"``) with the pre-tokenizer its ``tokenizer.ggml.pre`` names
+  (GPT-2's, Llama 3's or Qwen 2's split), the control and user-defined tokens as added tokens,
+  a beginning token where ``add_bos_token`` says so;
+- **tensors**, each matrix kept in the form nearest its type (``weights="auto"``):
+
+  ======================  =================================================================
+  F32, F16, BF16          as stored (the native CPU path reads F16/BF16 as they are; the
+                          portable path widens to float32)
+  Q4_0                    int4 (:mod:`.hf.linear`): the same nibbles and float16 scales, in
+                          groups of 32 along the input, so the weights are the file's exactly
+  Q8_0                    int8 with one scale per column: re-rounded once when loaded (a block
+                          of 32's scale is finer than a column's: see docs/huggingface.md)
+  Q4_1, Q4_K, Q3_K, Q2_K  int4: widened to float32, then rounded as ``weights="int4"`` rounds
+  Q5_0, Q5_1, Q5_K, Q6_K  int8, the same way
+  ======================  =================================================================
+
+  q, k and v (gate and up) share one form where the native path fuses them: the widest of
+  theirs. A matrix whose input is not a multiple of 32 falls back from int4 to int8. Norms and
+  biases are float32; the embedding is widened to float32 (F16/BF16: kept so). Any other
+  ``weights`` choice converts every matrix from its float32 values as it does for a folder.
+
+llama.cpp stores a Llama's q and k rows permuted for its rotation of adjacent pairs; they are put
+back in the rotate-half order the decoder uses. An architecture, a tensor type or a tokenizer
+that is not one of these is refused in one sentence.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from jaxdecode.models.hf import linear
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+FORMS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q4_0": "int4", "Q4_1": "int4",
+         "Q4_K": "int4", "Q3_K": "int4", "Q2_K": "int4", "Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8",
+         "Q5_K": "int8", "Q6_K": "int8"}
+RANK = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 3}
+# tokenizer.ggml.pre -> the regular expression that splits text before byte-level BPE (None: GPT-2's)
+GPT2 = None
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE = {"default": GPT2, "gpt-2": GPT2, "gpt2": GPT2, "llama-bpe": LLAMA3, "llama3": LLAMA3,
+       "smaug-bpe": LLAMA3, "qwen2": QWEN2, "deepseek-r1-qwen": QWEN2}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded (one line naming the problem)."""
+
+
+def is_gguf(path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - a dependency
+        raise GGUFError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct errors, IndexError...
+        raise GGUFError(f"{path}: not a GGUF file the gguf package can read ({type(e).__name__}: {e})") from None
+
+
+class _Meta:
+    """The metadata of a reader, by key."""
+
+    def __init__(self, reader, path: Path):
+        self.fields, self.path = reader.fields, path
+
+    def get(self, key: str, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: the metadata lacks {key}")
+        return value
+
+
+def _config(meta: _Meta, arch: str, tensors: dict) -> dict:
+    """A Hugging Face ``config.json`` of the file's decoder, from its metadata."""
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise GGUFError(f"{meta.path}: the file has no token_embd.weight")
+    scaling = a("rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or "rope_freqs.weight" in tensors:
+        what = "rope_freqs.weight factors" if "rope_freqs.weight" in tensors else f"{scaling!r} rope scaling"
+        raise GGUFError(f"{meta.path}: {what} are not supported")
+    heads = int(meta.need(f"{arch}.attention.head_count"))
+    d = int(meta.need(f"{arch}.embedding_length"))
+    raw = {"model_type": arch, "architectures": [f"GGUF {arch}"],
+           "hidden_size": d, "intermediate_size": int(meta.need(f"{arch}.feed_forward_length")),
+           "num_hidden_layers": int(meta.need(f"{arch}.block_count")), "num_attention_heads": heads,
+           "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+           "head_dim": int(a("attention.key_length", d // heads)),
+           "max_position_embeddings": int(a("context_length", 2048)),
+           "rms_norm_eps": float(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")),
+           "rope_theta": float(a("rope.freq_base", 10000.0)), "vocab_size": int(embed.shape[0]),
+           "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu"}
+    if scaling == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    window = a("attention.sliding_window")
+    if window and arch == "llama":
+        raw["model_type"], raw["sliding_window"] = "mistral", int(window)
+    elif window:
+        raw["sliding_window"], raw["use_sliding_window"] = int(window), True
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        if meta.get(name) is not None:
+            raw[key] = int(meta.get(name))
+    return raw
+
+
+def _decoder_config(raw: dict, where: str):
+    from jaxdecode.models.hf import families
+    from jaxdecode.models.hf.config import ConfigError
+
+    spec = families.FAMILIES[raw["model_type"]]
+    try:
+        return (spec.reader or families.decoder_config)(raw, where)
+    except ConfigError as e:
+        raise GGUFError(str(e)) from None
+
+
+def tokenizer(meta: _Meta):
+    """The file's vocabulary as a ``tokenizers.Tokenizer`` (one GGUFError line if unsupported)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{meta.path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', is)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE:
+        raise GGUFError(f"{meta.path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE)})")
+    tokens = [str(t) for t in meta.need("tokenizer.ggml.tokens")]
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(str(m).split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError(f"{meta.path}: tokenizer.ggml.tokens holds a token twice")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=PRE[pre] is LLAMA3))
+    if PRE[pre] is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
+             for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
+    tok.add_special_tokens([t for t in added if t.special])
+    tok.add_tokens([t for t in added if not t.special])
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    first = [(tokens[int(bos)], int(bos))] if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None else []
+    last = [(tokens[int(eos)], int(eos))] if meta.get("tokenizer.ggml.add_eos_token", False) and eos is not None else []
+    if first or last:
+        single = " ".join([*(t for t, _ in first), "$A", *(t for t, _ in last)])
+        pair = " ".join([*(t for t, _ in first), "$A", *(t for t, _ in last), *(t for t, _ in first), "$B:1",
+                         *(f"{t}:1" for t, _ in last)])
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=first + last)
+    return tok
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows ``[heads * hd, ...]`` from llama.cpp's order (the two halves of each head interleaved,
+    for its rotation of adjacent pairs) back to the rotate-half order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+LAYER = {"attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
+         "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+         "attn_norm.weight": "norm1_w", "ffn_norm.weight": "norm2_w", "attn_q.bias": "bq", "attn_k.bias": "bk",
+         "attn_v.bias": "bv", "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+
+
+def _read(path: Path, reader, cfg, arch: str) -> tuple[dict, list[dict], dict]:
+    """``(params in float32, each layer's {matrix: type name}, {"embed"/"head": type name})``."""
+    from gguf import GGMLQuantizationType, quants
+
+    params: dict = {}
+    layers: list[dict] = [{} for _ in range(cfg.L)]
+    types: list[dict] = [{} for _ in range(cfg.L)]
+    top: dict = {}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        if qtype not in FORMS:
+            raise GGUFError(f"{path}: tensor {t.name} has type {qtype}, which is not supported "
+                            f"(supported: {', '.join(FORMS)})")
+        try:
+            a = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        except Exception as e:  # noqa: BLE001 - a truncated block
+            raise GGUFError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
+        a = a.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))  # numpy order: [out, in]
+        if not np.isfinite(a).all():
+            raise GGUFError(f"{path}: tensor {t.name} holds NaN or infinite values")
+        parts = t.name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < cfg.L:
+            i, name = int(parts[1]), LAYER.get(parts[2])
+            if name is None:
+                raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} decoder")
+            if arch == "llama" and name in ("wq", "wk", "bq", "bk"):
+                a = _unpermute(a, cfg.heads if name in ("wq", "bq") else cfg.kv_heads)
+            if a.ndim == 2:
+                a, types[i][name] = np.ascontiguousarray(a.T), qtype
+            layers[i][name] = a
+        elif t.name == "token_embd.weight":
+            params["embed"], top["embed"] = a, qtype
+        elif t.name == "output.weight":
+            params["head"], top["head"] = np.ascontiguousarray(a.T), qtype
+        elif t.name == "output_norm.weight":
+            params["norm_w"] = a
+        else:
+            raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} decoder of {cfg.L} layers")
+    missing = [f"blk.{i}.{k}" for i, layer in enumerate(layers)
+               for k, v in LAYER.items() if v in ("wq", "wk", "wv", "wo", "w_down", "norm1_w") and v not in layer]
+    if missing or "norm_w" not in params:
+        raise GGUFError(f"{path}: the file lacks {(missing or ['output_norm.weight'])[0]}")
+    params["layers"] = layers
+    return params, types, top
+
+
+def _form(qtype: str, native: bool) -> tuple[str, str]:
+    """``(how, stored)`` for linear's ``_kept``: a type's nearest kept form on this path."""
+    form = FORMS[qtype]
+    if form in ("int4", "int8"):
+        return form, "float32"
+    if form == "float32" or not native:
+        return "float32", "float32"
+    return "stored", form
+
+
+def _widest(qtypes) -> str:
+    forms = {FORMS[q] for q in qtypes}
+    if len(forms) == 1:
+        return next(iter(qtypes))
+    if forms == {"float16", "bfloat16"} or "float32" in forms:
+        return "F32"
+    best = max(forms, key=RANK.__getitem__)
+    return {"int4": "Q4_0", "int8": "Q8_0", "float16": "F16", "bfloat16": "BF16"}[best]
+
+
+def _arrange(params: dict, types: list[dict], top: dict, cfg, native: bool, weights: str) -> tuple[dict, set]:
+    """The parameter tree with each matrix in its kept form (and the forms used)."""
+    import jax.numpy as jnp
+
+    used: set = set()
+
+    def kept(a, qtype):
+        if weights == "auto":
+            how, stored = _form(qtype, native)
+        else:
+            how, stored = linear.mode(weights, native), {"F16": "float16", "BF16": "bfloat16"}.get(qtype, "float32")
+        if how == "stored" and stored == "float32":
+            how = "float32"
+        out = linear._kept(a, how, stored, native)
+        used.add(how if how != "stored" else stored)
+        return out
+
+    layers = []
+    for p, t in zip(params["layers"], types):
+        p, t = dict(p), dict(t)
+        if native:
+            for fused, parts in linear.FUSED.items():
+                if all(k in p for k in parts):
+                    t[fused] = _widest([t.pop(k) for k in parts])
+                    p[fused] = np.concatenate([p.pop(k) for k in parts], axis=1)
+        for k in list(p):
+            p[k] = kept(p[k], t[k]) if k in t else jnp.asarray(p[k])
+        layers.append(p)
+    out = {"layers": tuple(layers), "norm_w": jnp.asarray(params["norm_w"])}
+    embed_type = top["embed"]
+    embed_dtype = {"F16": "float16", "BF16": "bfloat16"}.get(embed_type) if weights in ("auto", "stored") else None
+    out["embed"] = jnp.asarray(params["embed"], embed_dtype if native and embed_dtype else jnp.float32)
+    if "head" in params:
+        out["head"] = kept(params["head"], top["head"])
+    elif native or FORMS[embed_type] in ("int4", "int8") or weights in ("int8", "int4"):
+        out["head"] = kept(np.ascontiguousarray(params["embed"].T), embed_type)
+    return out, used
+
+
+def load_gguf(path, *, dtype: str = "float32", max_length: int | None = None, weights: str = "auto",
+              backend: str | None = None, mesh=None):
+    """A :class:`~jaxdecode.models.lm.LanguageModel` of GGUF file ``path`` (see the module's
+    docstring for what is kept how). ``weights``: ``"auto"`` (each matrix in its type's nearest
+    kept form) or any of :data:`jaxdecode.models.hf.linear.WEIGHTS` for every matrix; ``backend``
+    as for a folder. One GGUFError line for anything that cannot be loaded."""
+    from jaxdecode.models.hf import HFDecoder, HFTokenizer, _choose
+    from jaxdecode.models.hf.tokenizer import TokenizerError
+    from jaxdecode.models.lm import LanguageModel
+
+    path = Path(path)
+    if dtype != "float32":
+        raise GGUFError(f"{path}: a GGUF file loads with dtype float32 (its matrices keep their own forms)")
+    if mesh is not None:
+        raise GGUFError(f"{path}: a GGUF file loads on one device, not on a mesh")
+    native, _ = _choose(dtype, weights, backend)
+    reader = _reader(path)
+    meta = _Meta(reader, path)
+    arch = meta.need("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    tensors = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
+    raw = _config(meta, arch, {k: _Shape(v) for k, v in tensors.items()})
+    cfg = _decoder_config(raw, str(path))
+    tok = tokenizer(meta)
+    params, types, top = _read(path, reader, cfg, arch)
+    params, used = _arrange(params, types, top, cfg, native, weights)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+        try:
+            vocab = HFTokenizer(Path(d) / "tokenizer.json", cfg.V)
+        except TokenizerError as e:
+            raise GGUFError(f"{path}: {e}") from None
+    vocab.path = path
+    eos = tuple(dict.fromkeys(int(meta.get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                       "tokenizer.ggml.eom_token_id") if meta.get(k) is not None))
+    vocab.eos_ids = eos
+    decoder = HFDecoder(cfg, dtype, max_length, "native" if native else "portable")
+    kinds = sorted(used, key=lambda k: -RANK.get(k, 3))
+    info = {"model_type": cfg.model_type, "format": "gguf", "dtype": dtype,
+            "weights": kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds),
+            "architectures": raw["architectures"], "eos_token_id": list(eos),
+            "gguf_types": sorted({*top.values(), *(q for t in types for q in t.values())})}
+    reload = functools.partial(load_gguf, path, dtype=dtype, max_length=max_length, weights=weights)
+    return LanguageModel(params=params, cfg=cfg, vocab=vocab, meta=info, path=path, decoder=decoder,
+                         eos_ids=eos, generation_defaults={}, reload=reload)
+
+
+class _Shape:
+    """A tensor's numpy-order shape, standing in for the tensor while the config is read."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+
+__all__ = ["ARCHITECTURES", "FORMS", "GGUFError", "is_gguf", "load_gguf", "tokenizer"]
