@@ -21,7 +21,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 LLAMA = HERE / "fixtures" / "hf" / "llama"
-ALLOWANCE = 16 * 2**20  # the runtime's own allocations while placing arrays (measured: under 17 MB)
+ALLOWANCE = 16 * 2**20  # the runtime's own allocations (measured growth: the parameters plus 17 to 19 MB)
 WAYS = 8
 
 
