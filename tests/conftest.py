@@ -136,6 +136,7 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_mesh.py": "test_make_mesh_shapes_and_errors test_partition_rules_split_whole_heads_only".split(),
     "test_mesh_loading.py": """test_each_part_of_a_tensor_is_where_the_reader_split_puts_it
         test_a_bad_slice_is_refused_in_one_line""".split(),
+    "test_mesh_multihost.py": ["test_the_demo_on_a_model_axis_in_one_process"],
     "test_model.py": """test_cache_matches_forward_ragged test_compile_once_per_bucket test_hidden_states
         test_config_validation""".split(),
     "test_own_model.py": """test_chain_greedy_is_the_argmax_walk test_chain_beam_and_mode_are_exhaustive
