@@ -6,6 +6,7 @@ its rotation, byte-level BPE vocabularies with their merges, Q8_0/Q4_0 blocks by
 own quantizer); the reference is the folder loaded by the safetensors path.
 """
 
+import itertools
 import json
 from pathlib import Path
 
@@ -306,3 +307,88 @@ def test_command_line_reads_a_gguf_file(written, capsys):
         assert main(["generate", "Hello", "-n", "8", "--greedy", "--ckpt", str(ckpt), "--json"]) == 0
         docs.append(json.loads(capsys.readouterr().out)["outputs"][0])
     assert docs[0]["tokens"] == docs[1]["tokens"] and docs[0]["text"] == docs[1]["text"]
+
+
+SAMPLE = """First Citizen:
+Before we proceed any further, hear me speak.
+All: Speak, speak. You are all resolved rather to die than to famish?
+Resolved. resolved. First, you know Caius Marcius is chief enemy to the people."""
+
+
+def _spm_vocab(merges_wanted: int = 80):
+    """A SentencePiece-like vocabulary learnt from SAMPLE: pieces and scores (-rank), <0xNN> bytes."""
+    text = "\u2581" + SAMPLE.replace(" ", "\u2581")
+    words = [list(text)]
+    pieces = sorted(set(text))
+    made = []
+    for _ in range(merges_wanted):
+        counts = {}
+        for w in words:
+            for a, b in itertools.pairwise(w):
+                counts[a + "\0" + b] = counts.get(a + "\0" + b, 0) + 1
+        if not counts:
+            break
+        best = max(sorted(counts), key=counts.__getitem__)
+        a, b = best.split("\0")
+        made.append(a + b)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if w[i] == a and w[i + 1] == b:
+                    w[i:i + 2] = [a + b]
+                i += 1
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    types = [2, 3, 3, *([6] * 256)]
+    scores = [0.0] * len(tokens)
+    for rank, p in enumerate([*made, *pieces]):
+        if p not in tokens:
+            tokens.append(p)
+            types.append(1)
+            scores.append(-float(rank))
+    return tokens, types, scores
+
+
+def _spm_reference(text, tokens, types, scores, bos=True):
+    """llama.cpp's SentencePiece tokenizer: merge the adjacent pair making the best-scored piece
+    (the leftmost of equals) until none is in the vocabulary; unknown pieces as their bytes."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    sym = list("\u2581" + text.replace(" ", "\u2581"))
+    while True:
+        best = None
+        for i in range(len(sym) - 1):
+            j = vocab.get(sym[i] + sym[i + 1])
+            if j is not None and (best is None or scores[j] > best[0]):
+                best = (scores[j], i)
+        if best is None:
+            break
+        i = best[1]
+        sym[i:i + 2] = [sym[i] + sym[i + 1]]
+    ids = [1] if bos else []
+    for s in sym:
+        ids += [vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode("utf-8")]
+    return ids
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path):
+    from jaxdecode.models import gguf as gguf_model
+
+    tokens, types, scores = _spm_vocab()
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = tmp_path / "spm.gguf"
+    tok = gguf_model.tokenizer(gguf_model._Meta(gguf.GGUFReader(str(path)), path))
+    for text in (SAMPLE, "Speak, speak.", "  two  spaces and\nnewline", "naïve café 中文 ok", "x", "Caius\tMarcius"):
+        want = _spm_reference(text, tokens, types, scores)
+        assert tok.encode(text).ids == want, text
+        assert tok.decode(want, skip_special_tokens=True) == text

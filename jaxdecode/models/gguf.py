@@ -8,8 +8,9 @@ becomes what a Hugging Face folder of the same model would load as (:mod:`jaxdec
   ``.attention.sliding_window`` makes it Mistral's), ``qwen2`` and ``qwen3``;
 - **tokenizer** from ``tokenizer.ggml.*`` built as a ``tokenizers`` tokenizer: byte-level BPE
   (``tokenizer.ggml.model`` ``"gpt2"``) with the pre-tokenizer its ``tokenizer.ggml.pre`` names
-  (GPT-2's, Llama 3's or Qwen 2's split), the control and user-defined tokens as added tokens,
-  a beginning token where ``add_bos_token`` says so;
+  (GPT-2's, Llama 3's or Qwen 2's split), or SentencePiece (``"llama"``: a BPE whose merges are
+  ranked by the scores of the pieces they make, bytes through the ``<0xNN>`` pieces), the control
+  and user-defined tokens as added tokens, a beginning token where ``add_bos_token`` says so;
 - **tensors**, each matrix kept in the form nearest its type (``weights="auto"``):
 
   ======================  =================================================================
@@ -150,8 +151,11 @@ def tokenizer(meta: _Meta):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.need("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"{meta.path}: tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', is)")
+    if kind not in ("gpt2", "llama"):
+        raise GGUFError(f"{meta.path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                        f"SentencePiece 'llama' are)")
+    if kind == "llama":
+        return _sentencepiece(meta)
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE:
         raise GGUFError(f"{meta.path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE)})")
@@ -181,6 +185,39 @@ def tokenizer(meta: _Meta):
         pair = " ".join([*(t for t, _ in first), "$A", *(t for t, _ in last), *(t for t, _ in first), "$B:1",
                          *(f"{t}:1" for t, _ in last)])
         tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=first + last)
+    return tok
+
+
+def _sentencepiece(meta: _Meta):
+    """A SentencePiece vocabulary (``tokenizer.ggml.model`` ``"llama"``: pieces with scores, ``▁``
+    for a space, ``<0xNN>`` byte pieces) as a ``tokenizers`` BPE that merges as SentencePiece does:
+    each merge ranked by the score of the piece it makes (the merges are every split of a normal
+    piece into two normal pieces), bytes outside the vocabulary through the byte pieces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    tokens = [str(t) for t in meta.need("tokenizer.ggml.tokens")]
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    scores = [float(x) for x in (meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = lambda piece: piece in vocab and types[vocab[piece]] == 1
+    ranked = sorted((-scores[i], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p, i in vocab.items()
+                    if types[i] == 1 for k in range(1, len(p)) if normal(p[:k]) and normal(p[k:]))
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=tokens[unk],
+                               fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.normalizer = normalizers.Sequence([*([normalizers.Prepend("▁")] if prefix else []),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in range(len(tokens)) if types[i] == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in range(len(tokens)) if types[i] == USER_DEFINED])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", True) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[int(bos)]} $A", pair=f"{tokens[int(bos)]} $A {tokens[int(bos)]} $B:1",
+            special_tokens=[(tokens[int(bos)], int(bos))])
     return tok
 
 
