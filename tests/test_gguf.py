@@ -68,6 +68,21 @@ def write_gguf(folder: Path, out: Path, qtype=T.F32, arch: str | None = None, ty
     w.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     if cfg.get("sliding_window") and cfg["model_type"] == "mistral":
         w.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type") == "llama3":  # llama.cpp's converter: each frequency's divisor
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+        old, lo, hi = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+        factors = []
+        for freq in freqs:
+            wavelen = 2 * np.pi / freq
+            if wavelen < old / hi:
+                factors.append(1.0)
+            elif wavelen > old / lo:
+                factors.append(rope["factor"])
+            else:
+                smooth = (old / wavelen - lo) / (hi - lo)
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
     vocab = tok["model"]["vocab"]
     tokens = [None] * cfg["vocab_size"]
     for t, i in vocab.items():
@@ -139,7 +154,7 @@ def _logits(lm, tokens):
 TOKENS = [[4, 8, 15, 16, 23, 42, 108, 7, 9, 11, 13, 17, 19, 21, 29, 31, 37, 41]]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3", "shakespeare-bpe"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "shakespeare-bpe"])
 def test_f32_file_gives_the_folders_logits(written, name):
     folder = FIXTURES / name if name != "shakespeare-bpe" else BPE
     path = written(name)

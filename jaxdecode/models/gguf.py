@@ -30,7 +30,8 @@ becomes what a Hugging Face folder of the same model would load as (:mod:`jaxdec
   ``weights`` choice converts every matrix from its float32 values as it does for a folder.
 
 llama.cpp stores a Llama's q and k rows permuted for its rotation of adjacent pairs; they are put
-back in the rotate-half order the decoder uses. An architecture, a tensor type or a tokenizer
+back in the rotate-half order the decoder uses. Llama 3's rope scaling, which llama.cpp stores as
+each frequency's divisor (``rope_freqs.weight``), is read back as the scaling's parameters. An architecture, a tensor type or a tokenizer
 that is not one of these is refused in one sentence.
 """
 
@@ -101,16 +102,48 @@ class _Meta:
         return value
 
 
-def _config(meta: _Meta, arch: str, tensors: dict) -> dict:
+def _llama3(path: Path, factors: np.ndarray, theta: float, dim: int) -> dict | None:
+    """Llama 3's rope scaling from llama.cpp's ``rope_freqs`` (each frequency's divisor): the
+    scaled band's divisors ``1 / ((1 - s) / factor + s)`` with ``s`` linear in one over the
+    wavelength give ``factor`` and the band's bounds (``low_freq_factor`` taken as 1)."""
+    f = np.asarray(factors, np.float64)
+    if f.shape != (dim // 2,) or not (f >= 1 - 1e-6).all():
+        raise GGUFError(f"{path}: rope_freqs.weight is not {dim // 2} factors of at least 1")
+    if np.allclose(f, 1):
+        return None
+    factor = float(f.max())
+    x = 1 / (2 * np.pi * theta ** (np.arange(0, dim, 2) / dim))  # one over each wavelength
+    s = (1 / f - 1 / factor) / (1 - 1 / factor)  # 1: unscaled; 0: divided by factor
+    inside = (s > 1e-6) & (s < 1 - 1e-6)
+    # the line s = slope * x + at0 through the band's points; with fewer than two, through them
+    # and the nearest frequency left whole (s = 1) or divided by the whole factor (s = 0)
+    points = [(x[i], s[i]) for i in np.flatnonzero(inside)]
+    ones, fulls = x[s >= 1 - 1e-6], x[s <= 1e-6]
+    edges = ([(ones.min(), 1.0)] if ones.size else []) + ([(fulls.max(), 0.0)] if fulls.size else [])
+    lines = [tuple(np.polyfit(x[inside], s[inside], 1))] if len(points) >= 2 else []
+    for (xa, sa), (xb, sb) in [(a, b) for a in points + edges for b in edges if a != b and a[0] != b[0]]:
+        lines.append(((sb - sa) / (xb - xa), sa - xa * (sb - sa) / (xb - xa)))
+    for slope, at0 in lines:
+        if not (slope > 0 and at0 < 0):
+            continue
+        band = np.clip(slope * x + at0, 0, 1)
+        if np.abs(1 / ((1 - band) / factor + band) - f).max() <= 1e-4 * factor:
+            high = 1 - 1 / at0
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": float(high), "original_max_position_embeddings": float(slope * (high - 1))}
+    raise GGUFError(f"{path}: rope_freqs.weight does not follow Llama 3's rope scaling")
+
+
+def _config(meta: _Meta, arch: str, tensors: dict, rope_freqs=None) -> dict:
     """A Hugging Face ``config.json`` of the file's decoder, from its metadata."""
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise GGUFError(f"{meta.path}: the file has no token_embd.weight")
     scaling = a("rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or "rope_freqs.weight" in tensors:
-        what = "rope_freqs.weight factors" if "rope_freqs.weight" in tensors else f"{scaling!r} rope scaling"
-        raise GGUFError(f"{meta.path}: {what} are not supported")
+    if scaling not in ("none", "linear") or (rope_freqs is not None and scaling != "none"):
+        raise GGUFError(f"{meta.path}: {scaling!r} rope scaling is not supported (none, linear, and Llama 3's "
+                        f"rope_freqs are)")
     heads = int(meta.need(f"{arch}.attention.head_count"))
     d = int(meta.need(f"{arch}.embedding_length"))
     raw = {"model_type": arch, "architectures": [f"GGUF {arch}"],
@@ -124,6 +157,10 @@ def _config(meta: _Meta, arch: str, tensors: dict) -> dict:
            "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu"}
     if scaling == "linear":
         raw["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    if rope_freqs is not None:
+        llama3 = _llama3(meta.path, rope_freqs, raw["rope_theta"], raw["head_dim"])
+        if llama3 is not None:
+            raw["rope_scaling"] = llama3
     window = a("attention.sliding_window")
     if window and arch == "llama":
         raw["model_type"], raw["sliding_window"] = "mistral", int(window)
@@ -269,6 +306,8 @@ def _read(path: Path, reader, cfg, arch: str) -> tuple[dict, list[dict], dict]:
             params["head"], top["head"] = np.ascontiguousarray(a.T), qtype
         elif t.name == "output_norm.weight":
             params["norm_w"] = a
+        elif t.name == "rope_freqs.weight" and arch == "llama":  # read into the config
+            continue
         else:
             raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} decoder of {cfg.L} layers")
     missing = [f"blk.{i}.{k}" for i, layer in enumerate(layers)
@@ -360,7 +399,8 @@ def load_gguf(path, *, dtype: str = "float32", max_length: int | None = None, we
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     tensors = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
-    raw = _config(meta, arch, {k: _Shape(v) for k, v in tensors.items()})
+    freqs = next((np.asarray(t.data, np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    raw = _config(meta, arch, {k: _Shape(v) for k, v in tensors.items()}, freqs)
     cfg = _decoder_config(raw, str(path))
     tok = tokenizer(meta)
     params, types, top = _read(path, reader, cfg, arch)
