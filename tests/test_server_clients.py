@@ -125,6 +125,16 @@ def test_fields_that_would_change_the_output_are_refused_by_name(char, field, va
     check_error(r, 400, param=field, code="unsupported_field", says=field)
 
 
+def test_stop_token_ids_end_a_sample_as_generate_ends_it(char, char_lm):
+    body = {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}
+    free = jaxdecode.generate(char_lm, "ROMEO:", 12, greedy=True)[0]
+    stop = int(free.tokens[3])  # the fourth token: the text ends there
+    want = jaxdecode.generate(char_lm, "ROMEO:", 12, greedy=True, stop_token_ids=[stop])[0]
+    got = ok(post(char, "/completions", dict(body, stop_token_ids=[stop])))["choices"][0]
+    assert want.finish_reason == "stop" and len(want.tokens) <= 4
+    assert (got["text"], got["finish_reason"]) == (want.text, "stop")
+
+
 def test_harmless_fields_are_accepted(char):
     body = {"prompt": "ROMEO:", "max_tokens": 3, "seed": 5, "temperature": 0}
     want = ok(post(char, "/completions", body))["choices"][0]["text"]
