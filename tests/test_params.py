@@ -311,3 +311,14 @@ def test_the_engine_ends_a_row_at_a_stop_token_as_generate_does(lm):
     assert [g.tokens.tolist() for g in got] == [g.tokens.tolist() for g in want]
     assert [g.finish_reason for g in got] == [g.finish_reason for g in want]
     assert any(g.finish_reason == "stop" for g in want)  # the case is tested
+
+
+def test_a_request_with_bad_settings_is_refused_when_submitted(lm):
+    from jaxdecode.serving import Engine, Request
+
+    engine = Engine(lm, 2)
+    bad = Request("ab", 4, params={"n": 4})  # kept as given until the engine takes it
+    with pytest.raises(TypeError, match="request 0: params must be a DecodeParams, got dict"):
+        engine.submit(bad)
+    with pytest.raises(ParamsError, match="request 0: num_samples must be an integer >= 1, got 0"):
+        engine.submit(Request("ab", 4, num_samples=0, params=DecodeParams(top_p=0.9)))

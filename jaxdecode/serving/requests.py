@@ -60,10 +60,14 @@ class Request:
         # check is kept as given and refused, with the request's number, when the engine takes it.
         base = DEFAULTS if self.params is None else self.params
         given = {name: getattr(self, name) for name in _SHARED if getattr(self, name) is not None}
-        try:
-            self.params, self._invalid = base.replace(**_as_params(given)), None
-        except (ValueError, TypeError) as e:
-            self._invalid = e
+        if not isinstance(base, DecodeParams):
+            self._invalid = TypeError(f"params must be a DecodeParams, got {type(base).__name__}")
+            base = DEFAULTS
+        else:
+            try:
+                self.params, self._invalid = base.replace(**_as_params(given)), None
+            except (ValueError, TypeError) as e:
+                self._invalid = e
         for name in _SHARED:
             if getattr(self, name) is None:
                 setattr(self, name, getattr(base, _AS.get(name, name)))
