@@ -125,9 +125,12 @@ def test_training_writes_the_fixture_folder(tmp_path, lm):
     np.testing.assert_allclose(curves[0], curves[1], atol=1e-3)
     mine["training"].pop("train_loss"), theirs["training"].pop("train_loss")
     assert mine == theirs
+    # the weights after the run: float32 rounding that differs between CPUs (the order XLA sums in
+    # with the vector width it finds) grows over the steps to a few 1e-3 on a few weights (2.5e-3 on
+    # 5 of 2,048 seen on one machine, on the fixture's own commit), while the losses above agree to 1e-3
     again = checkpoint.load(out)
     for a, b in zip(jax_leaves(again.params), jax_leaves(lm.params)):
-        np.testing.assert_allclose(a, b, atol=2e-3)
+        np.testing.assert_allclose(a, b, atol=5e-3)
 
 
 def jax_leaves(tree):
