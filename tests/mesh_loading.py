@@ -38,8 +38,21 @@ def rss() -> int:
 
 
 def peak() -> int:
-    """The process's resident high-water mark in bytes (``ru_maxrss`` is in KiB on Linux)."""
+    """The process's resident high-water mark in bytes since :func:`reset_peak` (``VmHWM``; where
+    /proc has none, ``ru_maxrss``, in KiB on Linux, over the process's life)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak() -> None:
+    """Start the high-water mark again from the resident bytes now (Linux: ``clear_refs`` 5), so
+    that what the warm-up load and the imports held before the measured load does not count."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 class Counted:
@@ -94,6 +107,7 @@ def measure(folder: Path, how: str) -> dict:
         warnings.simplefilter("ignore")
         jaxdecode.load(FIXTURES / "llama", mesh=mesh)  # every module imported, every pool started
         counted = Counted() if how == "sharded" else None
+        reset_peak()
         before, high = rss(), peak()
         if how == "sharded":
             lm = jaxdecode.load(folder, mesh=mesh)
