@@ -95,7 +95,6 @@ def _engine(lm, key, engines: dict) -> Engine:
         kw = {"num_blocks": 4 * slots + 2, "block_size": 4} if cache == "paged" else {}
         engine = Engine(lm, slots, cache=cache, decode_steps=decode_steps, prefill_chunk=4, overlap=overlap,
                         admit_batch=admit_batch, clock=StepClock(), **kw)
-        engine.warm_up([make(0) for make in _kinds(lm).values()])
         engines[key] = engine
     return engines[key]
 
@@ -125,6 +124,7 @@ def run_schedules(lm, references, cache: str, seeds) -> int:
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 @pytest.mark.parametrize("cache", CACHES)
 def test_random_schedules_give_generates_texts(lm, references, cache, chunk):
@@ -135,6 +135,7 @@ def test_random_schedules_give_generates_texts(lm, references, cache, chunk):
     assert run_schedules(lm, references, cache, seeds) >= 2 * per
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_slot_serves_every_kind_after_every_kind(lm, references, cache):
     """One slot, filled with a request of each kind and then one of every other kind (with and
