@@ -214,22 +214,17 @@ def _mark_quick(config, items):
 # prints this table; the run of docs/testing.md's "after"). Only the order of the work depends on
 # it: a unit not named here counts half a second a test, a slow test 5 s.
 UNIT_SECONDS = {
+    "file:test_engine_schedules.py": 130,
     "file:test_explorer.py": 100,
     "file:test_mesh.py": 90,
     "file:test_server_clients.py": 60,
     "file:test_stop_with_constraint.py": 55,
     "file:test_params.py": 40,
-    "test_engine_schedules.py::test_random_schedules_give_generates_texts[dense-0]": 36,
     "file:test_gguf.py": 30,
     "file:test_int4.py": 30,
-    "test_engine_schedules.py::test_random_schedules_give_generates_texts[paged-0]": 25,
     "file:test_mesh_multihost.py": 20,
-    "test_engine_schedules.py::test_random_schedules_give_generates_texts[dense-1]": 13,
-    "test_engine_schedules.py::test_a_slot_serves_every_kind_after_every_kind[dense]": 11,
-    "test_engine_schedules.py::test_a_slot_serves_every_kind_after_every_kind[paged]": 11,
     "file:test_mesh_loading.py": 10,
     "file:test_family_table.py": 10,
-    "test_engine_schedules.py::test_random_schedules_give_generates_texts[paged-1]": 9,
     "file:test_engine_constraints.py": 106,
     "file:test_hf.py": 59,
     "file:test_tokenization_study.py": 19,
