@@ -351,6 +351,7 @@ def _set(driver, element_id, value):
                           element, value)
 
 
+@pytest.mark.slow
 def test_page_bars_top_p_and_no_other_host(server, page, lm, shots):
     page.get(server.root + "/")
     _wait(page, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "1", "its first bars")
@@ -389,6 +390,7 @@ def test_page_bars_top_p_and_no_other_host(server, page, lm, shots):
     page.set_window_size(1280, 1100)
 
 
+@pytest.mark.slow
 def test_page_seeded_path_beam_tree_and_views(server, page, lm, shots):
     page.get(server.root + "/")
     _wait(page, lambda d: d.find_element("tag name", "body").get_attribute("data-ready") == "1", "its first bars")

@@ -40,6 +40,7 @@ def results():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_and_logits_equal_one_device(results, family):
     """Every mesh gives one device's greedy tokens, and its logits within float32 rounding of the
@@ -50,11 +51,13 @@ def test_greedy_and_logits_equal_one_device(results, family):
         assert got[mesh]["logits"] <= 1e-5 * max(1.0, got["scale"]), f"{family} on {mesh}: {got[mesh]['logits']}"
 
 
+@pytest.mark.slow
 def test_generate_greedy_and_seeded_on_model_and_data_axes(results):
     got = results["generate:llama"]
     assert got["2x4"] == got["ref"]  # rows split over "data" by the loop, parameters over "model"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["beam", "score", "contrastive", "speculative", "engine_dense", "engine_paged"])
 def test_loops_on_a_model_axis_equal_one_device(results, loop):
     got = results["loops:llama-draft"][loop]
@@ -72,6 +75,7 @@ def _replicated(cfg, M):
     return 4 * n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,M", [("layout:llama:2", 2), ("layout:llama:4", 4), ("layout:mixtral:2", 2)])
 def test_each_device_holds_its_share(results, case, M):
     """Per-device parameter bytes (addressable_shards) within 2% of total / M plus the parameters
@@ -88,6 +92,7 @@ def _kinds(collectives, kind):
     return {shape: n for key, n in collectives.items() for k, shape in [key.split(" ", 1)] if k == kind}
 
 
+@pytest.mark.slow
 def test_decode_step_two_all_reduces_per_layer(results):
     """Dense Llama, heads and key/value heads split (M=2): one all-reduce for the embedding's
     lookup, two per layer (after o, after down), each over B x d values; nothing gathered."""
@@ -99,6 +104,7 @@ def test_decode_step_two_all_reduces_per_layer(results):
     assert got["1"]["collectives"] == {}
 
 
+@pytest.mark.slow
 def test_decode_step_never_gathers_a_weight(results):
     """M=4 with 2 key/value heads: k and v are replicated (each device computes both heads), the
     query heads split; still 2 all-reduces a layer, and anything gathered is a new position's
@@ -112,6 +118,7 @@ def test_decode_step_never_gathers_a_weight(results):
         assert int(np.prod(dims)) < d * d // 4, shape  # smaller than any weight matrix of the model
 
 
+@pytest.mark.slow
 def test_experts_split_with_one_all_reduce_of_their_sum(results):
     """Mixtral with its 4 experts over a model axis of 2: each device holds half of them, and the
     compiled step holds the expert-parallel collective, one all-reduce of the combined experts'

@@ -72,6 +72,7 @@ def bound(run: dict) -> int:
     return run["model_bytes"] + max(run["tensors"].values()) + ALLOWANCE
 
 
+@pytest.mark.slow
 def test_sharded_load_holds_at_most_the_model_and_one_matrix(runs):
     """The resident growth while loading onto a model axis of 8 stays under the parameters' bytes
     plus the largest matrix (plus a small allowance); loading on one device and then splitting,
@@ -82,6 +83,7 @@ def test_sharded_load_holds_at_most_the_model_and_one_matrix(runs):
     assert whole["growth"] > bound(whole), (whole["growth"], bound(whole))
 
 
+@pytest.mark.slow
 def test_no_split_matrix_is_read_whole(runs):
     """Every matrix (all split over the 8 devices here) is read in slices of an eighth of it at
     most, and each of its bytes once."""
@@ -93,6 +95,7 @@ def test_no_split_matrix_is_read_whole(runs):
         assert sum(reads[name]) == nbytes, (name, sum(reads[name]), nbytes)
 
 
+@pytest.mark.slow
 def test_sharded_load_equals_one_device_then_split(runs):
     """Dense, sliding-window, soft-capped, mixture-of-experts, fused (Phi-3, GPT-2), indexed and
     quantized folders; float32, bfloat16 and float16 storage kept, rounded to bfloat16 or int8:

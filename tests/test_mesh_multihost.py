@@ -61,6 +61,7 @@ def _finish(proc, path: Path, log: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_two_processes_with_a_model_axis_equal_one_device(cluster):
     import jaxdecode
 

@@ -61,6 +61,7 @@ def _loops(bpe, choice, stop):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", _stops())
 def test_every_loop_ends_at_a_stop_inside_the_constrained_text(bpe, choice, stop):
     want = _expected(stop)
