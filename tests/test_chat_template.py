@@ -46,7 +46,7 @@ def test_the_fixture_covers_every_template_and_some_refusals():
     names = {c["template"] for c in CASES}
     assert {"meta-llama-Llama-3.1-8B-Instruct", "Qwen-Qwen2.5-7B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
             "google-gemma-2-2b-it", "HuggingFaceTB-SmolLM2-135M-Instruct", "microsoft-Phi-3.5-mini-instruct",
-            "features", "hf-llama-fixture", "google-gemma-3-it"} == names
+            "features", "hf-llama-fixture", "google-gemma-3-it", "Qwen-Qwen2-VL-7B-Instruct"} == names
     raised = {c["template"] for c in CASES if c.get("error", {}).get("kind") == "raise_exception"}
     assert {"google-gemma-2-2b-it", "mistralai-Mistral-Nemo-Instruct-2407", "features"} <= raised
     assert sum("rendered" in c for c in CASES) >= 150
@@ -66,6 +66,24 @@ def test_renders_like_transformers(case):
             assert case["error"]["message"] in str(info.value)
             assert str(info.value).startswith(f"the {case['template']} failed")
     assert case["messages"] == before, "the caller's messages were changed"
+
+
+def test_the_templates_that_loop_over_content_parts():
+    """Gemma 3's and Qwen2-VL's templates loop over a message's parts (detected as "openai", and
+    rendered with the parts unchanged in every case above); every other committed one reads a
+    string."""
+    from jaxdecode.server.chat import detect_content_format
+
+    found = {name: detect_content_format((ROOT / spec["file"]).read_text(encoding="utf-8"))
+             for name, spec in EXPECTED["templates"].items()}
+    assert {name for name, fmt in found.items() if fmt == "openai"} == {"google-gemma-3-it",
+                                                                         "Qwen-Qwen2-VL-7B-Instruct"}
+    assert {c["content_format"] for c in CASES if c["template"] == "Qwen-Qwen2-VL-7B-Instruct"} == {"auto"}
+    qwen = template_for("Qwen-Qwen2-VL-7B-Instruct", "auto")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert qwen.render(parts, add_vision_id=True).endswith("<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ChatTemplateError, match="content part 2, is of type 'image'"):
+        qwen.render([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": "x.png"}]}])
 
 
 def test_text_parts_are_joined_with_newlines_by_default():
