@@ -133,6 +133,8 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_layout.py": """test_each_module_imports_only_the_layers_below test_loops_never_name_a_concrete_model
         test_no_import_cycle test_folders_and_short_modules
         test_the_registries_are_one_type_and_take_a_users_entry""".split(),
+    "test_logit_controls.py": """test_bias_and_allowed_tokens_match_numpy test_bad_words_match_vllms_loop
+        test_min_tokens_matches_numpy test_a_bad_setting_is_one_error_naming_it""".split(),
     "test_mesh.py": "test_make_mesh_shapes_and_errors test_partition_rules_split_whole_heads_only".split(),
     "test_mesh_loading.py": """test_each_part_of_a_tensor_is_where_the_reader_split_puts_it
         test_a_bad_slice_is_refused_in_one_line""".split(),
@@ -162,7 +164,6 @@ QUICK = {  # a file: its quick tests, separated by white space
     "test_score.py": """test_token_logprobs_past_T_match_the_book[portable]
         test_score_texts_with_and_without_a_prompt_past_T[portable] test_score_errors""".split(),
     "test_server.py": """test_completions_n_samples_equal_generate test_models_health_and_metrics""".split(),
-    "test_server_mc.py": ["test_the_fixture_is_a_multiple_choice_set_the_model_can_encode"],
     "test_sharding.py": """
         test_one_device_mesh test_pad_batch_and_mesh_checks test_gather_prompts_one_process""".split(),
     "test_smc.py": """test_exact_conditional_matches_brute_force[choices-n2] test_weights_are_p_over_q_exactly
@@ -234,7 +235,6 @@ UNIT_SECONDS = {
     "file:test_hf_fused.py": 12,
     "bpe_train": 14,
     "file:test_server.py": 74,
-    "file:test_server_mc.py": 40,
     "file:test_sampling.py": 68,
     "file:test_constrained_beam.py": 62,
     "file:test_speculative.py": 60,
@@ -260,6 +260,7 @@ UNIT_SECONDS = {
     "test_contrastive.py::test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy": 13,
     "test_tradeoff.py::test_same_seed_same_bytes": 10,
     "test_speculative.py::test_exact_distribution_with_backoff_draft[native]": 9,
+    "file:test_logit_controls.py": 15,
     "file:test_rules.py": 8,
     "test_speculative.py::test_exact_distribution_of_first_three_tokens[model-native-4]": 8,
     "file:test_model.py": 7,

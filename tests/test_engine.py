@@ -194,7 +194,11 @@ def test_neutral_settings_leave_logits_exactly_unchanged():
     lengths = jnp.array([3, 4, 2, 1])
     kinds = [rules.temperature(0.5), rules.top_k(3), rules.top_p(0.5), rules.min_p(0.2), rules.typical(0.5),
              rules.epsilon(0.1), rules.eta(0.1), rules.repetition_penalty(1.5), rules.frequency_penalty(0.7),
-             rules.presence_penalty(0.7)]
+             rules.presence_penalty(0.7),
+             # the logit controls, whose settings hold a value per token
+             rules.logit_bias(np.linspace(-3, 3, V, dtype=np.float32)),
+             rules.allowed_tokens(np.arange(V) % 3 != 0), rules.bad_words([[3], [1, 4]]),
+             rules.min_tokens(2, np.arange(V) >= 8)]
     @jax.jit
     def applied(rule, logits):
         state = rule.init(prompt, lengths, V, 4)

@@ -151,7 +151,8 @@ def _set_value(name: str):
     """A value other than the default for every field (valid for a 12-token vocabulary)."""
     return {"n": 4, "greedy": True, "no_repeat_ngram": 2, "top_k": 3, "chain": rules.top_p(0.5),
             "num_samples": 2, "seed": 7, "stop": ("a",), "stop_token_ids": (3,), "include_stop": False,
-            "min_tokens": 1, "constraint": object(), "top_logprobs": 2, "ignore_eos": True,
+            "min_tokens": 1, "logit_bias": {1: 2.0}, "allowed_token_ids": (1,), "bad_words": ("a",),
+            "constraint": object(), "top_logprobs": 2, "ignore_eos": True,
             "generation_config": False, "chunk": 8, "memory_budget": "1G", "max_rows": 4}.get(name, 0.5)
 
 

@@ -2,8 +2,9 @@
 
 :class:`DecodeParams` holds every per-request setting: the rule settings of
 :mod:`jaxdecode.rules` (or an explicit chain), greedy choice, the number of new tokens, samples,
-seeds, stop strings and stop token ids, the constraint, log-probabilities, ``min_tokens`` and how a
-request is run (``chunk``, ``memory_budget``, ``max_rows``). It is checked once, when it is built;
+seeds, stop strings and stop token ids, the constraint, log-probabilities, the logit controls
+(``min_tokens``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``) and how a request is run
+(``chunk``, ``memory_budget``, ``max_rows``). It is checked once, when it is built;
 a bad value raises one error line naming the field. The loops (:func:`jaxdecode.generate`,
 ``beam_generate``, ``contrastive_generate``, ``speculative_generate``, ``score``) and the
 engine's :class:`~jaxdecode.serving.Request` take it, with keywords as overrides::
@@ -20,15 +21,16 @@ engine's :class:`~jaxdecode.serving.Request` take it, with keywords as overrides
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import rules as R
 from jaxdecode.decoding.common import check_int, stop_string_list
-from jaxdecode.rules import RULE_ORDER, Rule, RuleError, make_rule
+from jaxdecode.rules import RULE_ORDER, MinTokens, Rule, RuleError, make_rule
 
 TOP_LOGPROBS = 20  # the most top log-probabilities a request may ask for (OpenAI's limit)
 
@@ -65,6 +67,9 @@ class DecodeParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end a sample (kept in its tokens and text)
     include_stop: bool = True  # keep the stop string in the text (False: cut, as OpenAI's API)
     min_tokens: int = 0  # no end token or stop token before this many new tokens
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens may be chosen
+    bad_words: tuple[str, ...] | None = None  # words a sample may not complete (vLLM's bad_words)
     constraint: Any = None  # a jaxdecode.constraints.Constraint, or one per prompt
     top_logprobs: int = 0  # the most probable tokens reported with each generated token
     ignore_eos: bool = False  # the model's end tokens do not end a sample
@@ -92,10 +97,17 @@ class DecodeParams:
         if self.stop is not None:
             stops = tuple(stop_string_list(self.stop))
             put("stop", stops or None)
-        put("stop_token_ids", _token_ids(self.stop_token_ids))
+        put("stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.n:
             raise ParamsError(f"min_tokens ({self.min_tokens}) must be at most n ({self.n})")
+        put("logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            put("allowed_token_ids", tuple(sorted(set(allowed))))
+            if not self.allowed_token_ids:
+                raise ParamsError("allowed_token_ids must hold at least one token id (None: every token)")
+        put("bad_words", _bad_words(self.bad_words))
         top = check_int("top_logprobs", self.top_logprobs, 0)
         if top > TOP_LOGPROBS:
             raise ParamsError(f"top_logprobs must be at most {TOP_LOGPROBS}, got {top}")
@@ -191,17 +203,54 @@ def _seeds(seed):
     return int(seed)
 
 
-def _token_ids(ids) -> tuple[int, ...]:
+def _token_ids(ids, name: str) -> tuple[int, ...]:
     if ids is None:
         return ()
     if isinstance(ids, (int, np.integer)):
         ids = [ids]
+    if isinstance(ids, (str, bytes, Mapping)):
+        raise ParamsError(f"{name} must be token ids (integers >= 0), got {ids!r}")
     out = []
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
-            raise ParamsError(f"stop_token_ids must be token ids (integers >= 0), got {t!r}")
+            raise ParamsError(f"{name} must be token ids (integers >= 0), got {t!r}")
         out.append(int(t))
     return tuple(out)
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit bias: [-100, 100]; a value beyond is clamped
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """``{token id: bias}`` checked, the biases clamped to [-100, 100]; None for none."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ParamsError(f"logit_bias must map token ids to biases (a dict), got {type(bias).__name__}")
+    out = {}
+    for t, b in bias.items():
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+            raise ParamsError(f"logit_bias: a key must be a token id (an integer >= 0), got {t!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(b):
+            raise ParamsError(f"logit_bias: the bias of token {int(t)} must be a finite number, got {b!r}")
+        out[int(t)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
+    return out or None
+
+
+def _bad_words(words) -> tuple[str, ...] | None:
+    if words is None:
+        return None
+    words = [words] if isinstance(words, str) else words
+    if isinstance(words, (bytes, Mapping)) or not hasattr(words, "__iter__"):
+        raise ParamsError(f"bad_words must be a list of words, got {type(words).__name__}")
+    words = list(words)
+    for w in words:
+        if not isinstance(w, str):
+            raise ParamsError(f"bad_words: a word must be a string, got {w!r}")
+        if not w.strip():
+            raise ParamsError(f"bad_words: a word must not be empty or only white space, got {w!r}")
+    return tuple(words) or None
 
 
 def _same(a, b) -> bool:
@@ -255,6 +304,9 @@ HONOURED: dict[str, frozenset[str]] = {
     "stop_token_ids": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
     "include_stop": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE}),
     "min_tokens": frozenset({GENERATE}),
+    "logit_bias": frozenset({GENERATE}),
+    "allowed_token_ids": frozenset({GENERATE}),
+    "bad_words": frozenset({GENERATE}),
     "constraint": frozenset({GENERATE, BEAM, SPECULATIVE, SCORE, ENGINE}),
     "top_logprobs": frozenset({ENGINE}),
     "ignore_eos": frozenset({ENGINE}),
@@ -278,7 +330,8 @@ TABLE_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("`num_samples`, `seed`", ("num_samples", "seed")),
     ("`stop`, `stop_token_ids`", ("stop", "stop_token_ids")),
     ("`include_stop`", ("include_stop",)),
-    ("`min_tokens`", ("min_tokens",)),
+    ("`min_tokens`, `logit_bias`, `allowed_token_ids`, `bad_words`",
+     ("min_tokens", "logit_bias", "allowed_token_ids", "bad_words")),
     ("`constraint`", ("constraint",)),
     ("`top_logprobs`, `ignore_eos`", ("top_logprobs", "ignore_eos")),
     ("`generation_config`", ("generation_config",)),
@@ -330,46 +383,78 @@ def resolve(params, overrides: dict, loop: str) -> DecodeParams:
     return out.check_for(loop)
 
 
-# ----------------------------------------------------------------------------- min_tokens as a rule
+# ----------------------------------------------------------------------------- the logit controls
 
 
-@dataclasses.dataclass(frozen=True)
-class MinTokens(Rule):
-    """No token of ``ids`` (the end tokens and stop token ids) before ``m`` new tokens: their
-    logits are -inf while a row has generated fewer (``m``: one count, or one per row)."""
+def logit_controls(lm, p: DecodeParams, rows: int | None = None) -> tuple[Rule, ...]:
+    """The rules ``p``'s logit controls make on the model ``lm``, in vLLM's order (the tokens
+    allowed, bad words, ``min_tokens``, the logit bias), to apply before its rule chain: they see
+    the model's logits. Each setting is one row's (``[V]``; the engine's rows) or, with ``rows``,
+    one per row (``[rows, V]``: the loops' batches). ``()`` if none is set.
 
-    m: Any
-    ids: tuple[int, ...] = ()
+    ``min_tokens`` removes the stop token ids and, unless ``ignore_eos``, the model's end tokens;
+    it cannot be combined with stop strings or a constraint, which end a sample by other means.
+    A token id outside the vocabulary, or bad words beyond :data:`jaxdecode.rules.MAX_BAD_WORDS`
+    sequences of :data:`jaxdecode.rules.MAX_BAD_WORD_TOKENS` tokens, raise :class:`ParamsError`."""
+    V = lm.decoder.V
+    parts = []
 
-    def init(self, prompt, lengths, V: int, max_new: int):
-        return jnp.zeros(lengths.shape, jnp.int32)  # [B] tokens generated
+    def mask(ids, name):
+        bad = [t for t in ids if t >= V]
+        if bad:
+            raise ParamsError(f"{name}: the token id {bad[0]} lies outside the vocabulary of {V} tokens")
+        m = np.zeros((V,), bool)
+        m[list(ids)] = True
+        return m
 
-    def apply(self, logits, state):
-        if not self.ids:
-            return logits
-        ids = jnp.asarray(self.ids, jnp.int32)
-        early = (state < self.m)[:, None]  # [B, 1]
-        return logits.at[:, ids].set(jnp.where(early, -jnp.inf, logits[:, ids]))
+    if p.allowed_token_ids is not None:
+        parts.append(R.allowed_tokens(mask(p.allowed_token_ids, "allowed_token_ids")))
+    if p.bad_words:
+        seqs = R.bad_word_ids(lm.vocab, p.bad_words)
+        if len(seqs) > R.MAX_BAD_WORDS:
+            raise ParamsError(f"bad_words: {len(seqs)} token sequences (a word may count twice: with and "
+                              f"without a space before it), at most {R.MAX_BAD_WORDS}")
+        long = [s for s in seqs if len(s) > R.MAX_BAD_WORD_TOKENS]
+        if long:
+            raise ParamsError(f"bad_words: a word of {len(long[0])} tokens, at most {R.MAX_BAD_WORD_TOKENS}")
+        for s in seqs:
+            mask(s, "bad_words")
+        if seqs:
+            parts.append(R.bad_words(seqs))
+    if p.min_tokens:
+        if p.stop or p.constraint is not None:
+            raise ParamsError("min_tokens is not supported with stop strings or a constraint (it masks the "
+                              "end tokens and stop token ids only)")
+        ends = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(getattr(lm, "eos_ids", ())))
+        if ends:
+            parts.append(R.min_tokens(p.min_tokens, mask(ends, "stop_token_ids")))
+    if p.logit_bias:
+        bias = np.zeros((V,), np.float32)
+        ids = list(p.logit_bias)
+        mask(ids, "logit_bias")
+        bias[ids] = list(p.logit_bias.values())
+        parts.append(R.logit_bias(bias))
+    if rows is not None:
+        parts = [R.per_row(part, rows) for part in parts]
+    return tuple(parts)
 
-    def update(self, state, token):
-        return state + 1
 
-
-jax.tree_util.register_pytree_node(
-    MinTokens, lambda r: ((r.m,), r.ids), lambda ids, children: MinTokens(children[0], ids))
-
-
-def min_tokens_rule(m: int, ids: Sequence[int], rule):
-    """``rule`` with :class:`MinTokens` before it (its penalties see the raw logits: the mask
-    comes first), or ``rule`` itself for ``m == 0`` or no ids."""
-    from jaxdecode.rules import chain
-
-    ids = tuple(sorted({int(i) for i in ids}))
-    if m == 0 or not ids:
+def with_controls(lm, p: DecodeParams, rule, rows: int | None = None):
+    """``rule`` (a rule, a chain or None) with :func:`logit_controls` before it. With ``rows``, the
+    logit controls an explicit chain holds get one setting per row too."""
+    if rows is not None and rule is not None:
+        rule = _controls_per_row(rule, rows)
+    parts = logit_controls(lm, p, rows)
+    if not parts:
         return rule
-    part = MinTokens(jnp.int32(m), ids)
-    return part if rule is None else chain(part, rule)
+    return R.chain(*parts, *(() if rule is None else (rule,)))
 
 
-__all__ = ["DEFAULTS", "FIELDS", "HONOURED", "LOOPS", "DecodeParams", "MinTokens", "ParamsError", "RuleError",
-           "min_tokens_rule", "resolve", "stop_automaton_for", "table_markdown"]
+def _controls_per_row(rule, B: int):
+    if isinstance(rule, R.Chain):
+        return R.Chain(tuple(_controls_per_row(r, B) for r in rule.rules))
+    return rule.per_row(B) if hasattr(rule, "per_row") else rule
+
+
+__all__ = ["DEFAULTS", "FIELDS", "HONOURED", "LOOPS", "DecodeParams", "MinTokens", "ParamsError",
+           "RuleError", "logit_controls", "resolve", "stop_automaton_for", "table_markdown", "with_controls"]

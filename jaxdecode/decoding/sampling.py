@@ -51,10 +51,9 @@ from jaxdecode.decoding.common import (
 from jaxdecode.decoding.params import (
     GENERATE,
     DecodeParams,
-    ParamsError,
-    min_tokens_rule,
     resolve,
     stop_automaton_for,
+    with_controls,
 )
 from jaxdecode.decoding.placement import (
     AXIS,
@@ -409,7 +408,9 @@ def generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None
     ``stop``: strings that end a sample once its text holds one, however the model spelled it in
     tokens; the text keeps the stop string (``include_stop=False``: cut, as OpenAI's API does).
     ``stop_token_ids`` end a sample too (the token stays in its text); ``min_tokens``: no end
-    token or stop token before that many new tokens.
+    token or stop token before that many new tokens. ``logit_bias`` (``{token id: bias}``),
+    ``allowed_token_ids`` and ``bad_words`` act on the model's logits before the rule chain
+    (:func:`~jaxdecode.decoding.params.logit_controls`).
 
     ``on_text(row, new_text)`` streams text as chunks finish. ``constraint``: a
     :class:`jaxdecode.constraints.Constraint` (see :func:`sample_tokens`), or one per prompt.
@@ -427,13 +428,9 @@ def generate(lm, prompts: str | Sequence[str], params: DecodeParams | int | None
     if p.chain is None and not greedy and p.generation_config:
         settings, greedy = default_settings(lm, p.rule_settings())
         rule = make_rule(**settings)
-    if p.min_tokens:
-        if p.stop or p.constraint is not None:
-            raise ParamsError("min_tokens is not supported with stop strings or a constraint (it masks the "
-                              "end tokens and stop token ids only)")
-        rule = min_tokens_rule(p.min_tokens, tuple(getattr(lm, "eos_ids", ())) + p.stop_token_ids, rule)
     num_samples = p.num_samples
     prompts, rows = encode_prompts(lm, prompts, num_samples)
+    rule = with_controls(lm, p, rule, len(rows))
     stops = stop_automaton_for(lm, p)
     keys, row_ids = sample_keys(len(prompts), num_samples, list(p.seed) if isinstance(p.seed, tuple) else p.seed,
                                 key)

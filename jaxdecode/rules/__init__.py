@@ -14,7 +14,8 @@ Every rule is a frozen dataclass registered as a pytree. Its numeric settings (t
 penalties, ...) are leaves, float32 or int32 arrays of shape ``[]`` or ``[B]``, so a jitted
 function that takes a rule as an argument compiles once for all their values, and each row of
 a batch may carry its own setting (:func:`per_row`). Only settings that change shapes are
-static (the ``n`` of :func:`no_repeat_ngram`).
+static (the ``n`` of :func:`no_repeat_ngram`). The logit controls of :mod:`.controls` (a logit bias,
+the tokens allowed, bad words, a minimum length) hold a value per token: ``[V]`` or ``[B, V]``.
 
 Factories check concrete settings before anything is traced and raise :class:`RuleError`; traced
 settings are taken as they are. Every truncation keeps at least the most probable token, so a
@@ -28,6 +29,19 @@ from typing import Callable
 
 from jaxdecode.io.registry import Registry
 from jaxdecode.rules.base import Chain, Rule, RuleError, chain, per_row, processed_logprobs
+from jaxdecode.rules.controls import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    AllowedTokens,
+    BadWords,
+    LogitBias,
+    MinTokens,
+    allowed_tokens,
+    bad_word_ids,
+    bad_words,
+    logit_bias,
+    min_tokens,
+)
 from jaxdecode.rules.penalties import (
     FrequencyPenalty,
     History,
@@ -144,16 +158,22 @@ def make_rule(**settings):
 
 __all__ = [
     "KINDS",
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORD_TOKENS",
     "NEUTRAL",
     "REGISTRY",
     "RULES",
     "RULE_ORDER",
+    "AllowedTokens",
+    "BadWords",
     "Chain",
     "Epsilon",
     "Eta",
     "FrequencyPenalty",
     "History",
+    "LogitBias",
     "MinP",
+    "MinTokens",
     "NoRepeatNGram",
     "PresencePenalty",
     "RepetitionPenalty",
@@ -165,13 +185,18 @@ __all__ = [
     "TopNSigma",
     "TopP",
     "Typical",
+    "allowed_tokens",
+    "bad_word_ids",
+    "bad_words",
     "chain",
     "epsilon",
     "eta",
     "frequency_penalty",
     "greedy",
+    "logit_bias",
     "make_rule",
     "min_p",
+    "min_tokens",
     "no_repeat_ngram",
     "per_row",
     "presence_penalty",

@@ -171,7 +171,12 @@ def processed_logprobs(logits):
 
 
 def per_row(rule, B: int):
-    """``rule`` with every numeric setting broadcast to shape ``[B]`` (one value per row)."""
+    """``rule`` with every numeric setting broadcast to shape ``[B]`` (one value per row); a setting
+    with a value per token (:mod:`jaxdecode.rules.controls`) to ``[B, ...]``."""
+    if isinstance(rule, Chain):
+        return Chain(tuple(per_row(r, B) for r in rule.rules))
+    if hasattr(rule, "per_row"):
+        return rule.per_row(B)
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(jnp.asarray(x), (B,)), rule)
 
 

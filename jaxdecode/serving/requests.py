@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxdecode import constraints as C
 from jaxdecode.decoding.common import encode_stop_strings, sample_keys, stop_string_list
-from jaxdecode.decoding.params import DEFAULTS, ENGINE, TOP_LOGPROBS, DecodeParams  # noqa: F401 (re-exported)
+from jaxdecode.decoding.params import (  # noqa: F401 (re-exported)
+    DEFAULTS, ENGINE, TOP_LOGPROBS, DecodeParams, with_controls)
 from jaxdecode.rules import REGISTRY, Chain, Rule
 from jaxdecode.serving.stream import stop_watch
 
@@ -148,9 +149,12 @@ def make_rows(engine, r: Request, i: int) -> list:
                 raise ValueError(f"the stop token id {t} lies outside the vocabulary of {engine.V}")
             stops.append(np.asarray([t], np.int32))
         keys, row_ids = sample_keys(1, N, p.seed)
-        parts = rule_parts(p.rule())
+        parts = rule_parts(with_controls(engine.lm, p, p.rule()))
     except ValueError as e:
         raise ValueError(f"request {i}: {e}") from None
+    controls = [type(q).__name__ for q in parts if hasattr(q, "per_row")]
+    if controls:  # (their settings hold a value per token; the engine's slots store one value a setting)
+        raise ValueError(f"request {i}: the engine does not take logit controls ({', '.join(controls)})")
     if len(prompt) + n > engine.T:
         raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
                          f"the model window T = {engine.T}; the engine keeps every row within the window "
@@ -236,7 +240,9 @@ def rule_parts(rule) -> tuple:
 
 def neutral_rule(part, V: int):
     """``part``'s kind with the setting that leaves logits exactly unchanged, or None if the kind
-    has none."""
+    has none (a logit control's is its ``neutral()``, of the same shapes)."""
+    if hasattr(part, "neutral"):
+        return part.neutral()
     kind = type(part)
     table = _neutral_by_kind()
     if kind not in table:
@@ -279,14 +285,22 @@ def _kinds_text(parts) -> str:
 
 
 def _row_settings(parts: tuple, j: int, num_samples: int, index: int) -> tuple:
-    """The parts with every setting cut to sample ``j`` (settings are scalars or one per sample)."""
-    def cut(a):
+    """The parts with every setting cut to sample ``j`` (settings are one for every sample or one per
+    sample: a scalar or ``[num_samples]``; a logit control's ``[V]`` or ``[num_samples, V]``)."""
+    def cut(a, nd=0):
         a = np.asarray(a)
-        if a.ndim == 0:
+        if a.ndim == nd:
             return a
-        if a.shape != (num_samples,):
-            raise ValueError(f"request {index}: a rule setting has shape {a.shape}; give a scalar or one "
-                             f"value per sample ({num_samples},)")
+        if a.ndim != nd + 1 or a.shape[0] != num_samples:
+            one, per = ("a scalar", f"({num_samples},)") if nd == 0 else \
+                (f"one of {nd} dimensions", f"({num_samples}, ...)")
+            raise ValueError(f"request {index}: a rule setting has shape {a.shape}; give {one} or one "
+                             f"value per sample {per}")
         return a[j]
 
-    return tuple(jax.tree_util.tree_map(cut, p) for p in parts)
+    def cut_part(p):
+        if hasattr(p, "ROW_NDIM"):  # a logit control: its settings' ranks for one row
+            return dataclasses.replace(p, **{name: cut(getattr(p, name), nd) for name, nd in p.ROW_NDIM})
+        return jax.tree_util.tree_map(cut, p)
+
+    return tuple(cut_part(p) for p in parts)
