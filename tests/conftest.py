@@ -219,6 +219,7 @@ def _mark_quick(config, items):
 UNIT_SECONDS = {
     "file:test_engine_schedules.py": 130,
     "file:test_explorer.py": 100,
+    "explorer-slow": 120,  # test_explorer.py's slow tests: the browser and the comparison (wall seconds, a loaded machine)
     "file:test_mesh.py": 90,
     "file:test_server_clients.py": 60,
     "file:test_stop_with_constraint.py": 55,
