@@ -455,7 +455,8 @@ def test_page_next_token_numbers_are_the_librarys(server, page, lm, shots):
     _open(page, server)
     assert _text(page.find_element("id", "model")) == f"{lm.decoder.V} tokens, window {lm.decoder.T}"
     want = server.post("/explore/next", {"prompt": PROMPT, "settings": {}, "top": 30})
-    assert [int(b.get_attribute("data-token")) for b in _by(page, "#bars li.bar")] == [t["token"] for t in want["tokens"]]
+    shown = [int(b.get_attribute("data-token")) for b in _by(page, "#bars li.bar")]
+    assert shown == [t["token"] for t in want["tokens"]]
     for name, value in NEXT_RULES:
         seq = _seq(page)
         _set(page, f"rule-{name}", str(value))
