@@ -41,6 +41,7 @@ constexpr int64_t kGroup4 = 32;      // weights along K sharing one scale
 constexpr int kPieces4 = 3;          // signed-byte pieces of each value of x
 constexpr int64_t kRowGroup4 = 96;   // bytes of one row's group: the three pieces of 32 values
 constexpr int64_t kBlock4 = 64;      // bytes of a panel's block: 16 columns of 8 weights
+constexpr int64_t kAhead4 = 2048;    // streams: bytes of each panel asked for ahead of their use
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -190,6 +191,9 @@ static inline void Tile4(const Row4* rows, int64_t K, const Q4* const* panels, c
       if (next) __builtin_prefetch(next + at, 0, 2);
 #endif
       for (int s = 0; s < S; ++s) {
+#ifndef JAXDECODE_NO_PREFETCH
+        if (S > 1) __builtin_prefetch(panels[s] + at + kAhead4, 0, 3);
+#endif
         v16i lo, hi;
         Nibbles4(panels[s] + at, lo, hi);
         for (int r = 0; r < R; ++r) {
