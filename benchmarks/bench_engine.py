@@ -13,7 +13,7 @@ slots by:
 - ``continuous-k1``: the engine with one decode step per device call (the old default);
 - any ``--extra`` settings, as ``name=key:value,key:value`` (``paged=cache:paged``).
 
-Generated characters per second (the texts as returned, stop strings included), median of
+Generated tokens per second (each request's tokens up to its stop or its ``n``), median of
 ``--repeats`` passes run in turn after one untimed pass that compiles every program; the ratios
 against the loop and against static batching are taken within each pass and their median given.
 
@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -51,8 +52,10 @@ def saturating(lm, count: int, n: int, seed: int) -> list[Request]:
 
 
 def run_loop(lm, reqs: list[Request], slots: int) -> tuple[float, int]:
+    """Seconds, and the tokens the requests asked for: a row's tokens up to its own ``n`` (its
+    batch runs to the longest ``n``; those first tokens are the engine's, drawn with the same keys)."""
     t0 = time.perf_counter()
-    chars = 0
+    tokens = 0
     for b in range(0, len(reqs), slots):
         part = reqs[b:b + slots]
         greedy = [r for r in part if r.greedy]
@@ -60,15 +63,15 @@ def run_loop(lm, reqs: list[Request], slots: int) -> tuple[float, int]:
         if greedy:
             gens = jaxdecode.generate(lm, [r.prompt for r in greedy], max(r.n for r in greedy), greedy=True,
                                       stop=part[0].stop)
-            chars += sum(len(g.text) for g in gens)
+            tokens += sum(min(len(g.tokens), r.n) for g, r in zip(gens, greedy))
         if sampled:
             parts = [rule_parts(r.rule) for r in sampled]
             rule = rules.chain(rules.temperature(np.array([float(p[0].t) for p in parts], np.float32)),
                                rules.top_p(np.array([float(p[1].p) for p in parts], np.float32)))
             gens = jaxdecode.generate(lm, [r.prompt for r in sampled], max(r.n for r in sampled), rule=rule,
                                       seed=[r.seed for r in sampled], stop=part[0].stop)
-            chars += sum(len(g.text) for g in gens)
-    return time.perf_counter() - t0, chars
+            tokens += sum(min(len(g.tokens), r.n) for g, r in zip(gens, sampled))
+    return time.perf_counter() - t0, tokens
 
 
 def run_engine(lm, reqs: list[Request], config: EngineConfig) -> tuple[float, int, list]:
@@ -76,8 +79,8 @@ def run_engine(lm, reqs: list[Request], config: EngineConfig) -> tuple[float, in
     t0 = time.perf_counter()
     report = engine.run(reqs)
     secs = time.perf_counter() - t0
-    texts = [g.text for r in report.results for g in r.outputs]
-    return secs, sum(len(t) for t in texts), texts
+    outs = [g for r in report.results for g in r.outputs]
+    return secs, sum(len(g.tokens) for g in outs), [g.text for g in outs]
 
 
 def parse_extra(text: str) -> tuple[str, dict]:
@@ -111,18 +114,18 @@ def saturation(lm, args) -> dict:
         for name, arm in arms.items():
             before = H.load()[0]
             secs, chars = arm()[:2]
-            one[name] = {"seconds": secs, "chars": chars, "load": [before, H.load()[0]]}
+            one[name] = {"seconds": secs, "tokens": chars, "load": [before, H.load()[0]]}
         passes.append(one)
     out = {}
     for name in arms:
         secs = statistics.median(p[name]["seconds"] for p in passes)
-        rate = statistics.median(p[name]["chars"] / p[name]["seconds"] for p in passes)
-        out[name] = {"seconds": round(secs, 3), "chars_per_s": round(rate, 1),
+        rate = statistics.median(p[name]["tokens"] / p[name]["seconds"] for p in passes)
+        out[name] = {"seconds": round(secs, 3), "tokens_per_s": round(rate, 1),
                      "vs_loop": round(statistics.median(
-                         (p[name]["chars"] / p[name]["seconds"]) / (p["loop"]["chars"] / p["loop"]["seconds"])
+                         (p[name]["tokens"] / p[name]["seconds"]) / (p["loop"]["tokens"] / p["loop"]["seconds"])
                          for p in passes), 3),
                      "vs_static": round(statistics.median(
-                         (p[name]["chars"] / p[name]["seconds"]) / (p["static"]["chars"] / p["static"]["seconds"])
+                         (p[name]["tokens"] / p[name]["seconds"]) / (p["static"]["tokens"] / p["static"]["seconds"])
                          for p in passes), 3),
                      "loads": [p[name]["load"] for p in passes]}
     engine_texts = list(texts.values())
@@ -136,7 +139,7 @@ def chat(lm, args) -> dict:
     ids = lm.vocab.encode(held[:20 * args.history])
     turns = 5
     per_turn = args.history // (turns - 1)
-    texts = [lm.vocab.decode(ids[:per_turn * t + 8]) for t in range(1, turns + 1)]
+    texts = [lm.vocab.decode(ids[:per_turn * t + 16]) for t in range(turns)]
     results = {}
     for caching in (True, False):
         config = EngineConfig(1, cache="paged", prefix_caching=caching)
@@ -172,16 +175,23 @@ def main(argv=None) -> int:
                     help="another engine arm: EngineConfig fields over the defaults")
     ap.add_argument("--chat", action="store_true", help="the multi-turn chat instead of saturation")
     ap.add_argument("--history", type=int, default=200, help="--chat: tokens of history by the fifth turn")
-    ap.add_argument("--out", default=None, help="the result file (default benchmarks/results/bench_engine[_chat]_<model>.json)")
+    ap.add_argument("--out", default=None, help="the result file, to which this run is added under its workload and "
+                                                "model (default benchmarks/results/bench_engine.json; '' for none)")
     args = ap.parse_args(argv)
     lm = jaxdecode.load(args.ckpt)
     name = "bpe" if args.ckpt and "bpe" in args.ckpt else "char"
     doc = {**H.result("benchmarks.bench_engine", argv), "backend": lm.decoder.backend, "settings": vars(args)}
     doc |= chat(lm, args) if args.chat else saturation(lm, args)
     print(json.dumps(H.clean(doc), indent=1))
-    out = args.out or H.default_out(f"bench_engine{'_chat' if args.chat else ''}_{name}")
+    # one result file, a run per workload and model ("saturation_char", "chat_bpe", ...)
+    out = H.default_out("bench_engine") if args.out is None else args.out
     if out:
-        H.write_json(out, doc)
+        try:
+            runs = json.loads(Path(out).read_text())
+        except (OSError, ValueError):
+            runs = {}
+        runs[f"{'chat' if args.chat else 'saturation'}_{name}"] = doc
+        H.write_json(out, dict(sorted(runs.items())))
     return 0
 
 
