@@ -599,14 +599,14 @@ def test_study_that_fails_leaves_no_empty_folder(tiny_ckpt, tmp_path, capsys):
 
 def test_study_beam_curse_defaults_are_the_published_run(capsys):
     """The defaults of `study beam-curse` (run(), and what --help says) are the settings of the run
-    in docs/results, whose numbers the README quotes."""
+    in studies/char, whose numbers the README quotes."""
     import inspect
     from pathlib import Path
 
     from jaxdecode.eval.studies import beam_curse
 
     root = Path(__file__).resolve().parent.parent
-    published = json.loads((root / "docs" / "results" / "beam-curse" / "beam_curse.json").read_text())
+    published = json.loads((root / "studies" / "char" / "beam-curse" / "beam_curse.json").read_text())
     defaults = {k: p.default for k, p in inspect.signature(beam_curse.run).parameters.items()
                 if p.default is not p.empty}
     assert (defaults["n_prompts"], defaults["n"], list(defaults["ks"]), defaults["node_budget"], defaults["seed"]) == (
