@@ -66,14 +66,14 @@ def step_rows(n: int, batches, rounds: int) -> list[dict]:
         # every character of the vocabulary, named (a [\s\S] class would make outlines-core build
         # the automaton over all of Unicode: gigabytes at n = 256)
         every = "[" + "".join("\\" + c if c in "\\]^-[" else c for c in lm.vocab.chars) + "]"
-        free_c = C.compile_regex("%s{%d}" % (every, n), lm.vocab)
+        free_c = C.compile_regex(f"{every}{{{n}}}", lm.vocab)
         prompt = lm.vocab.encode(PROMPT)
         for B in batches:
             for label, c in (("none", None), ("[every character]{n}", free_c)):
                 jobs.append((backend, B, label, lm, [prompt] * B, c))
     # warm up (compile) every job, then time them in turn
     arms = H.Arms()
-    for i, (backend, B, label, lm, prompts, c) in enumerate(jobs):
+    for i, (_backend, _B, _label, lm, prompts, c) in enumerate(jobs):
         def run(lm=lm, prompts=prompts, c=c):
             res = sample_tokens(lm.decoder, lm.params, prompts, n, jax.random.PRNGKey(0), rule=rule, constraint=c)
             assert int(res.counts.min()) == n
@@ -81,7 +81,7 @@ def step_rows(n: int, batches, rounds: int) -> list[dict]:
         run()
         arms.add(i, run)
     arms.run(rounds, log=lambda m: print(m, file=sys.stderr))
-    for i, (backend, B, label, lm, prompts, c) in enumerate(jobs):
+    for i, (backend, B, label, _lm, _prompts, _c) in enumerate(jobs):
         t = arms.best(i)
         out.append({"backend": backend, "batch": B, "constraint": label, "seconds": round(t, 4),
                     "ms_per_step": round(t / n * 1e3, 3), "chars_per_s": round(B * n / t, 1),

@@ -314,7 +314,7 @@ def test_stop_string_and_early_end():
 SHIPPED_PROMPT = "KATHARINA:\nMoved! in good time: "
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shipped_plain_beam(k: int):
     """The plain beam on the shipped model (computed once for both backends)."""
     from jaxdecode.models.checkpoint import load

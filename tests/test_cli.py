@@ -11,7 +11,7 @@ from jaxdecode.cli.app import main
 # ----------------------------------------------------------------------------- plain references
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jit_forward(cfg):
     import jax
 

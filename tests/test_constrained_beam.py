@@ -250,14 +250,14 @@ def test_bad_constraints(tiny_lm):
 # ----------------------------------------------------------------------------- multi-character tokens
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multichar():
     from jaxdecode.models.toy import multichar_lm
 
     return multichar_lm(T=64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain_forward(model):
     return jax.jit(lambda p, x: model.forward(p, x)[0])
 
@@ -385,7 +385,7 @@ SHIPPED_PROMPTS = ["ROMEO:\n", "KATHARINA:\nMoved! in good time: ",
                    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shipped(backend):
     from jaxdecode.models import checkpoint
 

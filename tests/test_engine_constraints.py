@@ -92,7 +92,7 @@ def shipped_case(backend):
     return lm, reqs, _generate_each(lm, reqs)
 
 
-@pytest.mark.parametrize("cache", ["dense", "paged"])
+@pytest.mark.parametrize("cache", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
 def test_constrained_rows_match_generate_on_the_shipped_model(shipped_case, cache):
     """Regex and choice rows among free ones, arriving over time, in 3 slots (slots are reused by
     rows of other constraints): the engine's texts are generate's, in calls of up to 2 decode steps

@@ -28,8 +28,8 @@ from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.simulator import StepClock
 
 CACHES = ("dense", "paged")
-SCHEDULES = 1000  # per cache, in CHUNKS tests (so that the suite's workers share them)
-CHUNKS = 2
+SCHEDULES = 1000  # per cache, in CHUNKS tests (so that the suite's workers share them); CI runs the
+CHUNKS = 4  # first chunk of each cache (250 schedules), the full suite all of them
 SLOTS = 3  # one slot count: every engine runs the same compiled programs
 
 
@@ -124,7 +124,7 @@ def run_schedules(lm, references, cache: str, seeds) -> int:
     return checked
 
 
-@pytest.mark.parametrize("chunk", range(CHUNKS))
+@pytest.mark.parametrize("chunk", [0] + [pytest.param(c, marks=pytest.mark.slow) for c in range(1, CHUNKS)])
 @pytest.mark.parametrize("cache", CACHES)
 def test_random_schedules_give_generates_texts(lm, references, cache, chunk):
     """SCHEDULES random schedules per cache (this test runs its share of them): every request's
@@ -134,7 +134,7 @@ def test_random_schedules_give_generates_texts(lm, references, cache, chunk):
     assert run_schedules(lm, references, cache, seeds) >= 2 * per
 
 
-@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("cache", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
 def test_a_slot_serves_every_kind_after_every_kind(lm, references, cache):
     """One slot, filled with a request of each kind and then one of every other kind (dense: with
     overlap and four decode steps a call; paged: neither): no state of the first row (automaton

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import jaxdecode
 
 PKG = Path(__file__).resolve().parent.parent / "jaxdecode"
 

@@ -87,7 +87,7 @@ def test_compile_once_per_bucket(small):
         return M.step(params, cfg, cache, token, span=16)
 
     rng = np.random.default_rng(3)
-    for trial in range(3):
+    for _trial in range(3):
         lengths = rng.integers(1, 9, size=4)
         tokens = rng.integers(0, cfg.V, size=(4, 8))
         _, cache = prefill(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))

@@ -155,7 +155,7 @@ def test_function_model_past_its_window():
         np.testing.assert_allclose(lp, [windowed_logprobs(list(s[:t]))[s[t]] for t in range(1, len(s))],
                                    atol=1e-5)
     # beam search past T
-    for i, p in enumerate(prompts):
+    for _i, p in enumerate(prompts):
         tokens, score = book_beam(windowed_logprobs, list(p), 8, 3)
         h = BS.beam_search(WINDOWED, W_PARAMS, [p], 8, 3).best()
         assert h.tokens.tolist() == tokens and h.score == pytest.approx(score, abs=1e-4)

@@ -100,7 +100,7 @@ def test_paged_multi_step_decoding_keeps_every_text(tiny_model, backend):
     _assert_pool_empty(one)
 
 
-@pytest.mark.parametrize("backend", ["portable", "native"])
+@pytest.mark.parametrize("backend", [pytest.param("portable", marks=pytest.mark.slow), "native"])
 def test_int8_pool_serves_close_to_the_float_pool(tiny_model, backend):
     """The quantized pool (kv_dtype="int8"): its bytes per position are the int8 values plus a
     float32 scale per head and position; its outputs do not depend on the schedule (one slot or

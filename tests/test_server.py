@@ -103,7 +103,7 @@ class ServerProcess:
             into.append(line)
             self._lines.put(line)
 
-    def ready(self) -> "ServerProcess":
+    def ready(self) -> ServerProcess:
         """Wait for the address line (``jaxdecode: serving '<name>' at http://host:port/v1``)."""
         deadline = time.monotonic() + STARTUP_S
         while self.url is None:
@@ -231,7 +231,7 @@ def llama_lm():
     return jaxdecode.load(HF)
 
 
-def client(server, key="unused", **kw) -> "openai.OpenAI":
+def client(server, key="unused", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=REQUEST_S, **kw)
 
 

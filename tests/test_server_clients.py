@@ -268,7 +268,7 @@ def test_loglikelihood_as_an_evaluation_harness_asks_equals_score(which, request
     for max_tokens in (1, 0):
         got = _lm_eval_request(server, pairs, max_tokens)
         want = jaxdecode.score(lm, continuations, contexts)
-        for (total, greedy), s in zip(got, want):
+        for (total, _greedy), s in zip(got, want):
             assert abs(total - float(np.sum(s.logprobs))) <= 1e-4
     # is_greedy: the greedy continuation of a context is greedy, another one is not
     ctx = pairs[0][0][:pairs[0][1]]

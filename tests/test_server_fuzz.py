@@ -152,6 +152,7 @@ def _valid_call(call) -> dict:
     return {"name": name, "arguments": call["function"]["arguments"]}
 
 
+@pytest.mark.slow
 def test_required_tool_calls_all_parse_and_stream_the_same(llama):
     """100 samples of one request with ``tool_choice: "required"``: every one a single call that
     parses and satisfies its tool's schema; streamed with the same seed, each sample's deltas put

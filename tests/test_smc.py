@@ -68,7 +68,7 @@ class Brute:
         self.completable = {y[:k] for y in self.lang for k in range(len(y) + 1)}
         self._forward = jax.jit(M.forward, static_argnums=1)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - a test-local object that lives as long as the test
     def probs(self, prefix: tuple) -> np.ndarray:
         tokens = np.array([self.prompt + list(prefix)], np.int32)
         z = np.asarray(self._forward(self.lm.params, self.lm.cfg, tokens), np.float64)[0, -1]
@@ -475,6 +475,7 @@ def test_json_schema_in_exact_mode_search(schema_case):
 # ----------------------------------------------------------------------------- the study
 
 
+@pytest.mark.slow
 def test_study_on_the_shipped_model(tmp_path, corpus_path):
     import json
 

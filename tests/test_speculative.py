@@ -254,7 +254,7 @@ def test_backoff_transitions_match_the_context_lookup(n):
     prompt = jnp.asarray(rng.integers(0, V, (B, 8)), jnp.int32)
     lengths = jnp.asarray([1, 2, 8, 5, 3, 8])
     states = [d.init(prompt, lengths, 64) for d in (walk, look)]
-    for it in range(12):
+    for _it in range(12):
         noise = jnp.asarray(rng.uniform(size=(B, gamma)), jnp.float32)
         out = [d.propose(st, noise, gamma, lambda x: x, 64) for d, st in zip((walk, look), states)]
         np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))

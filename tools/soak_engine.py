@@ -59,7 +59,8 @@ def compiler(stop: threading.Event, counter: list[int]) -> None:
     while not stop.is_set():
         m, k = int(rng.integers(8, 200)), int(rng.integers(8, 200))
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-        f = jax.jit(lambda a, s=float(rng.uniform()): jnp.tanh(a @ a.T * s).sum(axis=0) + jnp.cumsum(a[:, 0]).sum())
+        s = float(rng.uniform())  # one scale per program
+        f = jax.jit(lambda a, s=s: jnp.tanh(a @ a.T * s).sum(axis=0) + jnp.cumsum(a[:, 0]).sum())
         f(x).block_until_ready()
         counter[0] += 1
 

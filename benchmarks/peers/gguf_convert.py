@@ -3,7 +3,10 @@
 the folder, then the converter's other arguments; the converter's folder and its gguf-py are on
 PYTHONPATH.
 """
-import importlib.util, json, runpy, sys
+import importlib.util
+import json
+import runpy
+import sys
 from pathlib import Path
 converter, folder = sys.argv[1], Path(sys.argv[2])
 from conversion.base import TextModel

@@ -1,7 +1,9 @@
 """Writes ``benchmarks/bench_hf_llama.py``'s model folder once, run by the Hugging Face
 environment (argv: folder, tokenizer.json, shape JSON).
 """
-import json, shutil, sys
+import json
+import shutil
+import sys
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 folder, tokenizer, shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -3,8 +3,11 @@ one generate per request line "B THREADS" (the first B prompt rows, on THREADS t
 answered with {"seconds", "tokens"}; "quit" ends. argv: folder, prompts JSON file, n. Its first
 line describes the environment.
 """
-import json, sys, time
-import torch, transformers
+import json
+import sys
+import time
+import torch
+import transformers
 from transformers import AutoModelForCausalLM
 folder, prompts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rows = json.load(open(prompts))

@@ -2,7 +2,9 @@
 environment: argv: the input GGUF file (F32), the output file, the type (Q4_0, Q4_K_M, ...),
 threads. Prints one JSON line: the type's number and the seconds it took.
 """
-import json, sys, time
+import json
+import sys
+import time
 import llama_cpp as L
 src, out, kind, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ftype = getattr(L, f"LLAMA_FTYPE_MOSTLY_{kind}")

@@ -9,7 +9,9 @@ JSON request per line ("quit" ends):
     next token after an empty cache, and its logit's lead over the second's)
   {"op": "tokenize", "arm", "text"} -> {"tokens"} (the file's vocabulary, its special tokens added)
 """
-import json, sys, time
+import json
+import sys
+import time
 import numpy as np
 import llama_cpp as L
 from llama_cpp._logger import set_verbose

@@ -85,7 +85,6 @@ def _check_combinations(args):
 
 
 def cmd_generate(args):
-    from jaxdecode.rules import make_rule
     from jaxdecode.decoding.sampling import generate
 
     prompt = _read_prompt(args)

@@ -85,7 +85,6 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
-    from jaxdecode.models import checkpoint
     from jaxdecode.io import data as data_lib
     from jaxdecode.models.charlm.train import held_out_loss
 

@@ -282,7 +282,7 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
         if placement.split:
             # which axis of each leaf of the rule's state holds the rows: compare its shape at two
             # batch sizes (every leaf of a padded rule has the rows first)
-            init = lambda r, p, l: r.init(p, l, model.V, max_new)
+            init = lambda r, p, lengths: r.init(p, lengths, model.V, max_new)
             shapes = [jax.eval_shape(init, *(_rows_struct(a, extra) for a in (rule_b, prompt, length)))
                       for extra in (0, 1)]
             rule_axes = _batch_axes(*shapes)

@@ -25,7 +25,7 @@ processed distribution is never empty (typical sampling keeps at least the most 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from jaxdecode.io.registry import Registry
 from jaxdecode.rules.base import Chain, Rule, RuleError, chain, per_row, processed_logprobs

@@ -9,7 +9,7 @@ and any field nobody declared (:func:`refuse_unsupported`).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,7 +49,7 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
@@ -74,7 +74,7 @@ class StructuredOutputs(BaseModel):
     (``grammar`` and ``structural_tag`` are refused: no engine here compiles them)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    json_: Union[dict, str, None] = Field(default=None, alias="json")
+    json_: dict | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None
@@ -97,7 +97,7 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # a signed 64-bit integer, as vLLM's
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -113,7 +113,7 @@ class _Sampling(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None  # the older names of structured_outputs' regex, choice and json
     guided_choice: list[str] | None = None
-    guided_json: Union[dict, str, None] = None
+    guided_json: dict | str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None
@@ -142,7 +142,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -169,7 +169,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -78,7 +78,7 @@ def _echo_logprobs(vocab, tokens, scored):
         offsets.append(at)
         at += len(s)
     tops = [None]
-    for k, t in enumerate(tokens[1:]):
+    for k, _t in enumerate(tokens[1:]):
         entry = {H.token_text(vocab, i)[0]: v for i, v in zip(top_ids[k], top_vals[k])}
         tops.append(entry or {strings[k + 1]: lps[k]})
     return {"tokens": strings, "token_logprobs": [None] + list(lps), "top_logprobs": tops, "text_offset": offsets}

@@ -97,7 +97,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxdecode.decoding.common import Generation, check_int, finish_text, stop_string_list
+from jaxdecode.decoding.common import Generation, finish_text, stop_string_list
 from jaxdecode.serving.blocks import BlockAllocator
 from jaxdecode.serving.paging import PagedRows, _admitted
 from jaxdecode.serving.records import (  # noqa: F401
@@ -203,11 +203,11 @@ class Engine(PagedRows):
         self._fetch_kw = {"fetch": False} if self.overlap else {}
         self._inflight: DeviceCall | None = None  # the call sent last, its tokens not read yet
         self.requests: list[Request] = []
-        self._rows: list[list[_Row]] = []
+        self._rows: list[list] = []  # each request's rows (serving.requests._Row)
         self._arrival: list[float] = []
         self._pending: list = []  # heap of (arrival, index)
-        self._waiting: deque[_Row] = deque()
-        self._slots: list[_Row | None] = [None] * self.S
+        self._waiting: deque = deque()
+        self._slots: list = [None] * self.S  # the row in each slot, or None
         self._layout: tuple | None = None
         self._pinned = layout is not None
         if self._pinned:

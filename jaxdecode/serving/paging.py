@@ -39,7 +39,7 @@ class PagedRows:
             total += max(0, a.blocks_for(len(r.prompt) + r.n - 1) - len(table)) + int(cow)
         return total
 
-    def _place(self, row: _Row, group: dict) -> bool:
+    def _place(self, row, group: dict) -> bool:
         """Give a row its blocks if the pool can hold it to the end: the prompt's blocks now (shared
         with a sample of its request admitted in the same call, or cached full prefix blocks), and
         what it and every running row may still take reserved. False (nothing changed): it waits."""

@@ -218,7 +218,7 @@ def prompt_tokens(lm, V: int, prompt) -> np.ndarray:
 # ----------------------------------------------------------------------------- rule layouts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _neutral_by_kind() -> dict:
     """Each rule class with its neutral setting (:data:`jaxdecode.rules.NEUTRAL`; None for top-k:
     the vocabulary size), built once from the rules' registry."""

@@ -148,7 +148,7 @@ class CharLMDecoder(DecodingModel):
         return M.merge_chunk(cache, run, steps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decoder_for(cfg: M.ModelConfig, backend: str | None = None) -> CharLMDecoder:
     """The decoder of ``cfg`` on ``backend`` (chosen once per process and setting)."""
     return CharLMDecoder.build(cfg, backend)

@@ -256,7 +256,7 @@ def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -
     flat: dict[str, object] = {}
     layers: dict[str, list] = {}
     by_file: dict[Path, list[str]] = {}
-    for canon, (name, path) in found.items():
+    for canon, (_name, path) in found.items():
         by_file.setdefault(path, []).append(canon)
     for path, names in by_file.items():
         try:

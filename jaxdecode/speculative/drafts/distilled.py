@@ -10,7 +10,6 @@ import tempfile
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.io import paths
