@@ -271,9 +271,9 @@ def test_a_bad_setting_is_one_error_naming_it(bad, says):
 
 
 def test_settings_are_normalized(lm):
-    p = DecodeParams(logit_bias={np.int64(3): 250, 4: -1e9, 5: 0.5}, allowed_token_ids=[4, 2, 4],
+    p = DecodeParams(logit_bias={np.int64(3): 250, 4: -1e9, 5: 0.5, 6: 10**400}, allowed_token_ids=[4, 2, 4],
                      bad_words="ab")
-    assert p.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}  # OpenAI's range
+    assert p.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5, 6: 100.0}  # OpenAI's range
     assert p.allowed_token_ids == (2, 4) and p.bad_words == ("ab",)
     assert DecodeParams(logit_bias={}, bad_words=[]) == DecodeParams()
     with pytest.raises(ParamsError, match="logit_bias: the token id 12 lies outside the vocabulary of 12"):

@@ -231,8 +231,9 @@ def _logit_bias(bias) -> dict[int, float] | None:
     for t, b in bias.items():
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
             raise ParamsError(f"logit_bias: a key must be a token id (an integer >= 0), got {t!r}")
-        if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(b):
+        if isinstance(b, (int, np.integer)) and not isinstance(b, bool):
+            b = min(max(int(b), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)  # (an int of any size)
+        elif not isinstance(b, (float, np.floating)) or not math.isfinite(b):
             raise ParamsError(f"logit_bias: the bias of token {int(t)} must be a finite number, got {b!r}")
         out[int(t)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
     return out or None
