@@ -7,6 +7,7 @@ References that share no code with the kernel: float64 numpy products on the deq
 and the portable decoder on the same int4 matrices; the shipped subword model's float32 text.
 """
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -56,7 +57,9 @@ def test_pack4_round_trip_and_nibble_order():
     s = rng.standard_normal((2, 32)).astype(np.float16)
     up, sp = kernels.pack4(u, s)
     assert up.shape == (2, 32, 16) and up.dtype == np.uint8 and sp.shape == (2, 2, 16)
-    assert up[1, 3, 5] == u[6, 21] | (u[7, 21] << 4)  # rows 2j (low) and 2j + 1 (high), panel 1
+    # panel 1, group 1, block 2, column 5, byte 3: byte 256 + 2 * 64 + 4 * 5 + 3 = 407 of the panel,
+    # rows 32 + 8 * 2 + 3 (low four bits) and 4 rows further (high four bits)
+    assert up[1, 407 // 16, 407 % 16] == u[51, 21] | (u[55, 21] << 4)
     back_u, back_s = kernels.unpack4(up, sp)
     assert (back_u == u).all() and (back_s == s).all()
 
@@ -144,6 +147,31 @@ def test_int4_native_equals_portable(loaded, name):
     ids = [np.asarray(sample_tokens(m.decoder, m.params, prompts, 24, jax.random.PRNGKey(0), greedy=True).tokens)
            for m in (native, portable)]
     np.testing.assert_array_equal(ids[0], ids[1])
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["llama", "smollm3"])
+def test_a_fused_int4_layer_equals_the_layer_product_by_product(loaded, name):
+    """The fused layer prepares each product's rows as the phase before writes them (Llama: the
+    attention's output by key/value head, 32 values each) or in the product (SmolLM3: 16 values a
+    head, less than a group); product by product, XLA's operations run between native products."""
+    lm = loaded(name, "native")
+    on = lm.decoder
+    off = dataclasses.replace(on, fuse=False)
+    rng = np.random.RandomState(3)
+    tokens = jnp.asarray(rng.randint(3, on.V, (2, 9)), jnp.int32)
+    lengths = jnp.asarray([9, 5], jnp.int32)
+    step = jnp.asarray(rng.randint(3, on.V, (2, 1)), jnp.int32)
+    out = []
+    for dec in (on, off):
+        prefill = jax.jit(dec.prefill, static_argnames="capacity")
+        logits, _, cache = prefill(lm.params, tokens, lengths, capacity=16)
+        text = prefill.lower(lm.params, tokens, lengths, capacity=16).as_text()
+        out.append((np.asarray(logits), np.asarray(jax.jit(dec.extend)(lm.params, cache, step)[0]),
+                    text.count("jaxdecode_hf_layer")))
+    assert out[0][2] == on.cfg.L and out[1][2] == 0
+    np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-4, rtol=0)
 
 
 def test_int4_on_the_subword_model_is_close_to_float32(loaded):

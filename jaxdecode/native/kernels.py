@@ -281,15 +281,19 @@ def unpack(wp):
 def pack4(u, scale):
     """Int4 weights ``u`` ``[K, N]`` (uint8 values 0..15, the weight ``(u - 8) * scale``) and their
     float16 scales ``[K / 32, N]`` (one per column and group of 32 along ``K``) packed for
-    :func:`linear`: ``(up [N / 16, K / 2, 16] uint8, sp [N / 16, K / 32, 16] float16)``, up's byte
-    ``(p, j, c)`` holding ``u[2j, 16p + c]`` in its low four bits and ``u[2j + 1, 16p + c]`` in its
-    high four (csrc/linear4.h). numpy in, numpy out."""
+    :func:`linear`: ``(up [N / 16, K / 2, 16] uint8, sp [N / 16, K / 32, 16] float16)``. Each
+    panel of 16 columns holds, per group of 32 along ``K``, four blocks of 64 bytes; block ``t``'s
+    bytes ``4c .. 4c + 3`` are column ``c``'s, byte ``i`` holding ``u[32g + 8t + i]`` in its low four
+    bits and ``u[32g + 8t + 4 + i]`` in its high four (csrc/linear4.h: one instruction sums four
+    weights of each of 16 columns). numpy in, numpy out."""
     u = np.asarray(u, np.uint8)
     K, N = u.shape
-    pairs = (u[0::2] & 15) | ((u[1::2] & 15) << 4)  # [K / 2, N]
-    up = np.ascontiguousarray(pairs.reshape(K // 2, N // 16, 16).transpose(1, 0, 2))
+    G, P = K // GROUP4, N // 16
+    parts = (u & 15).reshape(G, 4, 2, 4, P, 16)  # (g, t, low/high, i, panel, c)
+    blocks = parts[:, :, 0] | (parts[:, :, 1] << 4)  # (g, t, i, panel, c)
+    up = np.ascontiguousarray(blocks.transpose(3, 0, 1, 4, 2).reshape(P, K // 2, 16))
     scale = np.asarray(scale, np.float16)
-    sp = np.ascontiguousarray(scale.reshape(K // GROUP4, N // 16, 16).transpose(1, 0, 2))
+    sp = np.ascontiguousarray(scale.reshape(G, P, 16).transpose(1, 0, 2))
     return up, sp
 
 
@@ -297,10 +301,10 @@ def unpack4(up, sp):
     """The inverse of :func:`pack4`: ``(u [K, N] uint8, scale [K / 32, N] float16)``."""
     up, sp = np.asarray(up), np.asarray(sp)
     P, half, _ = up.shape
-    pairs = up.transpose(1, 0, 2).reshape(half, 16 * P)
-    u = np.empty((2 * half, 16 * P), np.uint8)
-    u[0::2], u[1::2] = pairs & 15, pairs >> 4
-    return u, sp.transpose(1, 0, 2).reshape(sp.shape[1], 16 * P)
+    K, G = 2 * half, 2 * half // GROUP4
+    blocks = up.reshape(P, G, 4, 16, 4).transpose(1, 2, 4, 0, 3)  # (g, t, i, panel, c)
+    u = np.stack([blocks & 15, blocks >> 4], axis=2).reshape(K, 16 * P)
+    return u, sp.transpose(1, 0, 2).reshape(G, 16 * P)
 
 
 def packed_dense(x, wp, b):
@@ -314,7 +318,9 @@ def linear(x, wp, scale=None):
     packed by :func:`pack` in the dtype it is kept in: float32, bfloat16, float16, or int8 with
     ``scale`` ``[N]`` float32 (``W = Q * scale`` per column); or int4 packed by :func:`pack4`
     (``wp`` uint8, ``scale`` its float16 scales). The kernel widens each weight to
-    float32 as it reads it, and reads each panel of 16 columns once for all the rows (csrc/linear.cc).
+    float32 as it reads it (int4: sums each group of 32 in integers against the rows split into
+    three signed bytes, csrc/linear4.h), and reads each panel of 16 columns once for all the rows
+    (csrc/linear.cc).
     A row's result does not depend on the other rows of the call."""
     name = jnp.dtype(wp.dtype).name
     if name == "uint8":  # int4, two weights a byte

@@ -85,6 +85,10 @@ struct Problem {
   const int32_t* pos;
   float* y;
   float *h, *qkv, *att, *o, *x1, *gu, *mid;  // scratch
+  // int4: the products' inputs prepared for linear4.h's integer sums (h, att, mid) as the phases
+  // before the products write them; att only when a key/value head's query heads span whole groups
+  // of 32 (else its product prepares it)
+  Prepared4 *hq, *aq, *mq;
   int64_t R, S, d, H, KV, D, C, F, window, items;  // window: 0 for none; items: ranges of panels per product
   float eps, scale;
 };
@@ -111,30 +115,51 @@ struct Phases {
     const int64_t panels = N / 16, per = (panels + p.items - 1) / p.items;
     const int64_t p0 = std::min(panels, i * per), p1 = std::min(panels, p0 + per);
     if (p0 >= p1) return;
-    if constexpr (std::is_same<T, Q4>::value)
-      Panels4(x, p.R, K, static_cast<const Q4*>(w), static_cast<const F16*>(s), y, N, p0, p1);
-    else
+    if constexpr (std::is_same<T, Q4>::value) {
+      const Prepared4* ready = x == p.h ? p.hq : x == p.mid ? p.mq : AttPrepared() ? p.aq : nullptr;
+      if (ready)
+        PanelsPrepared4(ready->rows.data(), p.R, K, static_cast<const Q4*>(w), static_cast<const F16*>(s), y, N,
+                        p0, p1);
+      else
+        Panels4(x, p.R, K, static_cast<const Q4*>(w), static_cast<const F16*>(s), y, N, p0, p1);
+    } else
       Panels<T>(x, p.R, K, static_cast<const T*>(w), static_cast<const float*>(s), y, N, p0, p1);
   }
+
+  static constexpr bool kInt4 = std::is_same<T, Q4>::value;
+  bool AttPrepared() const { return (p.H / p.KV * p.D) % kGroup4 == 0; }
 
   void Run(int phase, int64_t i) const {
     const int64_t d = p.d, D = p.D, Q = p.H * D, N = Q + 2 * p.KV * D;
     switch (phase) {
-      case 0: return RmsNorm(p.x + i * d, p.n1, p.eps, d, p.h + i * d);
+      case 0:
+        RmsNorm(p.x + i * d, p.n1, p.eps, d, p.h + i * d);
+        if constexpr (kInt4) p.hq->Fill(i, d, p.h + i * d, 0, d);
+        return;
       case 1: return Product(p.h, d, p.wqkv, p.sqkv, p.qkv, N, i);
       case 2: return Prepare(i);
-      case 3: return Attention(i / p.KV, i % p.KV);
+      case 3:
+        Attention(i / p.KV, i % p.KV);
+        if constexpr (kInt4) {
+          const int64_t r = i / p.KV, span = p.H / p.KV * D, at = i % p.KV * span;
+          if (AttPrepared()) p.aq->Fill(r, Q, p.att + r * Q + at, at, span);
+        }
+        return;
       case 4: return Product(p.att, Q, p.wo, p.so, p.o, d, i);
       case 5: {
         float* x1 = p.x1 + i * d;
         for (int64_t j = 0; j < d; ++j) x1[j] = p.x[i * d + j] + p.o[i * d + j];
-        return RmsNorm(x1, p.n2, p.eps, d, p.h + i * d);
+        RmsNorm(x1, p.n2, p.eps, d, p.h + i * d);
+        if constexpr (kInt4) p.hq->Fill(i, d, p.h + i * d, 0, d);
+        return;
       }
       case 6: return Product(p.h, d, p.wgu, p.sgu, p.gu, 2 * p.F, i);
       case 7: {
         const int64_t r = i / Chunks(), j = i % Chunks() * kActChunk;
         const float* g = p.gu + r * 2 * p.F + j;
-        return GatedSilu(g, g + p.F, std::min(kActChunk, p.F - j), p.mid + r * p.F + j);
+        GatedSilu(g, g + p.F, std::min(kActChunk, p.F - j), p.mid + r * p.F + j);
+        if constexpr (kInt4) p.mq->Fill(r, p.F, p.mid + r * p.F + j, j, std::min(kActChunk, p.F - j));
+        return;
       }
       case 8: return Product(p.mid, p.F, p.wd, p.sd, p.o, d, i);
       default:
@@ -245,7 +270,13 @@ ffi::Error HFLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
             kout->typed_data(), vout->typed_data(), at, y->typed_data(),
             s, s + R * d, s + R * (d + N), s + R * (d + N + Q), s + R * (2 * d + N + Q),
             s + R * (3 * d + N + Q), s + R * (3 * d + N + Q + 2 * F),
+            nullptr, nullptr, nullptr,
             R, S, d, H, KV, D, C, F, std::max<int64_t>(window, 0), threads > 1 ? 2 * threads : 1, eps, scale};
+  if (int4) {
+    thread_local Prepared4 hq, aq, mq;
+    hq.Resize(R, d), aq.Resize(R, Q), mq.Resize(R, F);
+    p.hq = &hq, p.aq = &aq, p.mq = &mq;
+  }
   switch (dt) {
     case ffi::DataType::F32: RunPhases(pool, threads, Phases<float>{p}); break;
     case ffi::DataType::BF16: RunPhases(pool, threads, Phases<uint16_t>{p}); break;
