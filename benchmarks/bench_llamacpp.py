@@ -202,13 +202,14 @@ def llama_source(sdist: Path) -> Path:
     return converter.parent
 
 
-def convert(folder: Path, torch_python: str, sdist: Path, log) -> dict[str, dict]:
-    """The folder's GGUF files (F32, BF16, Q8_0), converted once; {name: {path, bytes, command}}."""
+def convert(folder: Path, torch_python: str, sdist: Path, log, kinds=None) -> dict[str, dict]:
+    """The folder's GGUF files (``kinds``: (name, converter --outtype) pairs, default F32, BF16,
+    Q8_0), converted once; {name: {path, bytes, command}}."""
     out_dir = CACHE / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
     src, files = None, {}
     weights_time = (folder / "model.safetensors").stat().st_mtime
-    for name, outtype, _ in PAIRS:
+    for name, outtype in kinds or [(name, outtype) for name, outtype, _ in PAIRS]:
         path = out_dir / f"{folder.name}-{outtype}.gguf"
         where = CACHE / "llama-cpp-src" / "vendor" / "llama.cpp"
         cmd = [f"PYTHONPATH={where}:{where / 'gguf-py'}", torch_python, str(CONVERT),

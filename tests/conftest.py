@@ -165,6 +165,8 @@ QUICK = {  # a file: its quick tests, separated by white space
         test_score_texts_with_and_without_a_prompt_past_T[portable] test_score_errors""".split(),
     "test_server.py": """test_completions_n_samples_equal_generate test_models_health_and_metrics""".split(),
     "test_server_mc.py": ["test_the_fixture_is_a_multiple_choice_set_the_model_can_encode"],
+    "test_server_fuzz.py": ["test_the_body_parser_names_what_is_wrong",
+                            "test_a_pattern_too_large_is_refused_before_it_is_compiled"],
     "test_sharding.py": """
         test_one_device_mesh test_pad_batch_and_mesh_checks test_gather_prompts_one_process""".split(),
     "test_smc.py": """test_exact_conditional_matches_brute_force[choices-n2] test_weights_are_p_over_q_exactly
@@ -219,6 +221,7 @@ def _mark_quick(config, items):
 UNIT_SECONDS = {
     "file:test_engine_schedules.py": 130,
     "file:test_explorer.py": 100,
+    "explorer-slow": 120,  # test_explorer.py's slow tests: the browser and the comparison (wall seconds, a loaded machine)
     "file:test_mesh.py": 90,
     "file:test_server_clients.py": 60,
     "file:test_stop_with_constraint.py": 55,
@@ -236,7 +239,9 @@ UNIT_SECONDS = {
     "file:test_hf_fused.py": 12,
     "bpe_train": 14,
     "file:test_server.py": 74,
-    "file:test_server_mc.py": 40,
+    "file:test_server_mc.py": 15,
+    "file:test_server_fuzz.py": 50,
+    "test_server_fuzz.py::test_fuzzed_requests_get_no_5xx_and_the_server_keeps_serving[every-endpoint]": 30,
     "file:test_sampling.py": 68,
     "file:test_constrained_beam.py": 62,
     "file:test_speculative.py": 60,

@@ -109,13 +109,36 @@ def test_multi_step_decoding_keeps_every_text(tiny_model, backend):
     engine = Engine(lm, 3, prefill_chunk=4, decode_steps=8, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)))
     calls, single = [], []
     many, one = engine.executor.decode_many, engine.executor.decode
-    engine.executor.decode_many = lambda *a: calls.append(a[-1]) or many(*a)
+    engine.executor.decode_many = lambda *a: calls.append(a[3]) or many(*a)
     engine.executor.decode = lambda *a: single.append(1) or one(*a)
     report = engine.run(reqs)
     _assert_same(report, refs)
     assert calls and max(calls) == 8 and single and engine.idle
     # the steps of a multi-step call are recorded one by one
     assert len([s for s in report.steps if s.active]) == sum(calls) + len(single)
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+@pytest.mark.parametrize("backend", ["portable", "native"])
+def test_rows_reach_the_window_inside_a_multi_step_call(tiny_model, backend, cache):
+    """A call of 8 steps runs past the end of rows with fewer tokens left (each stops at its own
+    n inside the call), among them rows whose prompt and n fill the window T = 16 exactly: every
+    text, and every neighbour's, is still generate's."""
+    cfg, params, vocab = tiny_model
+    lm = LanguageModel(params=params, cfg=cfg, vocab=vocab, meta={}, backend=backend)
+    reqs = [Request("abcd", 12, seed=4, num_samples=2),  # 4 + 12 = T
+            Request("hi", 5, seed=1, greedy=True),
+            Request("e", 15, seed=2, num_samples=2),  # 1 + 15 = T
+            Request("ccc dd", 3, seed=11, rule=rules.top_p(0.8)),
+            Request("gab", 13, seed=6, greedy=True)]  # 3 + 13 = T
+    refs = _reference(lm, reqs)
+    kw = {"cache": "paged", "block_size": 4} if cache == "paged" else {}
+    engine = Engine(lm, 3, decode_steps=8, clock=VirtualClock(StepTimeModel(1.0, 0.0, 0.0)), **kw)
+    calls = []
+    many = engine.executor.decode_many
+    engine.executor.decode_many = lambda *a, **k: calls.append(a[3]) or many(*a, **k)
+    _assert_same(engine.run(reqs), refs)
+    assert max(calls) == 8
 
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])

@@ -1,6 +1,6 @@
 """Weight-only int4 (groups of 32 along the input dimension, a float16 scale each): the
-quantizer, the native kernel that widens nibbles as it reads them (``kernels.linear`` on
-``pack4``'s panels, and the fused layer), the portable product on XLA's int4 type, and the
+quantizer, the native kernel that sums each group in integers against the rows split into
+signed bytes (``kernels.linear`` on ``pack4``'s panels, and the fused layer), the portable product on XLA's int4 type, and the
 folders ``jaxdecode quantize --weights int4`` writes.
 
 References that share no code with the kernel: float64 numpy products on the dequantized weights,

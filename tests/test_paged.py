@@ -200,8 +200,13 @@ def test_prefix_sharing():
     # freed blocks keep their prefix until they are reused
     assert a.allocate("f", prompt).cached == 8
     assert a.hits == 8 + 4 + 8
+    # looked up: each prompt's full blocks before its last token (a, early, b, c, e, f)
+    assert a.queried == 8 + 8 + 8 + 4 + 8 + 8
+    assert a.evictions == 0
     a.free("f")
+    cached_blocks = len(a._block_key)
     a.allocate("big", list(range(100, 164)))  # takes every block: the cached prefix is gone
+    assert a.evictions == cached_blocks > 0
     a.free("big")
     assert a.allocate("g", prompt).cached == 0
     a.free("g")

@@ -289,3 +289,37 @@ def test_overlapped_calls_keep_every_text_and_return_every_block(lm_portable):
         if cache == "paged":
             _assert_pool_empty(engine)
     assert not Engine(lm, 3, overlap=False).overlap and not _paged(lm, 3, 9).overlap  # virtual clock: off
+
+
+def test_prefix_cache_counters_reach_the_metrics(lm_portable):
+    """The server's loop over a paged engine: a prompt served twice is found in the prefix cache the
+    second time, and ``/metrics``' counters say so (tokens looked up and found), with an eviction
+    once other prompts need the cached blocks."""
+    from jaxdecode.server.metrics import Metrics
+    from jaxdecode.server.runner import EngineLoop
+
+    def counters(m):
+        text = m.render().decode()
+        value = lambda name: float(next(line.split()[-1] for line in text.splitlines()
+                                        if line.startswith(f"jaxdecode_prefix_cache_{name}_total ")))
+        return value("queries"), value("hits"), value("evictions")
+
+    engine = _paged(lm_portable, 2, 4)  # 4 blocks of 4: one window
+    loop, metrics = EngineLoop(engine), Metrics()
+
+    def serve(key, prompt):
+        loop.submit(key, Request(prompt, 2, seed=1), True)
+        for _ in range(100):
+            loop.turn()
+            metrics.add(loop.take_stats())
+            if not loop.busy:
+                return
+        raise AssertionError("the request did not finish in 100 turns")
+
+    serve("a", "abcdefghi")  # 9 tokens: two full blocks before the last token
+    assert counters(metrics) == (8, 0, 0)
+    serve("b", "abcdefghi")
+    assert counters(metrics) == (16, 8, 0)
+    serve("c", "ihgfedcbaihg")  # 12 tokens and 2 more: every block of the pool, the cached ones too
+    queries, hits, evictions = counters(metrics)
+    assert (queries, hits) == (24, 8) and evictions == 2

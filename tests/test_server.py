@@ -65,7 +65,8 @@ METRIC_SAMPLES = ["jaxdecode_" + name for name in (
     "requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free", "prompt_tokens_total",
     "generation_tokens_total", "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_count",
     "time_to_first_token_seconds_sum", "time_per_output_token_seconds_bucket",
-    "time_per_output_token_seconds_count", "time_per_output_token_seconds_sum")]
+    "time_per_output_token_seconds_count", "time_per_output_token_seconds_sum", "prefix_cache_queries_total",
+    "prefix_cache_hits_total", "prefix_cache_evictions_total")]
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable"}

@@ -4,6 +4,10 @@ JSON request per line ("quit" ends):
   {"op": "pp", "arm", "tokens"} -> {"seconds"}
   {"op": "logits", "arm", "tokens"} -> {"logits"} (the last position's, after an empty cache)
   {"op": "gen", "arm", "prompts" [B][P], "n"} -> {"prefill_s", "decode_s", "tokens" [B][n]}
+  {"op": "threads", "arm", "threads"} -> {} (the context's threads from now on)
+  {"op": "argmax", "arm", "tokens"} -> {"argmax" [S], "gap" [S]} (every position's most probable
+    next token after an empty cache, and its logit's lead over the second's)
+  {"op": "tokenize", "arm", "text"} -> {"tokens"} (the file's vocabulary, its special tokens added)
 """
 import json, sys, time
 import numpy as np
@@ -57,7 +61,29 @@ for line in sys.stdin:
         break
     req = json.loads(line)
     ctx = arms[req["arm"]]
+    if req["op"] == "tokenize":
+        text = req["text"].encode()
+        vocab = L.llama_model_get_vocab(L.llama_get_model(ctx))
+        buf = (L.llama_token * (len(text) + 16))()
+        count = L.llama_tokenize(vocab, text, len(text), buf, len(buf), True, False)
+        if count < 0:
+            raise RuntimeError(f"llama_tokenize needs {-count} tokens")
+        print(json.dumps({"tokens": list(buf[:count])}), flush=True)
+        continue
+    if req["op"] == "threads":
+        L.llama_set_n_threads(ctx, req["threads"], req["threads"])
+        print(json.dumps({}), flush=True)
+        continue
     L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    if req["op"] == "argmax":
+        toks = req["tokens"]
+        fill([(t, i, 0, True) for i, t in enumerate(toks)])
+        decode(ctx)
+        every = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(toks), n_vocab))
+        top2 = np.sort(np.partition(every, -2, axis=1)[:, -2:], axis=1)
+        print(json.dumps({"argmax": every.argmax(axis=1).tolist(), "gap": (top2[:, 1] - top2[:, 0]).tolist()}),
+              flush=True)
+        continue
     if req["op"] in ("pp", "logits"):
         toks = req["tokens"]
         fill([(t, i, 0, i == len(toks) - 1) for i, t in enumerate(toks)])

@@ -12,9 +12,10 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException as FastAPIHTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import AppStatus
 from starlette.datastructures import Headers
@@ -88,6 +89,7 @@ def build_app(server: Server) -> FastAPI:
     AppStatus.disable_automatic_graceful_drain()
     # (not FastAPI's max_body_size: its 413 is plain text, and it replaces the app's own answer)
     app = FastAPI(title="jaxdecode", lifespan=lifespan)
+    app.router.route_class = _Route  # (before any route is added: the request bodies every route reads)
     app.state.server = server
     # the gate outside the body limit: it counts the 413s too
     app.add_middleware(_BodyLimit, limit=MAX_BODY)
@@ -181,6 +183,53 @@ class _Gate:
         if refused is not None:
             return await _error(refused)(scope, receive, counted)
         await self.app(scope, receive, counted)
+
+
+def parse_body(body: bytes):
+    """A request body's JSON, or a :class:`json.JSONDecodeError` (a ValueError) naming the problem:
+    bytes that are not text, nesting deeper than the parser's recursion allows, or a string with a
+    lone surrogate (``"\\ud800"``: valid JSON syntax, but no character, and no tokenizer or
+    library below takes it)."""
+    try:
+        value = json.loads(body)
+    except UnicodeDecodeError as e:
+        raise json.JSONDecodeError(f"the body is not UTF-8 text ({e.reason} at byte {e.start})", "", 0) from None
+    except RecursionError:
+        raise json.JSONDecodeError("the body nests arrays or objects too deeply", "", 0) from None
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise json.JSONDecodeError(f"a string holds the lone surrogate \\u{ord(v[e.start]):04x}, which is "
+                                           f"not a character", "", 0) from None
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return value
+
+
+class _Request(Request):
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = parse_body(await self.body())
+        return self._json
+
+
+class _Route(APIRoute):
+    """Every route reads its JSON body through :func:`parse_body`."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request):
+            return await handler(_Request(request.scope, request.receive))
+
+        return route
 
 
 def _error(e: APIError) -> JSONResponse:

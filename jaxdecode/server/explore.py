@@ -1,4 +1,4 @@
-"""The decoding explorer: the page at ``/`` and its JSON endpoints under ``/explore/`` (``docs/server.md``).
+"""The decoding explorer: the page at ``/`` and its JSON endpoints under ``/explore/`` (``docs/explorer.md``).
 
 Every number comes from the library's own code: the next-token view applies each rule of
 :data:`jaxdecode.rules.REGISTRY` (the factory, ``init``, ``update`` and ``apply`` a loop calls)

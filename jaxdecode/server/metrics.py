@@ -11,7 +11,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75
 
 class Metrics:
     """Requests running and waiting, KV blocks in use and free, prompt and generated token
-    counters, and histograms of time to first token and time per output token."""
+    counters, the prefix cache's lookups, hits and evictions (paged cache), and histograms of time to first token and time per output token."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -22,6 +22,13 @@ class Metrics:
         self.blocks_free = Gauge(p + "kv_blocks_free", "KV cache blocks free", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens read", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        # the paged cache's prefix cache (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.prefix_evictions = Counter(p + "prefix_cache_evictions",
+                                        "Cached prefix blocks taken for other contents", registry=r)
+        self._prefix_seen = (0, 0, 0)
         self.requests = Counter(p + "requests", "Requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Submission to first token",
@@ -36,6 +43,11 @@ class Metrics:
         self.waiting.set(waiting + stats.queued)
         self.blocks_used.set(stats.blocks[0])
         self.blocks_free.set(stats.blocks[1])
+        for counter, now, seen in zip((self.prefix_queries, self.prefix_hits, self.prefix_evictions), stats.prefix,
+                                      self._prefix_seen):
+            if now > seen:
+                counter.inc(now - seen)
+        self._prefix_seen = tuple(max(a, b) for a, b in zip(stats.prefix, self._prefix_seen))
         if stats.prompt_tokens:
             self.prompt_tokens.inc(stats.prompt_tokens)
         if stats.generated:

@@ -300,7 +300,8 @@ def _tools(body: ChatRequest):
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise APIError(400, 'tool_choice: give "none", "auto", "required" or {"type": "function", "function": '
                                 '{"name": ...}}', param="tool_choice")

@@ -102,6 +102,8 @@ class BlockAllocator:
         self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its entry in _cache
         self._next_key = 1
         self.hits = 0  # prompt tokens served from the prefix cache so far
+        self.queried = 0  # prompt tokens looked up in it (each prompt's full blocks but the last token's)
+        self.evictions = 0  # cached blocks taken for other contents (least recently freed first)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -188,6 +190,8 @@ class BlockAllocator:
         blocks = list(hits) + [self._pop_free() for _ in range(fresh)]
         cached = len(hits) * self.block_size
         self.hits += cached
+        if self.prefix_caching:
+            self.queried += (len(tokens) - 1) // self.block_size * self.block_size
         self._seqs[seq] = _Seq(blocks, list(tokens), cached, keys)
         return Allocation(tuple(blocks), cached)
 
@@ -390,6 +394,8 @@ class BlockAllocator:
 
     def _pop_free(self) -> int:
         b, _ = self._free.popitem(last=False)  # the least recently freed
+        if b in self._block_key:
+            self.evictions += 1  # a cached prefix block, reused for other contents
         self._uncache(b)
         self._ref[b] = 1
         return b

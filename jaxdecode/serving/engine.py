@@ -362,7 +362,8 @@ class Engine(PagedRows):
             if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
                 out = self._decode_many_paged(decoding, steps, lengths, k)
             elif k > 1:
-                out = self.executor.decode_many(decoding, steps, lengths, k, **self._fetch_kw)
+                limits = np.array([0 if r is None else r.n for r in self._slots], np.int32)
+                out = self.executor.decode_many(decoding, steps, lengths, k, limits, **self._fetch_kw)
             else:
                 out, single = self.executor.decode(decoding, steps, lengths, **self._fetch_kw), True
             for s, row in rows:
@@ -434,22 +435,27 @@ class Engine(PagedRows):
         return self.policy == "static" or not self.occupied or free >= need
 
     def _steps_now(self, decoding, prefill_tokens: int) -> int:
-        """Decode steps in this engine step: up to ``decode_steps`` in one device call while no row
-        reads its prompt, no row waits for a free slot, and every decoding row has that many
-        tokens left (so no row runs past its ``n``, and no slot can free up for a waiting row
-        before the call ends; a row that meets a stop string inside the call drops the tokens
-        after it), else one."""
-        if self.decode_steps == 1 or prefill_tokens or not decoding.any():
-            return 1
-        if any(r.top_k for r, d in zip(self._slots, decoding) if d):
-            return 1  # top log-probabilities are read from each step's logits before its call
-        free = sum(r is None for r in self._slots)
-        if self._waiting and free and self._admits_now(free):
+        """Decode steps in this engine step: up to ``decode_steps`` in one device call (a power of
+        two, at most what the row with the most tokens left needs), else one. A row that reaches
+        its ``n`` inside the call stops there (the device call holds each row's limit), and a row
+        that meets a stop string drops the tokens after it; its slot is free for the next call.
+        One step while a row is still reading its prompt in pieces (its next piece waits for the
+        call), while a row reads top log-probabilities (from each step's logits before its call),
+        and while rows in line could take a free slot that admission left empty (a continuous
+        engine waiting for blocks or for a rule layout to drain)."""
+        if self.decode_steps == 1 or not decoding.any():
             return 1
         if not getattr(self.executor, "multi_step", False):
             return 1
-        # (a row still reading its prompt ran a piece this step: prefill_tokens > 0 above)
-        left = min(r.n - len(r.tokens) - r.pending for r, d in zip(self._slots, decoding) if d)
+        live = [r for r, d in zip(self._slots, decoding) if d]
+        if any(r.top_k for r in live):
+            return 1
+        if any(r is not None and r.prefilled < len(r.prompt) for r in self._slots):
+            return 1  # a prompt read in pieces: one piece a step
+        free = sum(r is None for r in self._slots)
+        if self.policy == "continuous" and self._waiting and free and self._admits_now(free):
+            return 1
+        left = max(r.n - len(r.tokens) - r.pending for r in live)
         k = min(self.decode_steps, left)
         return 1 << (k.bit_length() - 1)  # a power of two: few compiled programs
 

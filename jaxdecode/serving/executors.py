@@ -98,16 +98,24 @@ _decode = jax.jit(_decode_step, static_argnames=("model", "span"), donate_argnam
 
 @functools.partial(jax.jit, static_argnames=("model", "span", "k"), donate_argnames=("cache", "rule_state"))
 def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding,
-                 cons, cstate, *, model, span, k):
+                 n, cons, cstate, *, model, span, k):
     """``k`` decode steps in one call (:func:`_decode`'s step in a loop): every ``decoding`` slot
-    chooses and appends ``k`` tokens. Returns the tokens, log-probabilities and (with ``cons``)
-    the constraints' stop decisions ``[k, S]``."""
+    chooses and appends up to ``k`` tokens, and stops once it has ``n`` (its token limit ``[S]``):
+    a row that reaches its limit inside the call keeps its cache, rule and automaton states as
+    they are for the rest of it (the tokens chosen for it there are dropped by the engine), so a
+    call can run more steps than its shortest row has left. Returns the tokens,
+    log-probabilities and (with ``cons``) the constraints' stop decisions ``[k, S]``."""
+    last = model.T - 1
+
     def one(carry, _):
         cache, logits, rule_state, cstate, steps, lengths = carry
+        live = decoding & (steps < n)
+        # a row past its limit writes nowhere new (its length may be the window's: the write is
+        # kept inside it, on the row's own last position, which it no longer needs)
         token, mlp, slp, stop, logits, cache, rule_state, cstate = _decode_step(
-            params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy, lengths, decoding, cons,
-            cstate, model=model, span=span)
-        grown = decoding.astype(jnp.int32)
+            params, cache, logits, rule, rule_state, keys, row_ids, steps, greedy,
+            jnp.where(live, lengths, jnp.minimum(lengths, last)), live, cons, cstate, model=model, span=span)
+        grown = live.astype(jnp.int32)
         return (cache, logits, rule_state, cstate, steps + grown, lengths + grown), (token, mlp, slp, stop)
 
     (cache, logits, rule_state, cstate, _, _), (token, mlp, slp, stop) = jax.lax.scan(
@@ -324,15 +332,17 @@ class ModelExecutor:
     multi_step = True  # decode_many runs several steps per call
     asynchronous = True  # decode calls take fetch=False: device arrays back, read when needed
 
-    def decode_many(self, decoding, steps, lengths, k: int, fetch: bool = True):
+    def decode_many(self, decoding, steps, lengths, k: int, n=None, fetch: bool = True):
         """``k`` decode steps in one call (as :meth:`decode` ``k`` times with the decoding rows'
-        steps and lengths advancing by one each time). Returns numpy ``(tokens, model_logprobs,
-        sample_logprobs)`` ``[k, S]``, and the constraints' stop decisions when the slots hold a
-        constrained row (``fetch=False``: device arrays, the call possibly still running)."""
+        steps and lengths advancing by one each time, each row stopping at its limit ``n`` ``[S]``,
+        default: none). Returns numpy ``(tokens, model_logprobs, sample_logprobs)`` ``[k, S]``, and
+        the constraints' stop decisions when the slots hold a constrained row (``fetch=False``:
+        device arrays, the call possibly still running)."""
+        n = np.full((self.S,), np.iinfo(np.int32).max, np.int32) if n is None else np.asarray(n, np.int32)
         span = min(self.capacity, round_up(int(lengths.max()) + k, SPAN_BUCKET))
         rule, keys, row_ids, greedy, cons = self._slot_inputs()
         out = self._call(_decode_many, self.params, self.cache, self.logits, rule, self.rule_state, keys,
-                         row_ids, steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, cons,
+                         row_ids, steps.astype(np.int32), greedy, lengths.astype(np.int32), decoding, n, cons,
                          self.cstate, model=self.model, span=span, k=k)
         return self._store(out, *_DECODED, "logits", "cache", "rule_state", "cstate", fetch=fetch)
 

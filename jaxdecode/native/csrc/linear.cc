@@ -40,16 +40,22 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// The ranges of panels of one call: twice as many as threads (a thread that starts late takes fewer).
-template <typename F>
-void SplitPanels(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t panels, F run) {
-  const int64_t work = M * K * 16 * panels;
-  const int64_t threads = work < (int64_t{1} << 15) ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
-  const int64_t items = std::min<int64_t>(panels, threads > 1 ? 2 * threads : 1);
-  const int64_t per = (panels + items - 1) / items;
-  const int64_t count = (panels + per - 1) / per;
-  ParallelFor(pool, count, threads, [=](int64_t i) { run(i * per, std::min(panels, (i + 1) * per)); });
-}
+// An int4 product's two phases: each row prepared, then each range of panels.
+struct PreparedProduct4 {
+  static constexpr int kPhases = 2;
+  const float* x;
+  int64_t M, K;
+  Prepared4* prepared;
+  const Q4* w;
+  const F16* s;
+  float* y;
+  int64_t N, panels, per, count;
+  int64_t Items(int phase) const { return phase == 0 ? M : count; }
+  void Run(int phase, int64_t i) const {
+    if (phase == 0) return prepared->Fill(i, K, x + i * K, 0, K);
+    PanelsPrepared4(prepared->rows.data(), M, K, w, s, y, N, i * per, std::min(panels, (i + 1) * per));
+  }
+};
 
 ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wp,
                         ffi::Buffer<ffi::F16> sp, ffi::ResultBuffer<ffi::F32> y) {
@@ -64,7 +70,14 @@ ffi::Error LinearQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const F16* s = reinterpret_cast<const F16*>(sp.untyped_data());
   float* ys = y->typed_data();
   if (M == 0) return ffi::Error::Success();
-  SplitPanels(pool, M, K, panels, [=](int64_t p0, int64_t p1) { Panels4(xs, M, K, w, s, ys, N, p0, p1); });
+  // the rows prepared once (linear4.h), one item a row, then the ranges of panels as LinearImpl's
+  thread_local Prepared4 prepared;
+  prepared.Resize(M, K);
+  const int64_t work = M * K * 16 * panels;
+  const int64_t threads = work < (int64_t{1} << 15) ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels));
+  const int64_t items = std::min<int64_t>(panels, threads > 1 ? 2 * threads : 1);
+  const int64_t per = (panels + items - 1) / items;
+  RunPhases(pool, threads, PreparedProduct4{xs, M, K, &prepared, w, s, ys, N, panels, per, (panels + per - 1) / per});
   return ffi::Error::Success();
 }
 

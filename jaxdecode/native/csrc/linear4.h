@@ -41,6 +41,7 @@ constexpr int64_t kGroup4 = 32;      // weights along K sharing one scale
 constexpr int kPieces4 = 3;          // signed-byte pieces of each value of x
 constexpr int64_t kRowGroup4 = 96;   // bytes of one row's group: the three pieces of 32 values
 constexpr int64_t kBlock4 = 64;      // bytes of a panel's block: 16 columns of 8 weights
+constexpr int64_t kAhead4 = 2048;    // streams: bytes of each panel asked for ahead of their use
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -174,18 +175,25 @@ static inline v16 Finish4(v16 total, const v16i (&a)[kPieces4], int32_t sum8, co
 
 // y[r, ns[s]..+16] = rows[r] . panels[s] for R rows and S panels at once (S independent streams of
 // weights, each with its own sums); `next`, when given, asked for ahead as the first panel streams.
+// With few sums (S * R <= 2) each is kept as two, the even and odd blocks apart, so that more
+// multiply-adds are in flight; integer sums come out the same either way.
 template <int S, int R>
 static inline void Tile4(const Row4* rows, int64_t K, const Q4* const* panels, const F16* const* scales,
                          const Q4* next, float* y, int64_t N, const int64_t* ns) {
+  constexpr int kSplit = S * R <= 2 ? 2 : 1;
   v16 total[S][R] = {};
   for (int64_t g = 0; g < K / kGroup4; ++g) {
-    v16i a[S][R][kPieces4] = {};
+    v16i parts[kSplit][S][R][kPieces4] = {};
     for (int t = 0; t < 4; ++t) {
+      auto& a = parts[t % kSplit];
       const int64_t at = (4 * g + t) * kBlock4;
 #ifndef JAXDECODE_NO_PREFETCH
       if (next) __builtin_prefetch(next + at, 0, 2);
 #endif
       for (int s = 0; s < S; ++s) {
+#ifndef JAXDECODE_NO_PREFETCH
+        if (S > 1) __builtin_prefetch(panels[s] + at + kAhead4, 0, 3);
+#endif
         v16i lo, hi;
         Nibbles4(panels[s] + at, lo, hi);
         for (int r = 0; r < R; ++r) {
@@ -197,9 +205,14 @@ static inline void Tile4(const Row4* rows, int64_t K, const Q4* const* panels, c
         }
       }
     }
+    for (int h = 1; h < kSplit; ++h)
+      for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r)
+          for (int i = 0; i < kPieces4; ++i) parts[0][s][r][i] += parts[h][s][r][i];
     for (int s = 0; s < S; ++s) {
       const v16 sw = Widen(scales[s] + 16 * g);
-      for (int r = 0; r < R; ++r) total[s][r] = Finish4(total[s][r], a[s][r], rows[r].sum8[g], sw, rows[r].step[g]);
+      for (int r = 0; r < R; ++r)
+        total[s][r] = Finish4(total[s][r], parts[0][s][r], rows[r].sum8[g], sw, rows[r].step[g]);
     }
   }
   for (int s = 0; s < S; ++s)
@@ -236,8 +249,8 @@ static void OnePanel4(const Row4* rows, int64_t M, int64_t K, const Q4* wp, cons
   }
 }
 
-// y[:, panels p0..p1) for M prepared rows (linear.h's Panels): with one row, four panels at a
-// time from four stretches of the range; with two, two.
+// y[:, panels p0..p1) for R = 1 or 2 prepared rows (linear.h's Panels): S panels at a time from S
+// stretches of the range, the panels left over as one more set of streams.
 template <int S, int R>
 static void Streams4(const Row4* rows, int64_t K, const Q4* wp, const F16* sp, float* y, int64_t N, int64_t p0,
                      int64_t p1) {
@@ -252,13 +265,16 @@ static void Streams4(const Row4* rows, int64_t K, const Q4* wp, const F16* sp, f
     }
     Tile4<S, R>(rows, K, panels, scales, nullptr, y, N, ns);
   }
-  for (int64_t p = p0 + S * len; p < p1; ++p) OnePanel4(rows, R, K, wp, sp, y, N, p, p + 1 < p1);
+  if constexpr (S > 1) {
+    const int64_t rest = p0 + S * len;
+    if (rest < p1) Streams4<S - 1, R>(rows, K, wp, sp, y, N, rest, p1);
+  }
 }
 
 static void PanelsPrepared4(const Row4* rows, int64_t M, int64_t K, const Q4* wp, const F16* sp, float* y,
                             int64_t N, int64_t p0, int64_t p1) {
-  if (M == 1 && p1 - p0 >= kStreams) return Streams4<kStreams, 1>(rows, K, wp, sp, y, N, p0, p1);
-  if (M == 2 && p1 - p0 >= 2) return Streams4<2, 2>(rows, K, wp, sp, y, N, p0, p1);
+  if (M == 1) return Streams4<kStreams, 1>(rows, K, wp, sp, y, N, p0, p1);
+  if (M == 2) return Streams4<2, 2>(rows, K, wp, sp, y, N, p0, p1);
   for (int64_t p = p0; p < p1; ++p) OnePanel4(rows, M, K, wp, sp, y, N, p, p + 1 < p1);
 }
 
