@@ -267,7 +267,7 @@ UNIT_SECONDS = {
     "test_contrastive.py::test_shipped_model_matches_plain_loop_and_repeats_less_than_greedy": 13,
     "test_tradeoff.py::test_same_seed_same_bytes": 10,
     "test_speculative.py::test_exact_distribution_with_backoff_draft[native]": 9,
-    "file:test_logit_controls.py": 15,
+    "file:test_logit_controls.py": 40,
     "file:test_rules.py": 8,
     "test_speculative.py::test_exact_distribution_of_first_three_tokens[model-native-4]": 8,
     "file:test_model.py": 7,

@@ -122,14 +122,14 @@ def test_bias_and_allowed_tokens_match_numpy(shared):
 
 
 def test_bad_words_match_vllms_loop():
-    """Words over a three-token alphabet, histories of every length from 0 to 5: many matches,
-    of every word length, and the prompt never counts."""
+    """Words over a four-token alphabet, histories of every length from 0 to 5: many matches,
+    of every word length, and the prompt (token 0) never counts."""
     rng = np.random.default_rng(1)
-    words = [[2], [1, 3], [3, 1, 1], [1, 1, 1, 1], [3, 3]]
+    words = [[0, 1], [2], [1, 3], [3, 1, 1], [1, 1, 1, 1], [3, 3]]
     rule = rules.bad_words(words)
     for steps in range(6):
         x = _logits(rng)
-        gen = rng.integers(1, 4, size=(steps, B)).astype(np.int32)
+        gen = rng.integers(0, 4, size=(steps, B)).astype(np.int32)
         got = np.asarray(_after(rule, x, gen))
         want = np_ban(x, np.stack([np_bad_words(x[b], words, gen[:, b].tolist()) for b in range(B)]))
         np.testing.assert_array_equal(got, want, err_msg=f"after {steps} steps")
@@ -139,7 +139,7 @@ def test_bad_words_match_vllms_loop():
     for b in range(B):
         mine[b, b + 1:] = -1
     rule_rows = rules.BadWords(mine, rule.shape)
-    gen = rng.integers(1, 4, size=(4, B)).astype(np.int32)
+    gen = rng.integers(0, 4, size=(4, B)).astype(np.int32)
     got = np.asarray(_after(rule_rows, x, gen))
     want = np_ban(x, np.stack([np_bad_words(x[b], words[:b + 1], gen[:, b].tolist()) for b in range(B)]))
     np.testing.assert_array_equal(got, want)
@@ -293,11 +293,163 @@ def test_settings_are_normalized(lm):
         rules.logit_bias(np.zeros((1, 2, V)))
 
 
-def test_the_engine_refuses_the_controls_by_name(lm):
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def _engine_requests(lm):
+    """Rows with controls and rows without, sampled and greedy; per-sample biases in an explicit
+    chain; a stop token held back by min_tokens."""
+    from jaxdecode.serving import Request
+
+    enc = lambda s: int(lm.vocab.encode(s)[0])
+    per_sample = np.zeros((2, V), np.float32)
+    per_sample[0, enc("a")], per_sample[1, enc("b")] = 3.0, 4.0
+    return [
+        Request("ab", params=DecodeParams(n=8, temperature=1.3, seed=3, num_samples=2,
+                                          logit_bias={enc("c"): 2.5, enc("d"): -100})),
+        Request("c.", params=DecodeParams(n=9, seed=4, top_p=0.9)),
+        Request("hi", params=DecodeParams(n=8, seed=5, bad_words=["ab", "c", "ee"],
+                                          allowed_token_ids=[enc(c) for c in "abcde."])),
+        Request("e", params=DecodeParams(n=10, seed=6, temperature=1.5, min_tokens=5,
+                                         stop_token_ids=[enc("a")], num_samples=2)),
+        Request("ga", params=DecodeParams(n=7, greedy=True, logit_bias={enc("a"): 1.0}, bad_words=["aa"])),
+        Request("d", params=DecodeParams(n=6, seed=7, num_samples=2, chain=rules.logit_bias(per_sample))),
+        Request("f", params=DecodeParams(n=6, seed=8, temperature=0.8)),
+    ]
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["one-layout", "layouts-by-request"])
+def test_the_engine_gives_each_request_what_generate_gives_it(lm, pinned):
+    """Three slots, seven requests: rows with and without controls share the batch (one pinned
+    layout, as the server's) or follow the requests' layouts; every text, token and log-probability
+    is generate's for the request alone."""
+    from jaxdecode.decoding.params import neutral_controls
+    from jaxdecode.serving import Engine
+
+    reqs = _engine_requests(lm)
+    layout = rules.chain(*neutral_controls(V), rules.temperature(1.0), rules.top_p(1.0)) if pinned else None
+    report = Engine(lm, 3, layout=layout).run(reqs)
+    stopped = 0
+    for req, res in zip(reqs, report.results):
+        want = jaxdecode.generate(lm, req.prompt, req.params)
+        assert len(res.outputs) == len(want)
+        for got, w in zip(res.outputs, want):
+            assert (got.text, got.tokens.tolist(), got.finish_reason) == \
+                (w.text, w.tokens.tolist(), w.finish_reason)
+            np.testing.assert_allclose(got.sample_logprobs, w.sample_logprobs, rtol=0, atol=2e-6)
+            stopped += w.finish_reason == "stop"
+    assert stopped  # the stop token was reached after min_tokens
+    # the controls acted: without them the texts differ
+    for k in (0, 2, 3, 4, 5):
+        free = jaxdecode.generate(lm, reqs[k].prompt, reqs[k].params.replace(
+            logit_bias=None, bad_words=None, allowed_token_ids=None, min_tokens=0, chain=None))
+        assert [g.text for g in free] != [o.text for o in report.results[k].outputs], k
+
+
+def test_the_engine_checks_the_controls(lm):
     from jaxdecode.serving import Engine, Request
 
     engine = Engine(lm, 2)
-    with pytest.raises(ParamsError, match="request 0: the engine does not take logit_bias"):
-        engine.submit(Request("ab", 4, params=DecodeParams(logit_bias={1: 1.0})))
-    with pytest.raises(ValueError, match=r"request 0: the engine does not take logit controls \(BadWords\)"):
-        engine.submit(Request("ab", 4, rule=rules.chain(rules.bad_words([[1]]), rules.top_p(0.9))))
+    with pytest.raises(ValueError, match="request 0: logit_bias: the token id 12 lies outside"):
+        engine.submit(Request("ab", 4, params=DecodeParams(logit_bias={12: 1.0})))
+    with pytest.raises(ValueError, match="request 0: min_tokens is not supported with stop strings"):
+        engine.submit(Request("ab", 4, stop="a", params=DecodeParams(min_tokens=2)))
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def char():
+    """``jaxdecode serve`` on the shipped character model, 4 slots (the server of
+    tests/test_server.py's harness, stopped at the end; it must exit cleanly)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from support.servers import serving
+
+    with serving(char=("--slots", "4")) as procs:
+        yield procs["char"].ready()
+
+
+@pytest.fixture(scope="module")
+def char_lm():
+    return jaxdecode.load()
+
+
+def _server_cases(lm):
+    enc = lambda s: int(lm.vocab.encode(s)[0])
+    return [  # (the request's fields, the same settings for generate)
+        ({"logit_bias": {str(enc("e")): -100, str(enc("z")): 6.5}},
+         {"logit_bias": {enc("e"): -100, enc("z"): 6.5}}),
+        ({"allowed_token_ids": [enc(c) for c in "ROMEA :\n"], "temperature": 0.7},
+         {"allowed_token_ids": [enc(c) for c in "ROMEA :\n"], "temperature": 0.7}),
+        ({"bad_words": ["he", " an", "I"], "top_p": 0.9}, {"bad_words": ["he", " an", "I"], "top_p": 0.9}),
+        ({"min_tokens": 12, "stop_token_ids": [enc("\n")]}, {"min_tokens": 12,
+                                                            "stop_token_ids": [enc("\n")]}),
+        ({}, {}),  # a request without controls in the same batches
+        ({"logit_bias": {str(enc(".")): 3}, "bad_words": ["e"], "min_tokens": 3, "stop_token_ids": [enc(".")],
+          "temperature": 0}, {"logit_bias": {enc("."): 3}, "bad_words": ["e"], "min_tokens": 3,
+                              "stop_token_ids": [enc(".")], "greedy": True}),
+    ]
+
+
+def test_the_server_honours_the_controls_as_generate_does(char, char_lm):
+    """Six requests at once with the openai client (logit_bias as its own argument, vLLM's fields
+    in extra_body), with and without controls, two samples each: every text is generate's."""
+    import concurrent.futures
+
+    from test_server import client
+
+    api = client(char)
+    cases = _server_cases(char_lm)
+
+    def ask(i):
+        fields = dict(cases[i][0])
+        bias = fields.pop("logit_bias", None)
+        return api.completions.create(model=char.name, prompt="ROMEO:", max_tokens=24, n=2, seed=40 + i,
+                                      **({} if bias is None else {"logit_bias": bias}), extra_body=fields)
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(ask, range(len(cases))))
+    stops = 0
+    for i, (answer, (_, settings)) in enumerate(zip(answers, cases)):
+        same = {"n": 24, "seed": 40 + i, "num_samples": 2}
+        want = jaxdecode.generate(char_lm, "ROMEO:", DecodeParams(**same, **settings))
+        got = sorted(answer.choices, key=lambda c: c.index)
+        assert [c.text for c in got] == [g.text for g in want], settings
+        assert [c.finish_reason for c in got] == [{"stop": "stop", "length": "length"}[g.finish_reason]
+                                                  for g in want]
+        stops += sum(g.finish_reason == "stop" for g in want)
+        if settings:  # the controls acted: without them the texts differ
+            free = {k: v for k, v in settings.items()
+                    if k in ("temperature", "top_p", "greedy", "stop_token_ids")}
+            free_texts = [g.text for g in jaxdecode.generate(char_lm, "ROMEO:", DecodeParams(**same, **free))]
+            assert free_texts != [c.text for c in got]
+    assert stops  # a stop token ended a sample, after min_tokens
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"logit_bias": {"e": 1}}, "logit_bias", "a key must be a token id"),
+    ({"logit_bias": {"65": 1}}, "logit_bias", "the token id 65 is outside the vocabulary [0, 65)"),
+    ({"logit_bias": {"5": "high"}}, "logit_bias", "the bias of token 5 must be a number"),
+    ({"allowed_token_ids": [3, 99]}, "allowed_token_ids", "the token id 99 is outside the vocabulary"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least one token id"),
+    ({"bad_words": ["ok", " "]}, "bad_words", "a word must not be empty"),
+    ({"min_tokens": 3, "stop": "\n"}, "min_tokens", "not supported with stop strings"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "min_tokens (9) must be at most"),
+])
+def test_bad_controls_are_openai_errors_naming_the_field(char, fields, param, says):
+    from test_server import check_error, post
+
+    r = post(char, "/completions", {"prompt": "ROMEO:", "max_tokens": 8, **fields})
+    check_error(r, 400, param=param, says=says)
+
+
+def test_the_openai_client_sees_a_bad_bias_as_a_400(char):
+    import openai
+    from test_server import client
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client(char).completions.create(model=char.name, prompt="ROMEO:", max_tokens=4, logit_bias={"-3": 5})
+    assert e.value.status_code == 400 and e.value.body["param"] == "logit_bias"

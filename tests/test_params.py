@@ -243,8 +243,8 @@ def test_request_fields_override_its_params(lm):
     r = Request("ab", 5, seed=9, params=DecodeParams(n=3, seed=2))
     assert (r.n, r.seed) == (5, 9) and r.params == DecodeParams(n=5, seed=9)
     engine = Engine(lm, 2)
-    with pytest.raises(ParamsError, match="request 0: the engine does not take min_tokens"):
-        engine.submit(Request("ab", 4, params=DecodeParams(min_tokens=1)))
+    with pytest.raises(ParamsError, match="request 0: the engine does not take include_stop"):
+        engine.submit(Request("ab", 4, params=DecodeParams(include_stop=False)))
     with pytest.raises(ValueError, match="request 0: the stop token id 40 lies outside the vocabulary of 12"):
         engine.submit(Request("ab", 4, params=DecodeParams(stop_token_ids=[40])))
 

@@ -106,8 +106,7 @@ def ok(r) -> dict:
 
 # vLLM's request fields that change the output and that this server cannot honour: each refused by
 # name (value: one that would change the output)
-REFUSED = [("logit_bias", {"5": 10}), ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]),
-           ("min_tokens", 3), ("best_of", 2), ("suffix", "x"),
+REFUSED = [("best_of", 2), ("suffix", "x"),
            ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
            ("truncate_prompt_tokens", 3), ("logprob_token_ids", [1]), ("return_tokens_as_token_ids", True),
            ("return_token_ids", True), ("logits_processors", ["x"]), ("vllm_xargs", {"a": 1}),

@@ -304,10 +304,10 @@ HONOURED: dict[str, frozenset[str]] = {
     "stop": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
     "stop_token_ids": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
     "include_stop": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE}),
-    "min_tokens": frozenset({GENERATE}),
-    "logit_bias": frozenset({GENERATE}),
-    "allowed_token_ids": frozenset({GENERATE}),
-    "bad_words": frozenset({GENERATE}),
+    "min_tokens": frozenset({GENERATE, ENGINE}),
+    "logit_bias": frozenset({GENERATE, ENGINE}),
+    "allowed_token_ids": frozenset({GENERATE, ENGINE}),
+    "bad_words": frozenset({GENERATE, ENGINE}),
     "constraint": frozenset({GENERATE, BEAM, SPECULATIVE, SCORE, ENGINE}),
     "top_logprobs": frozenset({ENGINE}),
     "ignore_eos": frozenset({ENGINE}),
@@ -440,6 +440,13 @@ def logit_controls(lm, p: DecodeParams, rows: int | None = None) -> tuple[Rule, 
     return tuple(parts)
 
 
+def neutral_controls(V: int) -> tuple[Rule, ...]:
+    """Every logit control, in :func:`logit_controls`' order, at its neutral setting for one row of a
+    ``V``-token vocabulary: the head of an engine layout that every request's controls fit."""
+    return (R.allowed_tokens(np.ones((V,), bool)), R.bad_words([]), R.min_tokens(0, np.zeros((V,), bool)),
+            R.logit_bias(np.zeros((V,), np.float32)))
+
+
 def with_controls(lm, p: DecodeParams, rule, rows: int | None = None):
     """``rule`` (a rule, a chain or None) with :func:`logit_controls` before it. With ``rows``, the
     logit controls an explicit chain holds get one setting per row too."""
@@ -457,5 +464,6 @@ def _controls_per_row(rule, B: int):
     return rule.per_row(B) if hasattr(rule, "per_row") else rule
 
 
-__all__ = ["DEFAULTS", "FIELDS", "HONOURED", "LOOPS", "DecodeParams", "MinTokens", "ParamsError",
-           "RuleError", "logit_controls", "resolve", "stop_automaton_for", "table_markdown", "with_controls"]
+__all__ = ["DEFAULTS", "FIELDS", "HONOURED", "LOOPS", "DecodeParams", "MinTokens", "ParamsError", "RuleError",
+           "logit_controls", "neutral_controls", "resolve", "stop_automaton_for", "table_markdown",
+           "with_controls"]

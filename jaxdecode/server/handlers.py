@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import math
 import re
 import secrets
 import time
@@ -16,28 +17,29 @@ import weakref
 
 from jaxdecode.constraints import ConstraintError, compile_choices, compile_json_schema, compile_regex
 from jaxdecode.decoding.common import default_settings
-from jaxdecode.decoding.params import DecodeParams
-from jaxdecode.rules import NEUTRAL, make_rule
+from jaxdecode.decoding.params import DEFAULTS, DecodeParams, neutral_controls
+from jaxdecode.rules import NEUTRAL, chain, make_rule
 from jaxdecode.server.protocol import APIError
 from jaxdecode.server.runner import FINISHED, Handle
 from jaxdecode.serving.engine import Request
 
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
-# the server's rule layout: every kind a request may set, in make_rule's order, each with the setting
-# that leaves the logits exactly unchanged; a request's own chain is this one with parts left out, so
-# every request fits every batch (no batch waits to drain for a request with other settings)
+# the server's rule layout: every kind a request may set, each with the setting that leaves the logits
+# exactly unchanged: the logit controls (allowed_token_ids, bad_words, min_tokens, logit_bias), then
+# these in make_rule's order. A request's own chain is this one with parts left out, so every request
+# fits every batch (no batch waits to drain for a request with other settings)
 LAYOUT = ("repetition_penalty", "frequency_penalty", "presence_penalty", "temperature", "top_k", "top_p",
           "min_p")
 
 
 def server_layout(V: int):
-    return make_rule(**_neutral(V))
+    return chain(*neutral_controls(V), *make_rule(**_neutral(V)).rules)
 
 
 def decode_params(body, V: int, defaults: dict | None = None) -> DecodeParams:
     """The :class:`~jaxdecode.decoding.params.DecodeParams` of a request's sampling fields (rule
-    settings, greedy, seed, ``n`` samples, stop token ids, ``ignore_eos``); the new-token count,
-    stop strings and log-probabilities are each endpoint's. ``defaults``: the model folder's
+    settings, greedy, seed, ``n`` samples, stop token ids, ``ignore_eos``, the logit controls); the
+    new-token count, stop strings and log-probabilities are each endpoint's. ``defaults``: the model folder's
     ``generation_config.json`` settings (:func:`~jaxdecode.decoding.common.default_settings`),
     which apply to the fields the request leaves out (as vLLM applies them)."""
     top_k = body.top_k
@@ -55,9 +57,60 @@ def decode_params(body, V: int, defaults: dict | None = None) -> DecodeParams:
     seed = secrets.randbelow(2**31) if body.seed is None else body.seed
     try:
         return DecodeParams(**settings, greedy=greedy, seed=seed, num_samples=body.n,
-                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                            **_controls(body, V))
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=_field_named(str(e))) from None
+
+
+def _controls(body, V: int) -> dict:
+    """The logit controls' fields as DecodeParams settings, checked against the vocabulary (a 400
+    naming the field). ``logit_bias``'s keys are token ids as strings (JSON's keys); biases beyond
+    [-100, 100] are clamped, as vLLM clamps them."""
+    out = {}
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not re.fullmatch(r"[0-9]+", str(key)):
+                raise APIError(400, f"logit_bias: a key must be a token id, got {key!r}", param="logit_bias")
+            if int(key) >= V:
+                raise APIError(400, f"logit_bias: the token id {key} is outside the vocabulary [0, {V})",
+                               param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or isinstance(value, float) and not math.isfinite(value):
+                raise APIError(400, f"logit_bias: the bias of token {key} must be a number, got {value!r}",
+                               param="logit_bias")
+            bias[int(key)] = value
+        out["logit_bias"] = bias
+    if body.allowed_token_ids is not None:
+        bad = [t for t in body.allowed_token_ids if not 0 <= t < V]
+        if bad:
+            raise APIError(400, f"allowed_token_ids: the token id {bad[0]} is outside the vocabulary "
+                                f"[0, {V})", param="allowed_token_ids")
+        out["allowed_token_ids"] = body.allowed_token_ids
+    if body.bad_words:
+        out["bad_words"] = body.bad_words
+    if body.min_tokens:
+        if body.stop:
+            raise APIError(400, "min_tokens is not supported with stop strings (it holds back the end tokens "
+                                "and stop_token_ids only)", param="min_tokens")
+        n_new = getattr(body, "max_completion_tokens", None)
+        n_new = body.max_tokens if n_new is None else n_new
+        if n_new is not None and body.min_tokens > n_new:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most the completion's maximum "
+                                f"length ({n_new})", param="min_tokens")
+        # (the request's own n, its maximum length, replaces this one in the engine's Request)
+        out |= {"min_tokens": body.min_tokens, "n": max(DEFAULTS.n, body.min_tokens)}
+    return out
+
+
+_FIELDS_CHECKED_HERE = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens", "stop_token_ids")
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a DecodeParams error names first, if it is one of a request's fields."""
+    first = re.match(r"[a-z_]+", message)
+    return first.group(0) if first and first.group(0) in _FIELDS_CHECKED_HERE else None
 
 
 def sampling(body, V: int, defaults: dict | None = None) -> dict:

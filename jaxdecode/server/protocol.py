@@ -118,11 +118,11 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # declared so that setting them is refused by name (see refuse_unsupported)
-    logit_bias: dict | None = None
+    logit_bias: dict | None = None  # OpenAI's: {"token id": bias}, checked by handlers.decode_params
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     min_tokens: int = Field(default=0, ge=0)
+    # declared so that setting them is refused by name (see refuse_unsupported)
     best_of: int | None = None
     suffix: str | None = None
     guided_grammar: str | None = None
@@ -198,8 +198,6 @@ HARMLESS = {"user", "metadata", "store", "service_tier", "request_id", "session_
 _NONE = (lambda v: v is None)
 _EMPTY = (lambda v: v is None or v == [] or v == {})
 UNSUPPORTED = {
-    "logit_bias": _EMPTY, "allowed_token_ids": (lambda v: v is None), "bad_words": _EMPTY,
-    "min_tokens": (lambda v: v == 0),
     "best_of": (lambda v: v in (None, 1)), "suffix": (lambda v: v in (None, "")),
     "guided_grammar": _NONE, "guided_decoding_backend": _NONE,
     "use_beam_search": (lambda v: not v), "length_penalty": (lambda v: v in (None, 1.0)),

@@ -222,8 +222,11 @@ class ModelExecutor:
             neutral = neutral_rule(part, self.V)
             leaves, treedef = jax.tree_util.tree_flatten(part if neutral is None else neutral)
             self._treedefs.append(treedef)
-            self._settings.append([np.full((self.S,), np.asarray(a).reshape(-1)[0], np.asarray(a).dtype)
-                                   for a in leaves])
+            # one setting per slot: a neutral setting has one row's shape (a scalar, or a logit
+            # control's [V] vector); the parts without one have scalar settings
+            self._settings.append([
+                np.array(np.broadcast_to(a, (self.S,) + np.shape(a))) if neutral is not None
+                else np.full((self.S,), np.asarray(a).reshape(-1)[0], np.asarray(a).dtype) for a in leaves])
         self.rule_state = None
         if layout:
             prompt = jnp.zeros((self.S, self.T), jnp.int32)

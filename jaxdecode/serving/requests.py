@@ -152,9 +152,6 @@ def make_rows(engine, r: Request, i: int) -> list:
         parts = rule_parts(with_controls(engine.lm, p, p.rule()))
     except ValueError as e:
         raise ValueError(f"request {i}: {e}") from None
-    controls = [type(q).__name__ for q in parts if hasattr(q, "per_row")]
-    if controls:  # (their settings hold a value per token; the engine's slots store one value a setting)
-        raise ValueError(f"request {i}: the engine does not take logit controls ({', '.join(controls)})")
     if len(prompt) + n > engine.T:
         raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
                          f"the model window T = {engine.T}; the engine keeps every row within the window "
