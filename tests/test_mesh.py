@@ -27,17 +27,43 @@ CASES = ([f"family:{f}" for f in FAMILIES],
          ["generate:llama", "loops:llama-draft", "layout:llama:2", "layout:llama:4", "layout:mixtral:2"])
 
 
-@pytest.fixture(scope="module")
-def results():
+# what CI runs of them (the rest in the full suite): a dense and a mixture-of-experts model on every
+# mesh, what each device holds at M = 2, and the collectives of their compiled decode steps
+CI_CASES = ["family:llama", "family:mixtral", "layout:llama:2", "layout:mixtral:2"]
+
+
+def _run(groups) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, str(HERE / "mesh_cases.py"), *cases], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent) for cases in CASES]
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent) for cases in groups]
     out = {}
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-4000:]
         out |= json.loads(stdout.strip().splitlines()[-1])
     return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _run(CASES)
+
+
+@pytest.fixture(scope="module")
+def ci_results():
+    return _run([CI_CASES])
+
+
+def test_dense_and_expert_models_on_a_model_axis(ci_results):
+    """CI's share of this file, through the full suite's checks: Llama (grouped-query attention) on
+    model axes 2, 4 and 8 and a 2 x 4 mesh, Mixtral on 2, 8 and 2 x 4 equal one device; each
+    device holds its share at M = 2; two all-reduces a layer, and the experts' one."""
+    for family in ("llama", "mixtral"):
+        test_greedy_and_logits_equal_one_device(ci_results, family)
+    for case in ("layout:llama:2", "layout:mixtral:2"):
+        test_each_device_holds_its_share(ci_results, case, 2)
+    test_decode_step_two_all_reduces_per_layer(ci_results)
+    test_experts_split_with_one_all_reduce_of_their_sum(ci_results)
 
 
 @pytest.mark.slow
