@@ -172,16 +172,17 @@ def product_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     return wp.nbytes / min(times)
 
 
-def ensure_llama_env(venv: Path, sdist: Path, log) -> str:
+def ensure_llama_env(venv: Path, sdist: Path, log, cmake_args: str | None = None) -> str:
     """The benchmark's own llama.cpp environment: ``venv`` with llama-cpp-python (built from source
-    by pip where no wheel fits) and ``gguf``, made once; and the sdist (for its converter),
-    downloaded once. Returns the environment's python."""
+    by pip where no wheel fits, with ``cmake_args`` as CMAKE_ARGS when given) and ``gguf``, made
+    once; and the sdist (for its converter), downloaded once. Returns the environment's python."""
     python = venv / "bin" / "python"
     if not python.exists():
         log(f"# creating {venv} with llama-cpp-python {LLAMA_CPP_PYTHON} (builds llama.cpp: minutes)")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                        "gguf", "numpy"], check=True)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args) if cmake_args else None
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-cache-dir",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "gguf", "numpy"], check=True, env=env)
     if not sdist.exists():
         log(f"# downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (its convert_hf_to_gguf.py)")
         subprocess.run([str(python), "-m", "pip", "download", "-q", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
