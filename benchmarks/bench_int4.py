@@ -49,8 +49,8 @@ can differ, and random weights (logits of std ~0.5 over 49152 rows) have many su
 
 The llama.cpp environment (``--llamacpp-venv``, default ``~/.cache/jaxdecode-bench/venv-llamacpp``
 or ``$JAXDECODE_LLAMACPP_VENV``) is made on the first run, llama.cpp built with every vector
-extension of this CPU but AMX (``LLAMA_CMAKE``; its AMX path faults on this VM), which takes tens
-of minutes on 2 shared cores.
+extension of this CPU but AMX (``bench_llamacpp.LLAMA_CMAKE``, on a CPU with AMX: its AMX path
+faults on this VM), which takes tens of minutes on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -74,12 +74,8 @@ CACHE = Path.home() / ".cache" / "jaxdecode-bench"
 FOLDER = CACHE / "llama106m"
 TORCH_PYTHON = ROOT / ".venv-torch" / "bin" / "python"
 # the llama.cpp environment (made there if absent; $JAXDECODE_LLAMACPP_VENV names another), built
-# for this CPU with every vector extension but AMX: on the 2-core VM, llama.cpp's AMX path for the
-# quantized types faults at its first tile load (ldtilecfg, SIGSEGV), so AMX is left out of the build
+# without AMX where the CPU has it (bench_llamacpp.llama_cmake)
 LLAMA_VENV = Path(os.environ.get("JAXDECODE_LLAMACPP_VENV", CACHE / "venv-llamacpp"))
-LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-               "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
-               "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF")
 QUANTIZE = PEERS / "llamacpp_quantize.py"
 SUBWORD = ROOT / "checkpoints" / "shakespeare-bpe"
 PROMPT_LEN, PP_LEN, CHECK_LEN = 32, 128, 512
@@ -141,9 +137,9 @@ def jax_round(args) -> dict:
 
 
 def llama_env(args) -> str:
-    from benchmarks.bench_llamacpp import ensure_llama_env
+    from benchmarks.bench_llamacpp import ensure_llama_env, llama_cmake
 
-    return ensure_llama_env(args.llamacpp_venv or LLAMA_VENV, args.sdist, log, LLAMA_CMAKE)
+    return ensure_llama_env(args.llamacpp_venv or LLAMA_VENV, args.sdist, log, llama_cmake())
 
 
 def gguf_files(args, llama_python: str, folder: Path, quantized=LLAMA_ARMS) -> dict:

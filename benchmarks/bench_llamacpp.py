@@ -32,7 +32,8 @@ list with unused ``[PAD<i>]`` entries. Q8_0 and BF16 quantize every matrix, the 
 
 llama.cpp runs in its own environment (``--llamacpp-venv``, default ``.venv-llamacpp``, made on
 the first run: ``pip install llama-cpp-python==0.3.36 gguf numpy``, which builds llama.cpp from
-source where no wheel fits; the sdist, for the converter, is downloaded once into the cache) and
+source where no wheel fits, on a CPU with AMX without it (``LLAMA_CMAKE``: llama.cpp's AMX path
+faults on the Intel VM); the sdist, for the converter, is downloaded once into the cache) and
 its own process, which answers one measurement per request line, timed there, through the low-level ``llama_cpp``
 API: one context per file with ``n_threads = n_threads_batch = --threads`` (default: every core),
 ``n_seq_max = 8`` with a KV stream per sequence (``kv_unified = false``), room for ``32 + n``
@@ -135,6 +136,11 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release measured
 SDIST = CACHE / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
 TORCH_PYTHON = ROOT / ".venv-torch" / "bin" / "python"
 LLAMA_VENV = ROOT / ".venv-llamacpp"
+# llama.cpp built for this CPU with every vector extension but AMX: on the Intel VM its AMX path for
+# the quantized types faults at its first tile load (ldtilecfg, SIGSEGV)
+LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+               "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+               "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF")
 PROMPT_LEN, PP_LEN, BATCH = 32, 128, 8
 # (llama.cpp GGUF type, converter --outtype, jaxdecode weights), in the order the arms run
 PAIRS = (("F32", "f32", "float32"), ("BF16", "bf16", "bfloat16"), ("Q8_0", "q8_0", "int8"))
@@ -170,6 +176,16 @@ def product_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
         run(x, wp).block_until_ready()
         times.append(time.perf_counter() - t)
     return wp.nbytes / min(times)
+
+
+def llama_cmake() -> str | None:
+    """CMAKE_ARGS for building llama.cpp here: LLAMA_CMAKE on a CPU with AMX (whose path faults on
+    the Intel VM), else None (llama.cpp's own native build)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return LLAMA_CMAKE if any(line.startswith("flags") and " amx_int8" in line for line in f) else None
+    except OSError:
+        return None
 
 
 def ensure_llama_env(venv: Path, sdist: Path, log, cmake_args: str | None = None) -> str:
@@ -372,7 +388,7 @@ def main():
 
     try:
         if not args.skip_llamacpp:
-            llama_python = ensure_llama_env(args.llamacpp_venv, args.sdist, log)
+            llama_python = ensure_llama_env(args.llamacpp_venv, args.sdist, log, llama_cmake())
             files = convert(args.folder, args.torch_python, args.sdist, log)
             llama = LlamaCpp(llama_python, files, args.threads, max(PP_LEN, PROMPT_LEN + n),
                              args.kv_type, args.omp_wait, args.gomp_spincount, args.flash_attn)
