@@ -108,7 +108,7 @@ def worker(cfg: dict) -> dict:
     prompt, pp = inputs()
     n, out = cfg["n"], {}
     arms = {name: Jax(Path(cfg["folder"]), name) for name in cfg["arms"]}
-    for name, arm in arms.items():  # compile and warm up
+    for arm in arms.values():  # compile and warm up
         arm.gen([prompt], n), arm.gen([prompt], 1), arm.pp(pp), arm.pp(pp)
     for name, arm in arms.items():
         rec = {"bytes_per_step": arm.bytes}
