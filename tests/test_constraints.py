@@ -268,6 +268,7 @@ def test_greedy_takes_the_most_probable_choice(tiny_decoder, reference):
     assert bool(res.stopped[0]) == (len(prefix) < N)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["native"], scope="session")
 @pytest.mark.parametrize("draft_name", ["ngram", "model"])
 def test_constrained_speculative_has_the_masked_distribution(tiny_decoder, reference, draft_name, backend):
@@ -342,6 +343,7 @@ def test_score_reports_membership():
 # ----------------------------------------------------------------------------- multi-character tokens
 
 
+@pytest.mark.slow
 def test_multichar_model_sampling_and_speculative():
     from jaxdecode import generate
     from jaxdecode.models.toy import multichar_lm

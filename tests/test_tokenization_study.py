@@ -188,6 +188,7 @@ def test_a_character_model_is_refused_in_one_line_and_all_skips_it(char_lm, tmp_
     assert len(err) == 1 and err[0].startswith("jaxdecode: skipping tokenization: ") and "subword" in err[0]
 
 
+@pytest.mark.slow
 def test_one_seed_writes_the_same_json_twice(bpe, tmp_path):
     small = dict(samples=16, plain_tokens=8, particles=(16,), line_tokens=12)
     res = T.run(bpe, tmp_path / "a", progress=False, **small)
