@@ -25,7 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import jaxdecode  # noqa: E402
-from test_server import (HF, LOGPROB_ATOL, ServerProcess, check_error, client, post,  # noqa: E402
+from support.servers import serving  # noqa: E402
+from test_server import (HF, LOGPROB_ATOL, check_error, client, post,  # noqa: E402
                          sse_events)
 
 CHAR_TEMPLATE = ("{%- for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
@@ -61,19 +62,9 @@ def processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("templates")
     (folder / "char.jinja").write_text(CHAR_TEMPLATE)
     (folder / "tools.jinja").write_text(TOOL_TEMPLATE)
-    procs = {"char": ServerProcess("--chat-template", str(folder / "char.jinja"), "--slots", "4"),
-             "llama": ServerProcess("--ckpt", str(HF), "--slots", "4", "--chat-template",
-                                    str(folder / "tools.jinja"))}
-    yield procs
-    for p in procs.values():
-        p.signal()
-    failures = []
-    for name, p in procs.items():
-        try:
-            p.stop()
-        except BaseException as e:  # stop them all, then report
-            failures.append(f"{name}: {e}")
-    assert not failures, "\n".join(failures)
+    with serving(char=("--chat-template", str(folder / "char.jinja"), "--slots", "4"),
+                 llama=("--ckpt", str(HF), "--slots", "4", "--chat-template", str(folder / "tools.jinja"))) as procs:
+        yield procs
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from jaxdecode.server.app import parse_body  # noqa: E402
 from support import schema  # noqa: E402
 from support.servers import serving  # noqa: E402
 from test_server import HF, client, metrics, still_serving  # noqa: E402
+from test_server_clients import CLOCK, USER, WEATHER  # noqa: E402
 
 # ChatML turns with the tools' names and the size of their parameters' JSON (the fixture's window is
 # 256 tokens: a whole schema would not fit), content parts looped over, tool calls as JSON.
@@ -56,15 +57,6 @@ TEMPLATE = (
     "{{- '<tool_call>' + (c['function'] | tojson) + '</tool_call>' }}{%- endfor %}{%- endif %}"
     "{{- eos_token + '\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-USER = [{"role": "user", "content": "Hi"}]
-WEATHER = {"type": "function", "function": {
-    "name": "weather", "description": "the weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
-                                                    "days": {"type": "integer", "enum": [1, 2, 3]}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
 ERROR_TYPES = {"invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error"}
 
 
