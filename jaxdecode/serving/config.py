@@ -20,6 +20,12 @@ from jaxdecode.models.base import KV_DTYPES
 POLICIES = ("continuous", "static")
 CACHES = ("dense", "paged")
 DEFAULT_PREFILL_CHUNK = 128
+# the drafts a speculative engine builds by name: the registry's, and "model" (a draft model's
+# folder, --draft; default: the folder "<model>-draft" beside the model's)
+SPECULATIVE_KINDS = ("ngram", "distilled", "draft", "lookup", "model")
+# decoding slots above which a speculative engine runs plain passes (docs/serving.md: measured on
+# shakespeare-bpe with its draft model)
+SPECULATIVE_MAX_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +38,12 @@ class EngineConfig:
     call while no row reads its prompt. ``prefill_budget``: the most prompt tokens of one step
     (default: no limit beyond ``prefill_chunk`` per row). ``overlap``: send each device call
     before reading the previous one's tokens. ``admit_batch``: rows in line join once that many
-    slots are free. The engine's docstring says what each changes; none changes a text."""
+    slots are free. ``speculative``: a draft kind (:data:`SPECULATIVE_KINDS`) or a ready
+    :class:`~jaxdecode.speculative.Draft`: every step is a speculative pass (see
+    :mod:`jaxdecode.serving.speculative`), with ``gamma`` proposals, while at most
+    ``speculative_max_rows`` slots decode (default :data:`SPECULATIVE_MAX_ROWS`, measured), a plain
+    pass above; ``draft``: the draft model's folder for ``speculative="model"``. The engine's
+    docstring says what each changes; only ``speculative`` changes a text."""
 
     slots: int
     policy: str = "continuous"
@@ -47,6 +58,10 @@ class EngineConfig:
     prefill_budget: int | None = None
     overlap: bool = True
     admit_batch: int = 1
+    speculative: object = None
+    draft: str | None = None
+    gamma: int = 4
+    speculative_max_rows: int | None = None
 
     def __post_init__(self):
         n = _SPELLING.get()  # a field's name in a message: its own, or its flag's (from_args)
@@ -70,6 +85,38 @@ class EngineConfig:
             check_int(n("num_blocks"), self.num_blocks, 1)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        self._check_speculative(n)
+
+    def _check_speculative(self, n) -> None:
+        from jaxdecode.speculative import Draft
+
+        spec = self.speculative
+        if spec is None:
+            for field in ("draft", "speculative_max_rows"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"{n(field)} is a setting of speculative decoding ({n('speculative')})")
+            if self.gamma != 4:
+                raise ValueError(f"{n('gamma')} is a setting of speculative decoding ({n('speculative')})")
+            return
+        if isinstance(spec, str):
+            if spec not in SPECULATIVE_KINDS:
+                raise ValueError(f"unknown {n('speculative')} draft {spec!r}: choose one of "
+                                 f"{', '.join(SPECULATIVE_KINDS)}")
+        elif not isinstance(spec, Draft):
+            raise ValueError(f"{n('speculative')} must be a draft kind ({', '.join(SPECULATIVE_KINDS)}) or a "
+                             f"jaxdecode.speculative.Draft, got {type(spec).__name__}")
+        if self.draft is not None and spec != "model":
+            raise ValueError(f"{n('draft')} names the draft model's folder: it goes with {n('speculative')} model")
+        check_int(n("gamma"), self.gamma, 1)
+        if self.speculative_max_rows is not None:
+            check_int(n("speculative_max_rows"), self.speculative_max_rows, 0)
+        for field, plain in (("cache", "dense"), ("kv_dtype", "float32")):
+            if getattr(self, field) != plain:
+                raise ValueError(f"speculative decoding in the engine runs on the dense float32 cache: "
+                                 f"drop {n(field)} {getattr(self, field)!r}")
+        if self.decode_steps != 1:
+            raise ValueError(f"speculative decoding in the engine runs one pass per device call: drop "
+                             f"{n('decode_steps')} {self.decode_steps}")
 
     # ------------------------------------------------------------------ the command line
 
@@ -109,6 +156,17 @@ class EngineConfig:
         g.add_argument("--admit-batch", type=int, default=1, metavar="M",
                        help="while rows run, rows in line join once M slots are free (or as many as wait), "
                             "their prompts read together (default 1: as soon as a slot is free)")
+        g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default=None,
+                       help="speculative decoding with this draft: an n-gram table of the corpus (ngram, "
+                            "distilled), prompt lookup, or a draft model (model: --draft FOLDER, default the "
+                            "folder '<model>-draft' beside the model's); exact: the same distribution")
+        g.add_argument("--draft", default=None, metavar="FOLDER",
+                       help="--speculative model: the draft model's folder (same tokenizer as the model)")
+        g.add_argument("--gamma", type=int, default=4, metavar="G",
+                       help="--speculative: draft tokens per pass (default 4)")
+        g.add_argument("--speculative-max-rows", type=int, default=None, metavar="R",
+                       help=f"--speculative: above R decoding rows a step runs a plain pass (default "
+                            f"{SPECULATIVE_MAX_ROWS}, where speculation stopped paying on CPU)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **fields) -> EngineConfig:

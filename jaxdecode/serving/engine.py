@@ -102,12 +102,15 @@ from jaxdecode.serving.blocks import BlockAllocator
 from jaxdecode.serving.paging import PagedRows, _admitted
 from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
-from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, EngineConfig
+from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, SPECULATIVE_MAX_ROWS, EngineConfig
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
     TOP_LOGPROBS, Request, _embed, _kind, best_layout, make_rows, neutral_rule, rule_parts)
 from jaxdecode.serving.stream import RequestStream
+from jaxdecode.serving.speculative import SpeculativeExecutor
 from jaxdecode.serving.warmup import warm_up
+from jaxdecode.speculative import make_draft
+from jaxdecode.speculative.drafts.model import load_draft
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineConfig", "ModelExecutor", "PagedExecutor",
            "RealClock", "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts",
@@ -117,6 +120,16 @@ LAYOUT_LOOKAHEAD = 64  # rows in line an empty engine looks at to choose its rul
 
 
 # ----------------------------------------------------------------------------- the engine
+
+
+def _build_draft(lm, config: EngineConfig):
+    """The draft ``config.speculative`` names (built for ``lm``), or the ready draft it holds."""
+    kind = config.speculative
+    if not isinstance(kind, str):
+        return kind
+    if kind == "model":
+        return load_draft(lm, config.draft)
+    return make_draft(kind, lm)
 
 
 def _cut_stop(text: str, stops: list[str]) -> str:
@@ -194,6 +207,15 @@ class Engine(PagedRows):
             if executor is None:
                 executor = PagedExecutor(lm, self.S, num_blocks, block_size, attention, kv_dtype)
         self.kv_dtype = kv_dtype
+        self.speculative = config.speculative is not None
+        self.gamma, self.draft = config.gamma, None
+        if self.speculative:
+            self.draft = _build_draft(lm, config)
+            self.speculative_max_rows = (SPECULATIVE_MAX_ROWS if config.speculative_max_rows is None
+                                         else config.speculative_max_rows)
+            if executor is None:
+                executor = SpeculativeExecutor(lm, self.S, self.draft, self.gamma)
+        self.speculative_counts = {"speculative_passes": 0, "plain_passes": 0, "proposed": 0, "accepted": 0}
         self.executor = ModelExecutor(lm, self.S) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
@@ -335,6 +357,9 @@ class Engine(PagedRows):
         start = self.clock.now()
         self._release(start)
         self._admit()
+        if self.speculative:
+            call = self._launch_passes(start) if self.occupied else None
+            return None if call is None else self._collect(call)
         call = self._launch(start) if self.occupied else None
         if self.overlap:
             call, self._inflight = self._inflight, call
@@ -374,21 +399,64 @@ class Engine(PagedRows):
                         self.allocator.free(row.seq)
         return DeviceCall(start, k, rows, out, single, prefill_tokens, active, top)
 
+    def _launch_passes(self, start: float) -> DeviceCall:
+        """A speculative engine's step: this step's prompt pieces, then one pass for every slot
+        whose prompt is read: speculative while at most ``speculative_max_rows`` slots decode, else
+        plain (:mod:`jaxdecode.serving.speculative`). Its tokens come back at once: each row's
+        count of new tokens decides the next pass."""
+        prefill_tokens = self._prefill()
+        decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
+        active = int(decoding.sum())
+        rows, out = [], None
+        if active:
+            speculative = active <= self.speculative_max_rows
+            rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
+            passes, lengths, pending = (np.zeros((self.S,), np.int32) for _ in range(3))
+            stale = []
+            for s, r in enumerate(self._slots):
+                if r is None:
+                    continue
+                if not decoding[s]:
+                    lengths[s] = r.length  # a prompt still being read keeps its cache
+                    continue
+                lengths[s] = r.length - 1  # the context but its last token, which is fed now
+                pending[s] = r.tokens[-1] if r.tokens else r.prompt[-1]
+                passes[s] = r.passes
+                if speculative and r.draft_at != r.length:
+                    stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
+            if speculative:
+                self.executor.sync_drafts(stale)
+            out = self.executor.passes(decoding, passes, lengths, pending, speculative)
+            counts = self.speculative_counts
+            counts["speculative_passes" if speculative else "plain_passes"] += 1
+            for s, r in rows:
+                r.passes += 1
+                if speculative:
+                    counts["proposed"] += self.gamma
+                    counts["accepted"] += int(out[4][s])
+                    r.draft_at = r.length + int(out[3][s])
+        return DeviceCall(start, 1, rows, out, False, prefill_tokens, active)
+
     def _collect(self, call: DeviceCall) -> StepRecord:
         """Read a call's tokens (waiting for it), add them to their rows, end the rows that met a
         stop string or their ``n``, and record the call's steps."""
         k, stepped, done = call.k, [], []
-        if call.rows:
+        made = None
+        if call.rows and self.speculative:  # a pass: [S, m] tokens, each row's count of them
+            tokens, mlp, slp, made = (np.asarray(a).T if a.ndim == 2 else a for a in call.out[:4])
+            ends, top = None, None
+        elif call.rows:
             tokens, mlp, slp, *ends = (np.asarray(a)[None] if call.single else np.asarray(a)
                                        for a in call.out)
             ends = ends[0] if ends else None  # [k, S]: a constrained row's constraint ended it at that step
             top = None if call.top is None else [np.asarray(a) for a in call.top]
         for s, row in call.rows:
-            row.pending -= k
+            if made is None:
+                row.pending -= k
             if row.finish is not None:
                 continue  # it met a stop string in an earlier call: these tokens lie past its end
             stepped.append(row)
-            for j in range(k):  # a row that ends inside a multi-step call drops the tokens after it
+            for j in range(k if made is None else int(made[s])):  # a row that ends inside a call drops the rest
                 if ends is not None and ends[j, s]:
                     hit = True  # ended by its constraint before this token (as generate's stop decision)
                 else:
@@ -428,6 +496,13 @@ class Engine(PagedRows):
         for row in done:
             row.t_done = end
         return record
+
+    def speculative_stats(self) -> dict:
+        """A speculative engine's passes since it started: speculative and plain, draft tokens
+        proposed and accepted, and the acceptance share of the proposals."""
+        c = dict(self.speculative_counts)
+        c["acceptance"] = c["accepted"] / c["proposed"] if c["proposed"] else float("nan")
+        return c
 
     def _admits_now(self, free: int) -> bool:
         """Whether rows in line may join with ``free`` slots free (continuous: see ``admit_batch``)."""

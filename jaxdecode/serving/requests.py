@@ -110,6 +110,8 @@ class _Row:
     top: list = dataclasses.field(default_factory=list)  # per token: (ids, logprobs) [TOP_LOGPROBS]
     watch: Any = None  # a subword row's stop-string check on its text (stream.StopWatch), or None
     constraint: Any = None  # its request's jaxdecode.constraints.Constraint, or None
+    passes: int = 0  # a speculative engine's passes for it (the pass number of its noise)
+    draft_at: int = -1  # a speculative engine: the context length its slot's draft state is for
 
     @property
     def length(self) -> int:
@@ -156,6 +158,8 @@ def make_rows(engine, r: Request, i: int) -> list:
         raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) = {len(prompt) + n} exceeds "
                          f"the model window T = {engine.T}; the engine keeps every row within the window "
                          f"(jaxdecode.generate serves longer requests in its exact window mode)")
+    if getattr(engine, "speculative", False):
+        _check_speculative(engine, p, prompt, parts, i)
     if engine.paged and n > 0:
         a = engine.allocator
         need = a.blocks_for(len(prompt) + n - 1)
@@ -171,6 +175,31 @@ def make_rows(engine, r: Request, i: int) -> list:
     texts = stop_string_list(p.stop)
     return [_Row(i, int(j), prompt, n, stops, bool(p.greedy), keys[j], _row_settings(parts, j, N, i),
                  top_k=top_k, watch=stop_watch(engine.lm, texts), constraint=p.constraint) for j in row_ids]
+
+
+def _check_speculative(engine, p, prompt, parts, i: int) -> None:
+    """What a speculative engine refuses: settings speculative decoding does not support, and a
+    request whose prompt, ``n`` and ``gamma + 1`` proposals do not fit in the window."""
+    from jaxdecode.speculative.loop import _stateless
+
+    say = f"request {i}: the engine decodes speculatively"
+    if p.constraint is not None:
+        raise ValueError(f"{say} and does not take constraint; serve it on an engine without --speculative")
+    if p.top_logprobs:
+        raise ValueError(f"{say} and does not return top_logprobs; ask without them or serve the request "
+                         f"on an engine without --speculative")
+    try:
+        _stateless(Chain(parts) if parts else None, engine.V)
+    except ValueError as e:
+        raise ValueError(f"{say}: {e}") from None
+    need = len(prompt) + p.n + engine.gamma + 1
+    if p.n > 0 and need > engine.T:
+        raise ValueError(f"{say}: prompt ({len(prompt)} tokens) + n ({p.n}) + gamma + 1 ({engine.gamma + 1}) = "
+                         f"{need} exceeds the model window T = {engine.T}")
+    try:
+        engine.draft.check(engine.lm.decoder, need)
+    except ValueError as e:
+        raise ValueError(f"request {i}: {e}") from None
 
 
 def _check_constraint(c, n: int, V: int, ignore_eos: bool, i: int) -> None:

@@ -108,6 +108,18 @@ def draft_folder(lm):
     return DRAFT_NAME
 
 
+def load_draft(lm, folder=None) -> ModelDraft:
+    """The draft model in ``folder`` (default: :func:`draft_folder`) for target ``lm``; a draft whose
+    tokens are not the target's is refused."""
+    from jaxdecode.io.vocab import same_vocabulary
+
+    small = load(draft_folder(lm) if folder is None else folder)
+    if small.decoder.V != lm.decoder.V or not same_vocabulary(small.vocab, lm.vocab):
+        raise ValueError(f"the draft model {folder or draft_folder(lm)} has other tokens than the model "
+                         f"({small.decoder.V} against {lm.decoder.V}): a draft must share the model's tokenizer")
+    return ModelDraft.from_lm(small)
+
+
 def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> ModelDraft:
     _no_backoff(backoff)
@@ -117,4 +129,4 @@ def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = N
     return ModelDraft.from_lm(small)
 
 
-__all__ = ["ModelDraft", "ModelDraftState"]
+__all__ = ["ModelDraft", "ModelDraftState", "load_draft"]

@@ -1,0 +1,198 @@
+"""Speculative decoding inside the engine: the device programs of a speculative engine step and
+:class:`SpeculativeExecutor`, the dense executor that runs them. See :mod:`jaxdecode.serving.engine`.
+
+A speculative engine keeps each decoding slot as :func:`jaxdecode.speculative.speculative_tokens`
+keeps a row: the target's cache holds the row's context without its last token (the *pending*
+token, which the host sends with each call), and the draft keeps its own state for the slot. One
+engine step is one *pass* for every decoding slot, of one of two kinds:
+
+- a speculative pass (:func:`_spec_pass`): the draft proposes ``gamma`` tokens, the target scores
+  the pending token and the proposals in one ``extend`` over the slots' caches, and each slot
+  accepts its own number of proposals (the acceptance test of :mod:`jaxdecode.speculative`,
+  with the noise of the row's key, id and pass number: :func:`_pass_noise`); its cache length
+  advances by what it kept;
+- a plain pass (:func:`_plain_pass`): the target reads the pending token and the slot draws one
+  token from the processed distribution with the uniform the same pass of speculative sampling
+  would use for its corrected token (greedy: the argmax). The engine runs it above
+  ``speculative_max_rows`` decoding slots, where a speculative pass stops paying.
+
+Every pass of a row, of either kind, draws from its own pass number's noise, so each token is an
+exact draw from the processed target given the text before it. A row whose passes were all
+speculative has exactly :func:`~jaxdecode.speculative.speculative_generate`'s text for its seed
+and row id. After plain passes the slot's draft state is behind; the next speculative pass first
+builds it again from the row's text (:func:`_draft_rows`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from jaxdecode.rules import processed_logprobs
+from jaxdecode.serving.executors import ModelExecutor, _scatter_rows
+from jaxdecode.speculative.acceptance import Noise, _accept, _draw, _take, row_keys
+
+
+def _pass_noise(keys, row_ids, passes, gamma: int):
+    """Each row's uniforms for its pass number: ``uniform(fold_in(fold_in(key, row_id), pass))``
+    of :func:`jaxdecode.speculative.iteration_noise` (with the draft's share), one pass per row."""
+    tiny = jnp.finfo(jnp.float32).tiny
+    m = 2 * gamma + 1
+    ks = row_keys(keys, row_ids)
+    u = jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i), (m,), minval=tiny))(
+        ks, passes.astype(jnp.uint32))
+    return Noise(u[:, :gamma], u[:, gamma], u[:, gamma + 1:])
+
+
+def _processor(rule, rule_state):
+    if rule is None:
+        return lambda logits: logits
+    return lambda logits: rule.apply(logits, rule_state)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "gamma", "span"), donate_argnames=("cache", "dstate"))
+def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending,
+               decoding, *, model, gamma, span):
+    """One speculative pass for every ``decoding`` slot (:mod:`jaxdecode.speculative.loop`'s loop
+    body with a greedy flag and a pass number per slot). ``lengths``: each slot's cache length
+    (a decoding slot's context less its pending token ``pending``; a slot that is not decoding
+    keeps its length). Returns the tokens ``[S, gamma + 1]`` (valid up to ``made``), their
+    log-probabilities under the target and the processed target, ``made`` ``[S]``, the
+    accepted proposals ``[S]``, the cache and the draft state."""
+    S, V = pending.shape[0], model.V
+    rows = jnp.arange(S)
+    process = _processor(rule, rule_state)
+    process_all = jax.vmap(process, in_axes=1, out_axes=1)
+    noise = _pass_noise(keys, row_ids, passes, gamma)
+
+    def draft_process(logits):
+        # a greedy row's draft proposes the argmax of its processed logits (a point mass), as
+        # speculative_tokens' greedy loop does; sampled rows draw from them
+        p = process(logits)
+        best = jnp.arange(V)[None, :] == jnp.argmax(p, axis=-1)[:, None]
+        return jnp.where(greedy[:, None], jnp.where(best, 0.0, -jnp.inf), p)
+
+    cache = model.truncate(cache, lengths)
+    drafts, q_logits, dnew = draft.propose(dstate, noise.draft, gamma, draft_process, span)
+    fed = jnp.concatenate([pending[:, None], drafts], axis=1)  # [S, gamma + 1]
+    logits, _, cache = model.extend(params, cache, fed, span)
+    target = process_all(logits)
+    sample_lp = processed_logprobs(target)
+    n_greedy, next_greedy = _accept(target, None, drafts, None, True)
+    q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(processed_logprobs(q_logits))
+    n_sampled, next_sampled = _accept(jnp.exp(sample_lp), q, drafts, noise, False)
+    n_acc = jnp.where(greedy, n_greedy, n_sampled)
+    nxt = jnp.where(greedy, next_greedy, next_sampled)
+    new = jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], axis=1).at[rows, n_acc].set(nxt)
+    mlp = _take(processed_logprobs(logits), new)
+    slp = _take(sample_lp, new)
+    cache = model.truncate(cache, jnp.where(decoding, lengths + 1 + n_acc, lengths))
+    dnew = draft.commit(dnew, drafts, n_acc, nxt, decoding)
+    return new, mlp, slp, n_acc + 1, n_acc, cache, dnew
+
+
+@functools.partial(jax.jit, static_argnames=("model", "gamma", "span"), donate_argnames=("cache",))
+def _plain_pass(params, cache, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, decoding, *,
+                model, gamma, span):
+    """One plain pass for every ``decoding`` slot: the pending token read, one token drawn from
+    the processed target with the pass's corrected-token uniform (greedy: the argmax). Returns
+    :func:`_spec_pass`'s outputs for one token a slot (``[S, 1]``) and the cache."""
+    process = _processor(rule, rule_state)
+    noise = _pass_noise(keys, row_ids, passes, gamma)
+    cache = model.truncate(cache, lengths)
+    logits, _, cache = model.extend(params, cache, pending[:, None], span)
+    logits = logits[:, 0]
+    processed = process(logits)
+    sampled = _draw(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), noise.final)
+    token = jnp.where(greedy, jnp.argmax(processed, axis=-1).astype(jnp.int32), sampled)
+    take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)
+    mlp = take(processed_logprobs(logits))
+    slp = take(processed_logprobs(processed))
+    cache = model.truncate(cache, jnp.where(decoding, lengths + 1, lengths))
+    one = jnp.ones_like(pending)
+    return token[:, None], mlp, slp, one, one * 0, cache
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("dstate",))
+def _draft_rows(draft, dstate, prompt, lengths, dst, *, capacity):
+    """The draft state of texts ``prompt`` ``[K, W]`` (right-padded, ``lengths`` ``[K]``) written
+    into slots ``dst`` (a ``dst`` past the end is dropped)."""
+    return _scatter_rows(dstate, draft.init(prompt, lengths, capacity), jnp.arange(prompt.shape[0]), dst)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "slots"))
+def _draft_empty(draft, *, capacity, slots):
+    return draft.init(jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), capacity)
+
+
+class SpeculativeExecutor(ModelExecutor):
+    """A :class:`ModelExecutor` whose decode steps are speculative passes (:func:`_spec_pass`) or
+    plain passes in the same layout (:func:`_plain_pass`), with ``draft``'s state for every slot.
+    Its calls return the tokens at once (the host needs each slot's count before the next pass)."""
+
+    multi_step = False
+    asynchronous = False
+
+    def __init__(self, lm, slots: int, draft, gamma: int):
+        super().__init__(lm, slots)
+        self.draft, self.gamma = draft, gamma
+        # the draft's state reaches at most 2 gamma + 2 past the last position (as the loop's)
+        self.draft_capacity = self.T + 2 * gamma + 2
+        self.dstate = jax.tree_util.tree_map(
+            jnp.copy, _draft_empty(draft, capacity=self.draft_capacity, slots=slots))
+        for leaf in jax.tree_util.tree_leaves(self.dstate):
+            if leaf.ndim == 0 or leaf.shape[0] != slots:
+                raise ValueError(f"the engine needs a draft whose state is batch-first; {type(draft).__name__} "
+                                 f"has a leaf of shape {leaf.shape} for {slots} rows")
+
+    def sync_drafts(self, texts):
+        """``texts``: ``(slot, tokens)``: the draft state of each slot built for its text."""
+        if not texts:
+            return
+        K = self._rows_bucket
+        for start in range(0, len(texts), K):
+            part = texts[start:start + K]
+            W = min(round_up(max(len(t) for _, t in part), PROMPT_BUCKET), self.T)
+            prompt = np.zeros((K, W), np.int32)
+            lengths = np.ones((K,), np.int32)
+            dst = np.full((K,), self.S, np.int32)
+            for i, (slot, t) in enumerate(part):
+                prompt[i, :len(t)], lengths[i], dst[i] = t, len(t), slot
+            out = self._call(_draft_rows, self.draft, self.dstate, prompt, lengths, dst,
+                             capacity=self.draft_capacity)
+            self.dstate = self.dstate if out is None else out
+
+    def passes(self, decoding, passes, lengths, pending, speculative: bool):
+        """One pass for every ``decoding`` slot (speculative or plain): ``passes`` ``[S]`` each
+        slot's pass number, ``lengths`` its cache length, ``pending`` its pending token. Returns
+        numpy ``(tokens [S, m], model_logprobs, sample_logprobs, made [S], accepted [S])``."""
+        span = min(self.T, round_up(int(lengths.max()) + self.gamma + 1, SPAN_BUCKET))
+        rule, keys, row_ids, greedy, _ = self._slot_inputs()
+        args = (rule, self.rule_state, keys, row_ids, passes.astype(np.int32), greedy, lengths.astype(np.int32),
+                pending.astype(np.int32), decoding)
+        if speculative:
+            out = self._call(_spec_pass, self.params, self.cache, self.draft, self.dstate, *args, model=self.model,
+                             gamma=self.gamma, span=span)
+            if out is None:
+                return None
+            *back, self.cache, self.dstate = out
+        else:
+            out = self._call(_plain_pass, self.params, self.cache, *args, model=self.model, gamma=self.gamma,
+                             span=span)
+            if out is None:
+                return None
+            *back, self.cache = out
+        return tuple(np.asarray(a) for a in jax.device_get(tuple(back)))
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("a speculative engine decodes through passes()")
+
+    def decode_many(self, *args, **kwargs):
+        raise NotImplementedError("a speculative engine decodes through passes()")
+
+
+__all__ = ["SpeculativeExecutor"]
