@@ -1,4 +1,5 @@
-"""The rule interface, its pytree registration, composition (:func:`chain`) and shared helpers."""
+"""The rule interface, its pytree registration, composition (:func:`chain`) and the building blocks
+the rules share: :func:`rule_class`, :func:`check_setting`, :func:`column`, :func:`truncate`, ..."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Rule:
         return state
 
 
-def _rule(cls):
+def rule_class(cls):
     """Make ``cls`` a frozen dataclass and a pytree: fields marked ``static`` are metadata.
 
     Registered with ``register_pytree_with_keys`` rather than ``register_dataclass``: with the
@@ -61,11 +62,13 @@ def _rule(cls):
     return cls
 
 
-def _static():
+def static_field():
+    """A :func:`rule_class` field that is static (tree metadata), for settings that change shapes."""
     return dataclasses.field(metadata={"static": True})
 
 
-def _is_tracer(x) -> bool:
+def is_tracer(x) -> bool:
+    """Whether ``x`` is traced (its value is unknown, so it cannot be checked)."""
     return isinstance(x, jax.core.Tracer)
 
 
@@ -73,14 +76,14 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def _setting(rule: str, name: str, value, ok, allowed: str, *, integer: bool = False):
+def check_setting(rule: str, name: str, value, ok, allowed: str, *, integer: bool = False):
     """Validate a concrete setting and return it as a float32 (int32) array of shape [] or [B].
 
     ``ok(values)`` is a numpy predicate over float64 values; ``allowed`` completes the message
     "``rule``: ``name`` must ``allowed``, got ...". NaN is always rejected.
     """
     dtype = jnp.int32 if integer else jnp.float32
-    if _is_tracer(value):
+    if is_tracer(value):
         return jnp.asarray(value, dtype)
     try:
         arr = np.asarray(value)
@@ -101,26 +104,28 @@ def _setting(rule: str, name: str, value, ok, allowed: str, *, integer: bool = F
     return jnp.asarray(arr, dtype)
 
 
-def _col(x):
+def column(x):
     """A setting of shape [] or [B] as a column [1, 1] or [B, 1] against [B, V] logits."""
     return jnp.reshape(x, (-1, 1))
 
 
-def _is_first_max(logits):
+def is_first_max(logits):
     """[B, V] bool: the (first) argmax of each row."""
     V = logits.shape[-1]
     return jnp.arange(V)[None, :] == jnp.argmax(logits, axis=-1)[:, None]
 
 
-def _truncate(logits, keep):
+def truncate(logits, keep):
+    """``logits`` with the tokens not in ``keep`` removed (``-inf``)."""
     return jnp.where(keep, logits, NEG_INF)
 
 
-def _softmax(logits):
+def softmax(logits):
+    """Probabilities of each row of processed logits (removed tokens: 0)."""
     return jnp.exp(processed_logprobs(logits))
 
 
-def _entropy(logp):
+def entropy(logp):
     """Entropy in nats of each row of log-probabilities [B, V] (removed tokens contribute 0)."""
     p = jnp.exp(logp)
     return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
@@ -144,7 +149,7 @@ def _descending_rank(logits):
     return jnp.sum((other > mine) | ((other == mine) & earlier), axis=-1, dtype=jnp.int32)
 
 
-def _rank_and_sorted(logits, values):
+def rank_and_sorted(logits, values):
     """Each token's descending rank (see :func:`_descending_rank`) and ``values`` in rank order.
     For vocabularies of a few hundred tokens by comparing pairs, several times faster than XLA's
     sort on CPU (and exact: one nonzero term per sum); larger ones, where [B, V, V] would not fit,
@@ -183,7 +188,7 @@ def per_row(rule, B: int):
 # ----------------------------------------------------------------------------- composition
 
 
-@_rule
+@rule_class
 class Chain(Rule):
     rules: tuple  # of Rule
 

@@ -25,12 +25,12 @@ from jaxdecode.rules.base import (
     NEG_INF,
     Rule,
     RuleError,
-    _col,
-    _is_first_max,
-    _is_tracer,
-    _rule,
-    _setting,
-    _static,
+    check_setting,
+    column,
+    is_first_max,
+    is_tracer,
+    rule_class,
+    static_field,
 )
 
 # The most bad-word token sequences a row holds (a word with and without a leading space counts
@@ -46,7 +46,7 @@ def _ban(logits, banned):
     """-inf where ``banned`` [B, V]; a row left with no token in play keeps its argmax."""
     out = jnp.where(banned, NEG_INF, logits)
     empty = ~jnp.any(jnp.isfinite(out), axis=-1, keepdims=True)
-    return jnp.where(empty & _is_first_max(logits), logits, out)
+    return jnp.where(empty & is_first_max(logits), logits, out)
 
 
 def _rows(x, ndim: int, B: int):
@@ -57,7 +57,7 @@ def _rows(x, ndim: int, B: int):
 def _vector(rule: str, name: str, value, dtype, ndim: int = 1):
     """A concrete vector setting as a numpy array of ``dtype``: rank ``ndim`` (one for every row)
     or ``ndim + 1`` (one per row); traced settings are taken as they are."""
-    if _is_tracer(value):
+    if is_tracer(value):
         return jnp.asarray(value, dtype)
     try:
         arr = np.asarray(value)
@@ -88,14 +88,14 @@ class _Control(Rule):
         """The rule with every setting broadcast to one per row (``[B, ...]``)."""
         return dataclasses.replace(self, **{
             name: np.broadcast_to(np.asarray(v), (B,) + np.shape(v)[np.ndim(v) - nd:])
-            if not _is_tracer(v) else jnp.broadcast_to(v, (B,) + v.shape[v.ndim - nd:])
+            if not is_tracer(v) else jnp.broadcast_to(v, (B,) + v.shape[v.ndim - nd:])
             for name, nd in self.ROW_NDIM for v in [getattr(self, name)]})
 
 
 # ----------------------------------------------------------------------------- logit bias
 
 
-@_rule
+@rule_class
 class LogitBias(_Control):
     bias: jax.Array  # [V] or [B, V] float32, finite
 
@@ -116,7 +116,7 @@ def logit_bias(bias) -> LogitBias:
     (OpenAI's API takes biases between -100 and 100; :class:`~jaxdecode.DecodeParams` clamps its
     ``logit_bias`` to them. The rule adds any finite value.)"""
     bias = _vector("logit_bias", "bias", bias, np.float32)
-    if not _is_tracer(bias) and not np.isfinite(bias).all():
+    if not is_tracer(bias) and not np.isfinite(bias).all():
         raise RuleError(f"logit_bias: bias must be finite, got {bias[~np.isfinite(bias)][0]}")
     return LogitBias(bias)
 
@@ -124,7 +124,7 @@ def logit_bias(bias) -> LogitBias:
 # ----------------------------------------------------------------------------- allowed tokens
 
 
-@_rule
+@rule_class
 class AllowedTokens(_Control):
     allowed: jax.Array  # [V] or [B, V] bool
 
@@ -141,7 +141,7 @@ def allowed_tokens(allowed) -> AllowedTokens:
     """Only the tokens where ``allowed`` (``[V]`` bool, or one per row ``[B, V]``) is True may be
     chosen: vLLM's ``allowed_token_ids`` as a mask."""
     allowed = _vector("allowed_tokens", "allowed", allowed, bool)
-    if not _is_tracer(allowed) and not allowed.any(axis=-1).all():
+    if not is_tracer(allowed) and not allowed.any(axis=-1).all():
         raise RuleError("allowed_tokens: every row must allow at least one token")
     return AllowedTokens(allowed)
 
@@ -149,7 +149,7 @@ def allowed_tokens(allowed) -> AllowedTokens:
 # ----------------------------------------------------------------------------- bad words
 
 
-@_rule
+@rule_class
 class BadWords(_Control):
     """Token sequences that may not be completed, as vLLM's ``bad_words``: ``words`` [W, L] (or
     [B, W, L]) int32, each sequence right-aligned and padded on the left with -1, a row of -1 for
@@ -157,7 +157,7 @@ class BadWords(_Control):
     is each row's last L - 1 generated tokens (-2 before the first)."""
 
     words: jax.Array
-    shape: tuple = _static()
+    shape: tuple = static_field()
 
     ROW_NDIM = (("words", 2),)
 
@@ -232,7 +232,7 @@ def bad_word_ids(vocab, words: Sequence[str]) -> list[list[int]]:
 # ----------------------------------------------------------------------------- min_tokens
 
 
-@_rule
+@rule_class
 class MinTokens(_Control):
     """No token of ``ends`` (``[V]`` or ``[B, V]`` bool: the end tokens and stop token ids) before
     ``m`` (``[]`` or ``[B]`` int32) new tokens. The state counts each row's new tokens."""
@@ -246,7 +246,7 @@ class MinTokens(_Control):
         return jnp.zeros((jnp.shape(prompt)[0],), jnp.int32)
 
     def apply(self, logits, state):
-        early = state[:, None] < _col(self.m)  # [B, 1]
+        early = state[:, None] < column(self.m)  # [B, 1]
         return _ban(logits, early & _rows(self.ends, 1, logits.shape[0]))
 
     def update(self, state, token):
@@ -259,5 +259,5 @@ class MinTokens(_Control):
 def min_tokens(m, ends) -> MinTokens:
     """vLLM's ``min_tokens``: the tokens where ``ends`` is True (``[V]``, or one per row ``[B, V]``)
     are removed until a row has ``m`` new tokens (``m``: one count, or one per row)."""
-    m = _setting("min_tokens", "m", m, lambda v: v >= 0, "be an integer >= 0", integer=True)
+    m = check_setting("min_tokens", "m", m, lambda v: v >= 0, "be an integer >= 0", integer=True)
     return MinTokens(m, _vector("min_tokens", "ends", ends, bool))

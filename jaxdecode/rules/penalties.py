@@ -11,13 +11,13 @@ import numpy as np
 from jaxdecode.rules.base import (
     Rule,
     RuleError,
-    _col,
-    _is_first_max,
-    _is_tracer,
-    _rule,
-    _setting,
-    _static,
-    _truncate,
+    check_setting,
+    column,
+    is_first_max,
+    is_tracer,
+    rule_class,
+    static_field,
+    truncate,
 )
 
 
@@ -37,7 +37,7 @@ def _count(counts, token):
     return counts.at[jnp.arange(B), jnp.asarray(token, jnp.int32)].add(1)
 
 
-@_rule
+@rule_class
 class RepetitionPenalty(Rule):
     theta: jax.Array  # [] or [B] float32 > 0
 
@@ -45,7 +45,7 @@ class RepetitionPenalty(Rule):
         return _prompt_counts(prompt, lengths, V) > 0  # seen [B, V] bool
 
     def apply(self, logits, state):
-        theta = _col(self.theta)
+        theta = column(self.theta)
         penalized = jnp.where(logits > 0, logits / theta, logits * theta)
         return jnp.where(state, penalized, logits)
 
@@ -60,11 +60,11 @@ def repetition_penalty(theta) -> RepetitionPenalty:
     Positive logits are divided by ``theta``, negative ones multiplied, as Hugging Face's
     ``RepetitionPenaltyLogitsProcessor``.
     """
-    return RepetitionPenalty(_setting("repetition_penalty", "theta", theta, lambda v: v > 0,
+    return RepetitionPenalty(check_setting("repetition_penalty", "theta", theta, lambda v: v > 0,
                                       "be > 0"))
 
 
-@_rule
+@rule_class
 class FrequencyPenalty(Rule):
     f: jax.Array  # [] or [B] float32, finite
 
@@ -72,7 +72,7 @@ class FrequencyPenalty(Rule):
         return jnp.zeros((jnp.shape(prompt)[0], V), jnp.int32)  # generated counts [B, V]
 
     def apply(self, logits, state):
-        return logits - state.astype(jnp.float32) * _col(self.f)
+        return logits - state.astype(jnp.float32) * column(self.f)
 
     def update(self, state, token):
         return _count(state, token)
@@ -80,10 +80,10 @@ class FrequencyPenalty(Rule):
 
 def frequency_penalty(f) -> FrequencyPenalty:
     """OpenAI's frequency penalty: subtract ``f`` times a token's count in the generated text."""
-    return FrequencyPenalty(_setting("frequency_penalty", "f", f, np.isfinite, "be finite"))
+    return FrequencyPenalty(check_setting("frequency_penalty", "f", f, np.isfinite, "be finite"))
 
 
-@_rule
+@rule_class
 class PresencePenalty(Rule):
     p: jax.Array  # [] or [B] float32, finite
 
@@ -91,7 +91,7 @@ class PresencePenalty(Rule):
         return jnp.zeros((jnp.shape(prompt)[0], V), jnp.int32)  # generated counts [B, V]
 
     def apply(self, logits, state):
-        return logits - (state > 0).astype(jnp.float32) * _col(self.p)
+        return logits - (state > 0).astype(jnp.float32) * column(self.p)
 
     def update(self, state, token):
         return _count(state, token)
@@ -99,7 +99,7 @@ class PresencePenalty(Rule):
 
 def presence_penalty(p) -> PresencePenalty:
     """OpenAI's presence penalty: subtract ``p`` from every token already generated."""
-    return PresencePenalty(_setting("presence_penalty", "p", p, np.isfinite, "be finite"))
+    return PresencePenalty(check_setting("presence_penalty", "p", p, np.isfinite, "be finite"))
 
 
 class History(NamedTuple):
@@ -110,9 +110,9 @@ class History(NamedTuple):
     length: jax.Array
 
 
-@_rule
+@rule_class
 class NoRepeatNGram(Rule):
-    n: int = _static()
+    n: int = static_field()
 
     def init(self, prompt, lengths, V, max_new):
         prompt = jnp.asarray(prompt, jnp.int32)
@@ -135,7 +135,7 @@ class NoRepeatNGram(Rule):
         keep = ~banned
         # if every token in play is banned, fall back to the argmax rather than no token at all
         empty = ~jnp.any(keep & jnp.isfinite(logits), axis=-1, keepdims=True)
-        return _truncate(logits, keep | (empty & _is_first_max(logits)))
+        return truncate(logits, keep | (empty & is_first_max(logits)))
 
     def update(self, state, token):
         tokens, length = state
@@ -151,9 +151,9 @@ def no_repeat_ngram(n: int) -> NoRepeatNGram:
     Xiong, Socher 2018). ``n`` changes shapes and is static. If every token is banned, the
     argmax is kept so that the distribution is never empty.
     """
-    if _is_tracer(n):
+    if is_tracer(n):
         raise RuleError("no_repeat_ngram: n must be a concrete integer >= 1 (it is static)")
-    _setting("no_repeat_ngram", "n", n, lambda v: v >= 1, "be an integer >= 1", integer=True)
+    check_setting("no_repeat_ngram", "n", n, lambda v: v >= 1, "be an integer >= 1", integer=True)
     if np.ndim(n) != 0:
         raise RuleError(f"no_repeat_ngram: n must be a single integer >= 1, got shape {np.shape(n)}")
     return NoRepeatNGram(int(n))

@@ -7,31 +7,31 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.rules.base import (
-    processed_logprobs,
     Rule,
-    _col,
-    _entropy,
-    _is_first_max,
-    _rank_and_sorted,
-    _rule,
-    _setting,
-    _softmax,
-    _truncate,
+    check_setting,
+    column,
+    entropy,
+    is_first_max,
+    processed_logprobs,
+    rank_and_sorted,
+    rule_class,
+    softmax,
+    truncate,
 )
 
 
 # ----------------------------------------------------------------------------- temperature
 
 
-@_rule
+@rule_class
 class Temperature(Rule):
     t: jax.Array  # [] or [B] float32; 0 means greedy
 
     def apply(self, logits, state):
-        t = _col(self.t)
+        t = column(self.t)
         greedy = t == 0
         scaled = logits / jnp.where(greedy, 1.0, t)
-        return jnp.where(greedy, _truncate(logits, _is_first_max(logits)), scaled)
+        return jnp.where(greedy, truncate(logits, is_first_max(logits)), scaled)
 
 
 def temperature(t) -> Temperature:
@@ -40,7 +40,7 @@ def temperature(t) -> Temperature:
     Sampling from the Boltzmann distribution at temperature ``t``, as in the Boltzmann machine
     of Ackley, Hinton and Sejnowski (1985).
     """
-    return Temperature(_setting("temperature", "t", t, lambda v: v >= 0, "be >= 0"))
+    return Temperature(check_setting("temperature", "t", t, lambda v: v >= 0, "be >= 0"))
 
 
 def greedy() -> Temperature:
@@ -51,35 +51,35 @@ def greedy() -> Temperature:
 # ----------------------------------------------------------------------------- truncation
 
 
-@_rule
+@rule_class
 class TopK(Rule):
     k: jax.Array  # [] or [B] int32 >= 1
 
     def apply(self, logits, state):
         B, V = logits.shape
-        k = jnp.clip(_col(self.k), 1, V)  # k > V keeps every token
+        k = jnp.clip(column(self.k), 1, V)  # k > V keeps every token
         desc = -jnp.sort(-logits, axis=-1)  # [B, V]
         kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, (B, 1)), axis=-1)  # [B, 1]
-        return _truncate(logits, logits >= kth)  # ties with the k-th are kept
+        return truncate(logits, logits >= kth)  # ties with the k-th are kept
 
 
 def top_k(k) -> TopK:
     """Keep the ``k`` most probable tokens, and any tied with the k-th (Fan, Lewis, Dauphin 2018)."""
-    return TopK(_setting("top_k", "k", k, lambda v: v >= 1, "be an integer >= 1", integer=True))
+    return TopK(check_setting("top_k", "k", k, lambda v: v >= 1, "be an integer >= 1", integer=True))
 
 
-@_rule
+@rule_class
 class TopP(Rule):
     p: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
-        p = _col(self.p)
-        rank, probs = _rank_and_sorted(logits, _softmax(logits))  # [B, V] each, probs in rank order
+        p = column(self.p)
+        rank, probs = rank_and_sorted(logits, softmax(logits))  # [B, V] each, probs in rank order
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
         # p = 1 keeps everything: in exact arithmetic no token's preceding mass reaches 1
         drop_sorted = (before >= p) & (p < 1)
         drop = jnp.take_along_axis(drop_sorted, rank, axis=-1)  # back to vocabulary order
-        return _truncate(logits, ~drop)
+        return truncate(logits, ~drop)
 
 
 def top_p(p) -> TopP:
@@ -88,33 +88,33 @@ def top_p(p) -> TopP:
     Tokens are ranked by probability (ties by index); a token is dropped when the tokens ranked
     before it already hold mass ``p``.
     """
-    return TopP(_setting("top_p", "p", p, lambda v: (v > 0) & (v <= 1), "lie in (0, 1]"))
+    return TopP(check_setting("top_p", "p", p, lambda v: (v > 0) & (v <= 1), "lie in (0, 1]"))
 
 
-@_rule
+@rule_class
 class MinP(Rule):
     ratio: jax.Array  # [] or [B] float32 in [0, 1]
 
     def apply(self, logits, state):
         top = jnp.max(logits, axis=-1, keepdims=True)
         # p_i / p_max = exp(z_i - z_max): no softmax needed
-        return _truncate(logits, jnp.exp(logits - top) >= _col(self.ratio))
+        return truncate(logits, jnp.exp(logits - top) >= column(self.ratio))
 
 
 def min_p(ratio) -> MinP:
     """Min-p sampling (Nguyen et al. 2024): drop tokens with probability < ``ratio`` * the top one."""
-    return MinP(_setting("min_p", "ratio", ratio, lambda v: (v >= 0) & (v <= 1), "lie in [0, 1]"))
+    return MinP(check_setting("min_p", "ratio", ratio, lambda v: (v >= 0) & (v <= 1), "lie in [0, 1]"))
 
 
-@_rule
+@rule_class
 class Typical(Rule):
     mass: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
         _B, V = logits.shape
-        mass = _col(self.mass)
+        mass = column(self.mass)
         logp = processed_logprobs(logits)
-        ent = _entropy(logp)[:, None]  # [B, 1]
+        ent = entropy(logp)[:, None]  # [B, 1]
         score = jnp.abs(-logp - ent)  # |surprisal - entropy|, inf for removed tokens
         order = jnp.argsort(score, axis=-1, stable=True)  # [B, V] most typical first
         sorted_score = jnp.take_along_axis(score, order, axis=-1)
@@ -122,7 +122,7 @@ class Typical(Rule):
         last = jnp.minimum(jnp.sum(cum < mass, axis=-1, keepdims=True), V - 1)  # [B, 1]
         cut = jnp.take_along_axis(sorted_score, last, axis=-1)
         keep = (score <= cut) | (mass >= 1)
-        return _truncate(logits, keep)
+        return truncate(logits, keep)
 
 
 def typical(mass) -> Typical:
@@ -132,18 +132,18 @@ def typical(mass) -> Typical:
     whose mass reaches ``mass`` (and tokens tied with its last), at least one token. As
     Hugging Face's ``TypicalLogitsWarper``; this can drop the most probable token.
     """
-    return Typical(_setting("typical", "mass", mass, lambda v: (v > 0) & (v <= 1),
+    return Typical(check_setting("typical", "mass", mass, lambda v: (v > 0) & (v <= 1),
                             "lie in (0, 1]"))
 
 
-@_rule
+@rule_class
 class Epsilon(Rule):
     eps: jax.Array  # [] or [B] float32 in [0, 1)
 
     def apply(self, logits, state):
-        keep = _softmax(logits) >= _col(self.eps)
+        keep = softmax(logits) >= column(self.eps)
         top = jnp.max(logits, axis=-1, keepdims=True)
-        return _truncate(logits, keep | (logits >= top))
+        return truncate(logits, keep | (logits >= top))
 
 
 def epsilon(eps) -> Epsilon:
@@ -151,21 +151,21 @@ def epsilon(eps) -> Epsilon:
 
     The most probable token is always kept, as in Hugging Face's ``EpsilonLogitsWarper``.
     """
-    return Epsilon(_setting("epsilon", "eps", eps, lambda v: (v >= 0) & (v < 1),
+    return Epsilon(check_setting("epsilon", "eps", eps, lambda v: (v >= 0) & (v < 1),
                             "lie in [0, 1)"))
 
 
-@_rule
+@rule_class
 class Eta(Rule):
     eta: jax.Array  # [] or [B] float32 in [0, 1)
 
     def apply(self, logits, state):
         logp = processed_logprobs(logits)
-        eta = _col(self.eta)
-        ent = _entropy(logp)[:, None]  # nats
+        eta = column(self.eta)
+        ent = entropy(logp)[:, None]  # nats
         threshold = jnp.minimum(eta, jnp.sqrt(eta) * jnp.exp(-ent))
         top = jnp.max(logits, axis=-1, keepdims=True)
-        return _truncate(logits, (jnp.exp(logp) >= threshold) | (logits >= top))
+        return truncate(logits, (jnp.exp(logp) >= threshold) | (logits >= top))
 
 
 def eta(eta) -> Eta:
@@ -174,10 +174,10 @@ def eta(eta) -> Eta:
     H is the entropy in nats. The most probable token is always kept, as in Hugging Face's
     ``EtaLogitsWarper``.
     """
-    return Eta(_setting("eta", "eta", eta, lambda v: (v >= 0) & (v < 1), "lie in [0, 1)"))
+    return Eta(check_setting("eta", "eta", eta, lambda v: (v >= 0) & (v < 1), "lie in [0, 1)"))
 
 
-@_rule
+@rule_class
 class TopNSigma(Rule):
     n: jax.Array  # [] or [B] float32 > 0
 
@@ -187,7 +187,7 @@ class TopNSigma(Rule):
         mean = jnp.sum(jnp.where(finite, logits, 0.0), axis=-1, keepdims=True) / count
         var = jnp.sum(jnp.where(finite, (logits - mean) ** 2, 0.0), axis=-1, keepdims=True) / count
         top = jnp.max(logits, axis=-1, keepdims=True)
-        return _truncate(logits, logits >= top - _col(self.n) * jnp.sqrt(var))
+        return truncate(logits, logits >= top - column(self.n) * jnp.sqrt(var))
 
 
 def top_n_sigma(n) -> TopNSigma:
@@ -196,4 +196,4 @@ def top_n_sigma(n) -> TopNSigma:
     The mean and (population) standard deviation run over the tokens still in play (finite
     logits), as llama.cpp does, so the rule is well defined after another truncation.
     """
-    return TopNSigma(_setting("top_n_sigma", "n", n, lambda v: v > 0, "be > 0"))
+    return TopNSigma(check_setting("top_n_sigma", "n", n, lambda v: v > 0, "be > 0"))
