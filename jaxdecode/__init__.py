@@ -4,7 +4,7 @@ The flat API: :func:`load` a checkpoint, :func:`generate` (greedy or sampling wi
 :mod:`jaxdecode.rules`), :func:`beam_generate`, :func:`contrastive_generate`, :func:`score`; each
 takes a request's settings as one :class:`DecodeParams`, with keywords as overrides.
 
-The package has a folder per layer; each imports only the layers below it (``tests/test_layout.py``
+The package has a folder per layer; each imports only the layers below it (``tests/project/test_layout.py``
 checks this):
 
 - ``io``: vocabularies, the corpus, paths and atomic writes;

@@ -3,7 +3,7 @@ parameters) as a Q4_0 GGUF file made by llama.cpp itself (its ``convert_hf_to_gg
 then its quantizer), and what llama.cpp computes from that file: the ids its tokenizer gives a
 held-out text, and the most probable next token at every position of that text (teacher-forced,
 windows of 256 tokens, the model's context), with the lead of the top logit over the second.
-tests/test_gguf.py holds jaxdecode's loading of the file to both.
+tests/models/test_gguf.py holds jaxdecode's loading of the file to both.
 
     JAXDECODE_DATA=tinyshakespeare.txt python -m tools.make_llamacpp_fixture
 

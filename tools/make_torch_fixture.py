@@ -1,4 +1,4 @@
-"""Build the PyTorch reference fixtures used by ``tests/test_checkpoint.py``.
+"""Build the PyTorch reference fixtures used by ``tests/models/test_checkpoint.py``.
 
 The book's character model is defined below in PyTorch with the same module layout (and hence
 the same ``state_dict`` names) as the book's ``CharLM``, at a tiny size. The script writes:

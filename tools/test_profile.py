@@ -14,6 +14,7 @@ import collections
 import glob
 import json
 import os
+from pathlib import Path
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -65,8 +66,9 @@ def main():
     ap.add_argument("folder")
     ap.add_argument("--tests", type=int, default=30, help="how many of the longest tests to list")
     ap.add_argument("--json", help="also write the summary here")
-    ap.add_argument("--units", action="store_true",
-                    help="print UNIT_SECONDS for tests/conftest.py (every file group; other units of 3 s or more)")
+    ap.add_argument("--write-units", action="store_true",
+                    help="write tests/support/unit_seconds.json, the work units' CPU seconds that order a run "
+                         "(every file group; other units of 3 s or more)")
     a = ap.parse_args()
     rows = load(a.folder)
     s = summary(rows)
@@ -88,16 +90,16 @@ def main():
         print(f"{r['wall']:7.1f} s wall {r['cpu']:7.1f} s cpu {ev.get(COMPILE + ':n', 0):5d} compiles "
               f"{ev.get(COMPILE + ':s', 0):6.1f} s xla  {r['worker']:5} "
               f"{'slow ' if r['slow'] else ''}{r['test']}")
-    if a.units:
+    if a.write_units:
         units = collections.Counter()
         for r in rows:
             if r.get("unit"):
                 units[r["unit"]] += r["cpu"] + r["child_cpu"]
-        print("UNIT_SECONDS = {")
-        for u, sec in sorted(units.items(), key=lambda kv: (-round(kv[1]), kv[0])):
-            if sec >= 3 or u.startswith("file:"):  # every file's group: a cheap one with many tests too
-                print(f'    "{u}": {max(1, round(sec))},')
-        print("}")
+        table = {u: max(1, round(sec)) for u, sec in sorted(units.items(), key=lambda kv: (-round(kv[1]), kv[0]))
+                 if sec >= 3 or u.startswith("file:")}  # every file's group: a cheap one with many tests too
+        out = Path(__file__).resolve().parents[1] / "tests" / "support" / "unit_seconds.json"
+        out.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {out} ({len(table)} units)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1, default=float)

@@ -164,7 +164,7 @@ def sample_keys(n_prompts: int, num_samples: int, seed=0, key=None):
         seeds = [int(s) for s in seeds]
         if _plain_keys() and all(s < 2**63 for s in seeds):
             # PRNGKey(s) without a device call per seed: threefry's key of a seed held as a 32-bit
-            # integer is [0, its low 32 bits] (tests/test_sampling.py checks it against PRNGKey)
+            # integer is [0, its low 32 bits] (tests/decoding/test_sampling.py checks it against PRNGKey)
             keys = jnp.asarray(np.repeat(np.array([[0, s & 0xFFFFFFFF] for s in seeds], np.uint32),
                                          num_samples, axis=0))
         else:

@@ -12,7 +12,7 @@ templates in, setting for setting: a sandboxed, immutable Jinja environment with
 ``tojson`` filter (no HTML escaping, non-ASCII kept), the globals ``raise_exception``,
 ``strftime_now``, a restricted ``dict`` and ``namespace``, and the same render arguments
 (``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the special-token strings, then
-any extra keyword). ``tests/test_chat_template.py`` holds it to byte equality with ``transformers``
+any extra keyword). ``tests/server/test_chat_template.py`` holds it to byte equality with ``transformers``
 on real templates.
 
 Templates come from model repositories, so they are untrusted code: the sandbox refuses attribute

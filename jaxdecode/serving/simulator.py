@@ -148,7 +148,7 @@ class StepClock(VirtualClock):
     for an arrival jumps to it, so a request arriving at ``t`` joins at the first step that starts
     at or after step ``t``, on any machine. Unlike :class:`VirtualClock` it is not virtual: the
     engine runs as on a real clock (``overlap`` stays on). Tests use it to script the timing of
-    arrivals, admissions and slot assignments (``tests/test_engine_schedules.py``)."""
+    arrivals, admissions and slot assignments (``tests/serving/test_engine_schedules.py``)."""
 
     virtual = False
 
