@@ -120,6 +120,15 @@ def truncate(logits, keep):
     return jnp.where(keep, logits, NEG_INF)
 
 
+def unless_neutral(neutral, logits, apply):
+    """``apply(logits)``, or the logits as they are where ``neutral`` holds for every row. A rule at
+    its neutral setting leaves the logits exactly unchanged, so skipping its work changes no bit;
+    the engine's batches carry each rule at its neutral setting in the rows that set none, and this
+    spares them the work (the sorts of top-k and top-p) when no row uses it. One compiled program
+    either way (``lax.cond``)."""
+    return jax.lax.cond(jnp.all(neutral), lambda x: x, apply, logits)
+
+
 def softmax(logits):
     """Probabilities of each row of processed logits (removed tokens: 0)."""
     return jnp.exp(processed_logprobs(logits))

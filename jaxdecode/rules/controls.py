@@ -31,6 +31,7 @@ from jaxdecode.rules.base import (
     is_tracer,
     rule_class,
     static_field,
+    unless_neutral,
 )
 
 # The most bad-word token sequences a row holds (a word with and without a leading space counts
@@ -168,11 +169,15 @@ class BadWords(_Control):
         B, V = logits.shape
         words = _rows(self.words, 2, B)  # [B, W, L]
         prefix, last = words[:, :, :-1], words[:, :, -1]
-        # a sequence's first tokens are the row's last generated ones (the padding matches anything)
-        done = jnp.all((prefix == NO_TOKEN) | (prefix == state[:, None, :]), axis=-1) & (last >= 0)  # [B, W]
-        ids = jnp.where(done, last, V)  # V: nothing (dropped)
-        banned = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], ids].set(True, mode="drop")
-        return _ban(logits, banned)
+
+        def ban(logits):
+            # a sequence's first tokens are the row's last generated ones (the padding matches anything)
+            done = jnp.all((prefix == NO_TOKEN) | (prefix == state[:, None, :]), axis=-1) & (last >= 0)  # [B, W]
+            ids = jnp.where(done, last, V)  # V: nothing (dropped)
+            banned = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], ids].set(True, mode="drop")
+            return _ban(logits, banned)
+
+        return unless_neutral(last < 0, logits, ban)
 
     def update(self, state, token):
         if state.shape[1] == 0:
@@ -247,7 +252,7 @@ class MinTokens(_Control):
 
     def apply(self, logits, state):
         early = state[:, None] < column(self.m)  # [B, 1]
-        return _ban(logits, early & _rows(self.ends, 1, logits.shape[0]))
+        return unless_neutral(~early, logits, lambda logits: _ban(logits, early & _rows(self.ends, 1, logits.shape[0])))
 
     def update(self, state, token):
         return state + 1

@@ -18,6 +18,7 @@ from jaxdecode.rules.base import (
     rule_class,
     static_field,
     truncate,
+    unless_neutral,
 )
 
 
@@ -46,8 +47,12 @@ class RepetitionPenalty(Rule):
 
     def apply(self, logits, state):
         theta = column(self.theta)
-        penalized = jnp.where(logits > 0, logits / theta, logits * theta)
-        return jnp.where(state, penalized, logits)
+
+        def penalize(logits):
+            penalized = jnp.where(logits > 0, logits / theta, logits * theta)
+            return jnp.where(state, penalized, logits)
+
+        return unless_neutral(theta == 1, logits, penalize)
 
     def update(self, state, token):
         B = state.shape[0]
@@ -72,7 +77,8 @@ class FrequencyPenalty(Rule):
         return jnp.zeros((jnp.shape(prompt)[0], V), jnp.int32)  # generated counts [B, V]
 
     def apply(self, logits, state):
-        return logits - state.astype(jnp.float32) * column(self.f)
+        f = column(self.f)
+        return unless_neutral(f == 0, logits, lambda logits: logits - state.astype(jnp.float32) * f)
 
     def update(self, state, token):
         return _count(state, token)
@@ -91,7 +97,8 @@ class PresencePenalty(Rule):
         return jnp.zeros((jnp.shape(prompt)[0], V), jnp.int32)  # generated counts [B, V]
 
     def apply(self, logits, state):
-        return logits - (state > 0).astype(jnp.float32) * column(self.p)
+        p = column(self.p)
+        return unless_neutral(p == 0, logits, lambda logits: logits - (state > 0).astype(jnp.float32) * p)
 
     def update(self, state, token):
         return _count(state, token)

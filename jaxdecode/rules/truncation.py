@@ -17,6 +17,7 @@ from jaxdecode.rules.base import (
     rule_class,
     softmax,
     truncate,
+    unless_neutral,
 )
 
 
@@ -58,9 +59,13 @@ class TopK(Rule):
     def apply(self, logits, state):
         B, V = logits.shape
         k = jnp.clip(column(self.k), 1, V)  # k > V keeps every token
-        desc = -jnp.sort(-logits, axis=-1)  # [B, V]
-        kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, (B, 1)), axis=-1)  # [B, 1]
-        return truncate(logits, logits >= kth)  # ties with the k-th are kept
+
+        def cut(logits):
+            desc = -jnp.sort(-logits, axis=-1)  # [B, V]
+            kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, (B, 1)), axis=-1)  # [B, 1]
+            return truncate(logits, logits >= kth)  # ties with the k-th are kept
+
+        return unless_neutral(k >= V, logits, cut)
 
 
 def top_k(k) -> TopK:
@@ -74,12 +79,16 @@ class TopP(Rule):
 
     def apply(self, logits, state):
         p = column(self.p)
-        rank, probs = rank_and_sorted(logits, softmax(logits))  # [B, V] each, probs in rank order
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
-        # p = 1 keeps everything: in exact arithmetic no token's preceding mass reaches 1
-        drop_sorted = (before >= p) & (p < 1)
-        drop = jnp.take_along_axis(drop_sorted, rank, axis=-1)  # back to vocabulary order
-        return truncate(logits, ~drop)
+
+        def cut(logits):
+            rank, probs = rank_and_sorted(logits, softmax(logits))  # [B, V] each, probs in rank order
+            before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
+            # p = 1 keeps everything: in exact arithmetic no token's preceding mass reaches 1
+            drop_sorted = (before >= p) & (p < 1)
+            drop = jnp.take_along_axis(drop_sorted, rank, axis=-1)  # back to vocabulary order
+            return truncate(logits, ~drop)
+
+        return unless_neutral(p >= 1, logits, cut)
 
 
 def top_p(p) -> TopP:
@@ -96,9 +105,12 @@ class MinP(Rule):
     ratio: jax.Array  # [] or [B] float32 in [0, 1]
 
     def apply(self, logits, state):
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        # p_i / p_max = exp(z_i - z_max): no softmax needed
-        return truncate(logits, jnp.exp(logits - top) >= column(self.ratio))
+        def cut(logits):
+            top = jnp.max(logits, axis=-1, keepdims=True)
+            # p_i / p_max = exp(z_i - z_max): no softmax needed
+            return truncate(logits, jnp.exp(logits - top) >= column(self.ratio))
+
+        return unless_neutral(column(self.ratio) <= 0, logits, cut)
 
 
 def min_p(ratio) -> MinP:
@@ -111,6 +123,9 @@ class Typical(Rule):
     mass: jax.Array  # [] or [B] float32 in (0, 1]
 
     def apply(self, logits, state):
+        return unless_neutral(column(self.mass) >= 1, logits, self._cut)
+
+    def _cut(self, logits):
         _B, V = logits.shape
         mass = column(self.mass)
         logp = processed_logprobs(logits)

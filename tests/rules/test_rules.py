@@ -643,3 +643,35 @@ def test_make_rule_errors():
         R.make_rule(top_p=1.5)
     with pytest.raises(R.RuleError, match="no_repeat_ngram"):
         R.make_rule(no_repeat_ngram=1.5)
+
+
+# every rule the engine keeps in a batch at its neutral setting: (factory, neutral, a setting that is not)
+SKIPPED_WHEN_NEUTRAL = {
+    "top_k": (R.top_k, W, 3), "top_p": (R.top_p, 1.0, 0.6), "min_p": (R.min_p, 0.0, 0.3),
+    "typical": (R.typical, 1.0, 0.5), "repetition_penalty": (R.repetition_penalty, 1.0, 1.7),
+    "frequency_penalty": (R.frequency_penalty, 0.0, 0.8), "presence_penalty": (R.presence_penalty, 0.0, 0.8),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", sorted(SKIPPED_WHEN_NEUTRAL))
+def test_a_rule_skips_its_work_only_when_every_row_is_neutral(name):
+    """A rule whose rows are all at the neutral setting returns the logits untouched without doing
+    its work (a conditional in the program); one row that is not neutral in a batch gets its own
+    result, and the neutral rows theirs, as when each row runs alone."""
+    make, neutral, other = SKIPPED_WHEN_NEUTRAL[name]
+    logits = jax.random.normal(jax.random.PRNGKey(3), (B, W)) * 3.0
+    prompt = jnp.array([[1, 2, 2, 5]] * B, jnp.int32)
+    lengths = jnp.full((B,), 4, jnp.int32)
+    generated = jnp.array([[1, 7, 7, 9]] * 3, jnp.int32)
+    settings_ = np.array([neutral] * B, np.float32 if isinstance(other, float) else np.int32)
+    mixed = settings_.copy()
+    mixed[2] = other
+    out_neutral = np.asarray(_run(make(settings_), prompt, lengths, generated, logits))
+    assert out_neutral.tobytes() == np.asarray(logits).tobytes()
+    out_mixed = np.asarray(_run(make(mixed), prompt, lengths, generated, logits))
+    alone = np.asarray(_run(make(other), prompt, lengths, generated, logits))
+    assert np.array_equal(out_mixed[2], alone[2]) and not np.array_equal(alone[2], np.asarray(logits)[2])
+    np.testing.assert_array_equal(np.delete(out_mixed, 2, axis=0), np.delete(np.asarray(logits), 2, axis=0))
+    hlo = _run.lower(make(settings_), prompt, lengths, generated, logits).as_text()
+    assert "stablehlo.case" in hlo or "stablehlo.if" in hlo, "the rule's work is not under a conditional"
