@@ -114,9 +114,6 @@ class EngineConfig:
             if getattr(self, field) != plain:
                 raise ValueError(f"speculative decoding in the engine runs on the dense float32 cache: "
                                  f"drop {n(field)} {getattr(self, field)!r}")
-        if self.decode_steps != 1:
-            raise ValueError(f"speculative decoding in the engine runs one pass per device call: drop "
-                             f"{n('decode_steps')} {self.decode_steps}")
 
     # ------------------------------------------------------------------ the command line
 

@@ -30,7 +30,7 @@ prompt shares its batch. Tokens can then only differ on a near tie.)
 with its own settings. A request whose chain is the layout with some parts left out joins with a
 neutral setting for those parts; each neutral setting leaves the logits exactly (bit for bit)
 unchanged: temperature 1, top-k V, top-p 1, min-p 0, typical 1, epsilon 0, eta 0, repetition
-penalty 1, frequency and presence penalty 0 (``tests/test_engine.py`` checks this). Top-n-sigma and
+penalty 1, frequency and presence penalty 0 (``tests/serving/test_engine.py`` checks this). Top-n-sigma and
 n-gram blocking have no such setting. An empty engine chooses its layout among the chains of the
 rows in line that the first of them fits: the one most of them fit. A row that does not fit the
 running layout waits (first in, first out: the rows behind it wait too) until the engine has
@@ -215,7 +215,8 @@ class Engine(PagedRows):
                                          else config.speculative_max_rows)
             if executor is None:
                 executor = SpeculativeExecutor(lm, self.S, self.draft, self.gamma)
-        self.speculative_counts = {"speculative_passes": 0, "plain_passes": 0, "proposed": 0, "accepted": 0}
+        self.speculative_counts = {"speculative_passes": 0, "plain_passes": 0, "proposed": 0, "examined": 0,
+                                   "accepted": 0}
         self.executor = ModelExecutor(lm, self.S) if executor is None else executor
         self._reset_cache_stats()
         self.clock = RealClock() if clock is None else clock
@@ -410,8 +411,9 @@ class Engine(PagedRows):
         rows, out = [], None
         if active:
             speculative = active <= self.speculative_max_rows
+            k = self._steps_now(decoding, prefill_tokens)
             rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
-            passes, lengths, pending = (np.zeros((self.S,), np.int32) for _ in range(3))
+            passes, lengths, pending, left = (np.zeros((self.S,), np.int32) for _ in range(4))
             stale = []
             for s, r in enumerate(self._slots):
                 if r is None:
@@ -421,20 +423,23 @@ class Engine(PagedRows):
                     continue
                 lengths[s] = r.length - 1  # the context but its last token, which is fed now
                 pending[s] = r.tokens[-1] if r.tokens else r.prompt[-1]
-                passes[s] = r.passes
+                passes[s], left[s] = r.passes, r.n - len(r.tokens)
                 if speculative and r.draft_at != r.length:
                     stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
             if speculative:
                 self.executor.sync_drafts(stale)
-            out = self.executor.passes(decoding, passes, lengths, pending, speculative)
+            out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)
+            made, accepted = out[3], out[4]  # [k, S]
             counts = self.speculative_counts
-            counts["speculative_passes" if speculative else "plain_passes"] += 1
+            counts["speculative_passes" if speculative else "plain_passes"] += k
             for s, r in rows:
-                r.passes += 1
+                r.passes += int(np.count_nonzero(made[:, s]))
                 if speculative:
-                    counts["proposed"] += self.gamma
-                    counts["accepted"] += int(out[4][s])
-                    r.draft_at = r.length + int(out[3][s])
+                    took = int(np.count_nonzero(made[:, s]))
+                    counts["proposed"] += self.gamma * took
+                    counts["examined"] += int(np.minimum(accepted[:, s] + 1, self.gamma)[made[:, s] > 0].sum())
+                    counts["accepted"] += int(accepted[:, s].sum())
+                    r.draft_at = r.length + int(made[:, s].sum())
         return DeviceCall(start, 1, rows, out, False, prefill_tokens, active)
 
     def _collect(self, call: DeviceCall) -> StepRecord:
@@ -442,8 +447,8 @@ class Engine(PagedRows):
         stop string or their ``n``, and record the call's steps."""
         k, stepped, done = call.k, [], []
         made = None
-        if call.rows and self.speculative:  # a pass: [S, m] tokens, each row's count of them
-            tokens, mlp, slp, made = (np.asarray(a).T if a.ndim == 2 else a for a in call.out[:4])
+        if call.rows and self.speculative:  # passes: [k, S, m] tokens, each row's count in each pass
+            tokens, mlp, slp, made = call.out[:4]
             ends, top = None, None
         elif call.rows:
             tokens, mlp, slp, *ends = (np.asarray(a)[None] if call.single else np.asarray(a)
@@ -456,13 +461,18 @@ class Engine(PagedRows):
             if row.finish is not None:
                 continue  # it met a stop string in an earlier call: these tokens lie past its end
             stepped.append(row)
-            for j in range(k if made is None else int(made[s])):  # a row that ends inside a call drops the rest
-                if ends is not None and ends[j, s]:
+            if made is not None:  # the row's tokens of every pass, in order, as the steps of one call
+                chosen = [(tokens[j, s, i], mlp[j, s, i], slp[j, s, i], False)
+                          for j in range(len(made)) for i in range(made[j, s])]
+            else:
+                chosen = [(tokens[j, s], mlp[j, s], slp[j, s], ends is not None and ends[j, s]) for j in range(k)]
+            for token, model_lp, sample_lp, ended in chosen:  # a row that ends inside a call drops the rest
+                if ended:
                     hit = True  # ended by its constraint before this token (as generate's stop decision)
                 else:
-                    row.tokens.append(int(tokens[j, s]))
-                    row.mlp.append(float(mlp[j, s]))
-                    row.slp.append(float(slp[j, s]))
+                    row.tokens.append(int(token))
+                    row.mlp.append(float(model_lp))
+                    row.slp.append(float(sample_lp))
                     if row.top_k:
                         row.top.append((top[1][s], top[0][s]))
                     hit = any(len(row.tokens) >= len(stop) and row.tokens[-len(stop):] == stop.tolist()
@@ -501,7 +511,7 @@ class Engine(PagedRows):
         """A speculative engine's passes since it started: speculative and plain, draft tokens
         proposed and accepted, and the acceptance share of the proposals."""
         c = dict(self.speculative_counts)
-        c["acceptance"] = c["accepted"] / c["proposed"] if c["proposed"] else float("nan")
+        c["acceptance"] = c["accepted"] / c["examined"] if c["examined"] else float("nan")
         return c
 
     def _admits_now(self, free: int) -> bool:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
+from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, round_up
 from jaxdecode.rules import processed_logprobs
 from jaxdecode.serving.executors import ModelExecutor, _scatter_rows
 from jaxdecode.speculative.acceptance import Noise, _accept, _draw, _take, row_keys
@@ -54,7 +54,6 @@ def _processor(rule, rule_state):
     return lambda logits: rule.apply(logits, rule_state)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "gamma", "span"), donate_argnames=("cache", "dstate"))
 def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending,
                decoding, *, model, gamma, span):
     """One speculative pass for every ``decoding`` slot (:mod:`jaxdecode.speculative.loop`'s loop
@@ -95,8 +94,7 @@ def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, pa
     return new, mlp, slp, n_acc + 1, n_acc, cache, dnew
 
 
-@functools.partial(jax.jit, static_argnames=("model", "gamma", "span"), donate_argnames=("cache",))
-def _plain_pass(params, cache, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, decoding, *,
+def _plain_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, decoding, *,
                 model, gamma, span):
     """One plain pass for every ``decoding`` slot: the pending token read, one token drawn from
     the processed target with the pass's corrected-token uniform (greedy: the argmax). Returns
@@ -114,7 +112,34 @@ def _plain_pass(params, cache, rule, rule_state, keys, row_ids, passes, greedy, 
     slp = take(processed_logprobs(processed))
     cache = model.truncate(cache, jnp.where(decoding, lengths + 1, lengths))
     one = jnp.ones_like(pending)
-    return token[:, None], mlp, slp, one, one * 0, cache
+    return token[:, None], mlp, slp, one, one * 0, cache, dstate
+
+
+@functools.partial(jax.jit, static_argnames=("model", "gamma", "span", "k", "speculative"),
+                   donate_argnames=("cache", "dstate"))
+def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending,
+            decoding, left, *, model, gamma, span, k, speculative):
+    """``k`` passes (speculative or plain) in one call: a ``decoding`` slot takes part in a pass
+    while it has made fewer than ``left`` ``[S]`` tokens in the call. Returns the passes' tokens
+    ``[k, S, m]``, log-probabilities, tokens made ``[k, S]`` (0 where a slot took no part) and
+    accepted proposals ``[k, S]``, the cache and the draft state."""
+    one = _spec_pass if speculative else _plain_pass
+
+    def body(carry, _):
+        cache, dstate, passes, lengths, pending, made_so_far = carry
+        live = decoding & (made_so_far < left)
+        tokens, mlp, slp, made, acc, cache, dstate = one(
+            params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, live,
+            model=model, gamma=gamma, span=span)
+        made = jnp.where(live, made, 0)
+        last = jnp.take_along_axis(tokens, jnp.maximum(made - 1, 0)[:, None], axis=1)[:, 0]
+        carry = (cache, dstate, passes + live.astype(jnp.int32), lengths + made, jnp.where(live, last, pending),
+                 made_so_far + made)
+        return carry, (tokens, mlp, slp, made, jnp.where(live, acc, 0))
+
+    carry = (cache, dstate, passes, lengths, pending, jnp.zeros_like(lengths))
+    (cache, dstate, *_), out = jax.lax.scan(body, carry, None, length=k)
+    return (*out, cache, dstate)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("dstate",))
@@ -134,7 +159,7 @@ class SpeculativeExecutor(ModelExecutor):
     plain passes in the same layout (:func:`_plain_pass`), with ``draft``'s state for every slot.
     Its calls return the tokens at once (the host needs each slot's count before the next pass)."""
 
-    multi_step = False
+    multi_step = True  # several passes per call (decode_steps)
     asynchronous = False
 
     def __init__(self, lm, slots: int, draft, gamma: int):
@@ -166,26 +191,22 @@ class SpeculativeExecutor(ModelExecutor):
                              capacity=self.draft_capacity)
             self.dstate = self.dstate if out is None else out
 
-    def passes(self, decoding, passes, lengths, pending, speculative: bool):
-        """One pass for every ``decoding`` slot (speculative or plain): ``passes`` ``[S]`` each
-        slot's pass number, ``lengths`` its cache length, ``pending`` its pending token. Returns
-        numpy ``(tokens [S, m], model_logprobs, sample_logprobs, made [S], accepted [S])``."""
-        span = min(self.T, round_up(int(lengths.max()) + self.gamma + 1, SPAN_BUCKET))
+    def passes(self, decoding, passes, lengths, pending, left, k: int, speculative: bool):
+        """``k`` passes (speculative or plain) for every ``decoding`` slot, each slot stopping once
+        it has made ``left`` ``[S]`` tokens: ``passes`` ``[S]`` each slot's pass number, ``lengths``
+        its cache length, ``pending`` its pending token. Returns numpy ``(tokens [k, S, m],
+        model_logprobs, sample_logprobs, made [k, S], accepted [k, S])``."""
+        # a pass writes gamma + 1 positions; a call's later passes start further on
+        reach = int(lengths.max()) + (self.gamma + 1) * k if speculative else int(lengths.max()) + k
+        span = min(self.T, round_up(reach, SPAN_BUCKET))
         rule, keys, row_ids, greedy, _ = self._slot_inputs()
-        args = (rule, self.rule_state, keys, row_ids, passes.astype(np.int32), greedy, lengths.astype(np.int32),
-                pending.astype(np.int32), decoding)
-        if speculative:
-            out = self._call(_spec_pass, self.params, self.cache, self.draft, self.dstate, *args, model=self.model,
-                             gamma=self.gamma, span=span)
-            if out is None:
-                return None
-            *back, self.cache, self.dstate = out
-        else:
-            out = self._call(_plain_pass, self.params, self.cache, *args, model=self.model, gamma=self.gamma,
-                             span=span)
-            if out is None:
-                return None
-            *back, self.cache = out
+        out = self._call(_passes, self.params, self.cache, self.draft, self.dstate, rule, self.rule_state, keys,
+                         row_ids, passes.astype(np.int32), greedy, lengths.astype(np.int32), pending.astype(np.int32),
+                         decoding, left.astype(np.int32), model=self.model, gamma=self.gamma, span=span, k=k,
+                         speculative=speculative)
+        if out is None:
+            return None
+        *back, self.cache, self.dstate = out
         return tuple(np.asarray(a) for a in jax.device_get(tuple(back)))
 
     def decode(self, *args, **kwargs):

@@ -104,7 +104,10 @@ def warm_up(engine, requests) -> int:
                 for size in sizes:
                     if cons:
                         ex.constrain([smallest if size else None] + [None] * (S - 1), rows=size)
-                    _decodes(engine, steps, prompts[0], longest)
+                    if getattr(engine, "speculative", False):
+                        _passes(engine, steps, prompts[0], longest)
+                    else:
+                        _decodes(engine, steps, prompts[0], longest)
         if cons:
             ex.constrain([None] * S)  # an idle engine's slots hold no constraint
         if engine.rule_layout is not None:
@@ -136,6 +139,23 @@ def _prefills(engine, widths, more, groups):
                 ex.prefill(list(zip(pieces, tokens)), [])
         if more and not engine.paged:
             ex.prefill([], [(s, np.zeros((engine.chunk,), np.int32)) for s in pieces])
+
+
+def _passes(engine, steps, shortest, longest):
+    """A speculative engine's programs: its passes (speculative, and plain where the engine can
+    turn itself down), each number a call and each span, and the draft's rebuild of a slot for
+    each padded text length."""
+    ex, S, gamma = engine.executor, engine.S, engine.gamma
+    decoding = np.ones((S,), bool)
+    zeros = np.zeros((S,), np.int32)
+    kinds = [True] + ([False] if engine.speculative_max_rows < S else [])
+    for speculative in kinds:
+        for k in steps:
+            reach = (gamma + 1) * k if speculative else k
+            for span in sorted({min(engine.T, round_up(L + reach, SPAN_BUCKET)) for L in range(shortest - 1, longest)}):
+                ex.passes(decoding, zeros, np.full((S,), max(span - reach, 0), np.int32), zeros, zeros, k, speculative)
+    for W in sorted({min(round_up(L, PROMPT_BUCKET), engine.T) for L in range(shortest, longest + 1)}):
+        ex.sync_drafts([(0, np.zeros((W,), np.int32))])
 
 
 def _decodes(engine, steps, shortest, longest):

@@ -1,0 +1,143 @@
+"""Speculative decoding inside the engine against the plain engine, by the number of concurrent
+requests, and where speculation stops paying.
+
+For each concurrency ``c`` (``--concurrency``, default 1, 2, 4, 8, 16, 32), ``c`` sampled requests
+(the prompt, ``--n`` tokens, no stop, seeds 0..c-1) arrive at once at an engine of ``c`` slots:
+
+- ``plain``: the engine at its defaults (``EngineConfig(c)``);
+- ``speculative``: the engine with the draft model (``speculative="model"``, ``--gamma``), every
+  step a speculative pass (``speculative_max_rows`` = ``c``);
+- ``speculative-default``: the same at its default ``speculative_max_rows``, which turns it to plain
+  passes above that many decoding rows.
+
+At one request the loops alone are timed too (:func:`jaxdecode.decoding.sampling.sample_tokens`
+and :func:`jaxdecode.speculative.speculative_tokens` with the same draft and gamma), so that the
+engine's speedup can be set against the loop's in the same run; and the engine's speculative
+tokens are checked against :func:`jaxdecode.speculative.speculative_tokens`' for the same seeds.
+Tokens per second, median of ``--repeats`` rounds (every arm once per round, in turn) after one
+untimed round that compiles.
+
+    python -m benchmarks.bench_engine_speculative
+    python -m benchmarks.bench_engine_speculative --concurrency 1,4,32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import jax
+
+from benchmarks import harness as H
+from jaxdecode import speculative as SP
+from jaxdecode.decoding import sampling
+from jaxdecode.models import checkpoint
+from jaxdecode.serving.config import SPECULATIVE_MAX_ROWS, EngineConfig
+from jaxdecode.serving.engine import Engine, Request
+from jaxdecode.speculative.drafts.model import load_draft
+
+PROMPT = "KATHARINA:\nMoved! in good time: "
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default="checkpoints/shakespeare-bpe", help="target checkpoint folder")
+    ap.add_argument("--draft", default=None, help="draft model folder (default: '<ckpt>-draft')")
+    ap.add_argument("--n", type=int, default=200, help="tokens per request")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--decode-steps", default="1,8", help="the engines' decode steps (passes) per device call")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    ap.add_argument("--out", default=H.default_out("bench_engine_speculative"), help="the result file ('' for none)")
+    args = ap.parse_args(argv)
+
+    lm = checkpoint.load(args.ckpt)
+    draft = load_draft(lm, args.draft)
+    prompt = lm.vocab.encode(PROMPT)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    requests = lambda c: [Request(PROMPT, args.n, seed=i, ignore_eos=True) for i in range(c)]
+
+    steps = [int(k) for k in args.decode_steps.split(",")]
+    arms, engines, counts = H.Arms(), {}, {}
+    for c in conc:
+        for k in steps:
+            engines[c, f"plain k{k}"] = Engine(lm, config=EngineConfig(c, decode_steps=k))
+            engines[c, f"speculative k{k}"] = Engine(lm, config=EngineConfig(
+                c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=c))
+            if c > SPECULATIVE_MAX_ROWS:
+                engines[c, f"speculative-default k{k}"] = Engine(lm, config=EngineConfig(
+                    c, decode_steps=k, speculative=draft, gamma=args.gamma))
+    for (c, name), engine in engines.items():
+        def run(engine=engine, c=c, name=name):
+            first = len(engine.requests)
+            engine.run(requests(c))  # every row makes n tokens (ignore_eos; the outputs end at an end token)
+            counts[c, name] = sum(len(row.tokens) for i in range(first, len(engine.requests))
+                                  for row in engine.rows(i))
+            return None
+        arms.add((c, name), run)
+    if 1 in conc:
+        key = jax.random.PRNGKey(0)
+        arms.add((1, "loop-plain"), lambda: sampling.sample_tokens(lm.decoder, lm.params, [prompt], args.n, key).tokens)
+        arms.add((1, "loop-speculative"), lambda: SP.speculative_tokens(
+            lm.decoder, lm.params, [prompt], args.n, key, draft=draft, gamma=args.gamma).tokens)
+        counts[1, "loop-plain"] = counts[1, "loop-speculative"] = args.n
+
+    print("# compiling (one untimed round)", file=sys.stderr)
+    arms.round()
+    for name in arms.runs:
+        arms.runs[name].clear()
+    load_before = H.load()
+    arms.run(args.repeats, log=lambda m: print(m, file=sys.stderr))
+    load_after = H.load()
+
+    exact = None
+    if 1 in conc:  # the engine's seeded tokens against speculative_tokens' for the same key and row
+        engine = engines[1, f"speculative k{steps[0]}"]
+        got = []
+        for r in requests(3):
+            engine.run([r])
+            got.append(engine.rows(len(engine.requests) - 1)[0].tokens)
+        want = [SP.speculative_tokens(lm.decoder, lm.params, [prompt], args.n, jax.random.PRNGKey(s), draft=draft,
+                                      gamma=args.gamma).tokens[0].tolist() for s in range(3)]
+        exact = got == want
+
+    rows = []
+    for (c, name) in arms.runs:
+        tps = [counts[c, name] / r["seconds"] for r in arms.runs[c, name]]
+        rows.append({"concurrency": c, "arm": name, "tokens_per_second": statistics.median(tps),
+                     "tokens_per_second_runs": tps, **{k: v for k, v in arms.record((c, name)).items()}})
+    by = {(r["concurrency"], r["arm"]): r["tokens_per_second"] for r in rows}
+    for r in rows:
+        plain = by.get((r["concurrency"], "loop-plain" if r["arm"].startswith("loop")
+                        else "plain " + r["arm"].split()[-1]))
+        r["speedup"] = r["tokens_per_second"] / plain
+    for (c, name), engine in engines.items():
+        if name != "plain":
+            next(r for r in rows if (r["concurrency"], r["arm"]) == (c, name)).update(engine.speculative_stats())
+    summary = {"tokens_equal_speculative_tokens": exact}
+    for k in steps:
+        if 1 in conc:
+            loop = by[1, "loop-speculative"] / by[1, "loop-plain"]
+            eng = by[1, f"speculative k{k}"] / by[1, f"plain k{k}"]
+            summary[f"k{k}"] = {"loop_speedup_1": loop, "engine_speedup_1": eng, "engine_over_loop_speedup_1": eng / loop}
+        paying = [c for c in conc if by[c, f"speculative k{k}"] > by[c, f"plain k{k}"]]
+        summary.setdefault(f"k{k}", {})["largest_concurrency_where_speculation_pays"] = max(paying) if paying else 0
+
+    lines = ["| requests | arm | tokens/s | vs plain | acceptance |", "|---:|---|---:|---:|---:|"]
+    for r in rows:
+        acc = f"{r['acceptance']:.2f}" if "acceptance" in r and r["proposed"] else ""
+        lines.append(f"| {r['concurrency']} | {r['arm']} | {r['tokens_per_second']:,.0f} | {r['speedup']:.2f}x | {acc} |")
+    print("\n".join(lines))
+    print(summary)
+    if args.out:
+        meta = {"checkpoint": str(lm.path), "draft": args.draft or "<ckpt>-draft", "n": args.n, "gamma": args.gamma,
+                "prompt": PROMPT, "repeats": args.repeats, "speculative_max_rows_default": SPECULATIVE_MAX_ROWS,
+                "load_before": load_before, "load_after": load_after}
+        H.write_json(args.out, H.result("benchmarks.bench_engine_speculative", argv, meta=meta, summary=summary,
+                                        rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
