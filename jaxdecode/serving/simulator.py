@@ -207,6 +207,9 @@ def simulate(lm, requests: Sequence[Request], *, slots: int, policy: str, step_m
     (:func:`scripts_of`), so stop strings end rows where they really did. ``cache``: the engine's
     cache settings (``cache="paged"``, ``num_blocks``, ``block_size``, ``prefix_caching``): a paged
     engine's admission, with its block allocator, is simulated too."""
+    # speculation changes what a step costs and how many tokens it makes, which the step model and
+    # the scripts do not say: the simulated engine is the plain one
+    cache = {k: v for k, v in cache.items() if k not in ("speculative", "draft", "gamma", "speculative_max_rows")}
     engine = Engine(lm, slots, policy=policy, prefill_chunk=prefill_chunk, clock=VirtualClock(step_model),
                     executor=ReplayExecutor(slots, scripts), **cache)
     return engine.run(requests)
