@@ -6,34 +6,13 @@ log-probability. It starts from the prompt alone (one live beam, the others at `
 no end tokens and no length penalty it is exactly the book's ``beam``: per beam the top ``k``
 tokens, all candidates sorted, the best ``k`` kept, and ``k = 1`` is greedy decoding.
 
-End tokens and stop strings: a candidate that completes one (a stop string however tokenized:
-each beam carries its state in the stop automaton of :mod:`jaxdecode.decoding.stops`, so a
-hypothesis ends at the token whose bytes complete the string, and its score is that of its own
-tokens) leaves the beam for a pool of ``k`` finished hypotheses, its score divided by the GNMT
-length penalty ``((5 + |y|) / 6) ** alpha`` (Wu et al. 2016, |y| the generated length, end tokens
-included). A row stops searching once no
-live beam can beat its worst finished hypothesis: a live beam's final score is at most its score
-divided by the largest penalty it can still reach (at the maximum length for ``alpha > 0``, as in
-flax's ``examples/wmt/decode.py``). When the steps run out, the live beams compete with the pool.
-
-The loop shares the sampling loop's layout (:mod:`jaxdecode.decoding.common`): batch padded to a power of
-two, prompt width to a multiple of 16, chunks of ``chunk`` steps that attend over a static cache
-span bucket, and past the model window ``T`` the model's exact window mode. The beam axis is
-flattened into the batch for the model: row ``b``'s beam ``j`` is model row ``b * k + j``; each
-step reorders the model's cache by parent through ``model.reorder`` (the loop never sees what a
-cache holds). The search runs on ``model.for_beams()``: for the reference model that is its
-paged-cache twin on the same backend, where a reorder moves block-table entries and copies only
-each beam's partly filled last block.
-
-Constraints (:mod:`jaxdecode.constraints`): each beam carries its automaton state, reordered by
-parent with the beam's other rows. Its token candidates are the tokens the pattern allows with
-the steps left (the mask applies to the logits before the rule; without a rule a token scores its
-model log-probability), and a beam in a final state may also *stop*: the candidate
-``live_score + log(stop probability)`` (its tokens unchanged) joins the pool of finished
-hypotheses like one that completed an end token, with the length penalty of its current length.
-A stop string ends a constrained hypothesis wherever it completes, as it ends a constrained
-sample: the text then ends with the stop string, a prefix of a text in the language. After
-``n`` steps every live beam is in a final state, so every other hypothesis is in the language.
+A candidate that completes an end token or a stop string leaves the beam for a pool of ``k``
+finished hypotheses, its score divided by the GNMT length penalty (Wu et al. 2016); a row stops
+once no live beam can beat its worst finished hypothesis. The beam axis is flattened into the
+batch (row ``b``'s beam ``j`` is model row ``b * k + j``) and each step reorders the cache by
+parent through ``model.reorder``, on ``model.for_beams()`` (the reference model's paged twin).
+With a constraint each beam carries its automaton state, and a beam in a final state may stop.
+How ends, the stopping bound, the layout and constraints work: ``docs/python.md`` (Beam search).
 
 :func:`mode_search` (in :mod:`jaxdecode.decoding.search`, re-exported here) finds the single most probable
 continuation by best-first search; :mod:`jaxdecode.eval.studies.beam_curse` compares the two.

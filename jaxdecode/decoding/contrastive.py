@@ -10,23 +10,11 @@ where ``h_v`` is the model's final hidden state (after the last LayerNorm: the i
 every earlier position of the row, prompt included. ``alpha = 0`` (or ``k = 1``) is greedy search.
 
 All ``k`` candidates of a prompt are scored in one pass: the cache holds ``k`` copies of every
-row, each pass appends one candidate per copy, and the chosen copy's cache replaces the others
-(:meth:`~jaxdecode.models.base.DecodingModel.reorder`, as beam search does). Like beam search, the
-loop runs on ``model.for_beams()``: for the reference model its paged twin, where the copies of a
-row share their full blocks and a reorder copies only the last, partly filled one (on the shipped
-model, 10 prompts x 150 characters with k = 4 took 1.35 s against 4.15 s on the dense cache,
-which copies every position of every copy at each step). The normalized hidden
-states of each row's earlier positions are kept in a ``[B, N, d]`` buffer.
-
-Past the model window ``T`` the loop switches, like the other loops, to the exact window mode:
-each candidate's logits and hidden state come from a forward over its row's last ``T`` tokens
-(the ``k`` candidates still in one pass), and the similarity compares with the hidden states of
-every earlier position as they were computed when that position was generated. For a prompt
-longer than ``T``, the history starts with the hidden states of its last ``T`` tokens (what the
-model sees).
-
+row and the chosen copy's cache replaces the others (``model.reorder``, on ``model.for_beams()``
+as in beam search). Past the model window ``T`` the loop switches to the exact window mode.
 Deterministic: no key. Stop strings end a row; ``on_chunk`` streams chunks as in
-:func:`jaxdecode.decoding.sampling.sample_tokens`.
+:func:`jaxdecode.decoding.sampling.sample_tokens`. The window mode, the hidden-state history and
+the paged cache's cost are in ``docs/python.md`` (Contrastive search).
 """
 
 from __future__ import annotations

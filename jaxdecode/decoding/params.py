@@ -6,7 +6,7 @@ seeds, stop strings and stop token ids, the constraint, log-probabilities, the l
 (``min_tokens``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``) and how a request is run
 (``chunk``, ``memory_budget``, ``max_rows``). It is checked once, when it is built;
 a bad value raises one error line naming the field. The loops (:func:`jaxdecode.generate`,
-``beam_generate``, ``contrastive_generate``, ``speculative_generate``, ``score``) and the
+``beam_generate``, ``contrastive_generate``, ``speculative_generate``, ``score``, ``mode_search``) and the
 engine's :class:`~jaxdecode.serving.Request` take it, with keywords as overrides::
 
     p = DecodeParams(n=200, top_p=0.9, seed=3)
@@ -281,16 +281,17 @@ assert set(RULE_ORDER) <= set(FIELDS), "DecodeParams must have a field for every
 
 # ----------------------------------------------------------------------------- which loop honours what
 
-GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, SCORE, ENGINE = (
-    "generate", "beam_generate", "speculative_generate", "contrastive_generate", "score", "the engine")
-LOOPS: tuple[str, ...] = (GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, SCORE, ENGINE)
+GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, SCORE, MODE, ENGINE = (
+    "generate", "beam_generate", "speculative_generate", "contrastive_generate", "score", "mode_search",
+    "the engine")
+LOOPS: tuple[str, ...] = (GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, SCORE, MODE, ENGINE)
 
 _RULES = frozenset({GENERATE, BEAM, SPECULATIVE, ENGINE})
 _STATEFUL = frozenset({GENERATE, BEAM, ENGINE})  # speculative decoding takes stateless rules only
 
 #: Each setting and the loops that honour it; a loop refuses a setting it is not listed for.
 HONOURED: dict[str, frozenset[str]] = {
-    "n": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
+    "n": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, MODE, ENGINE}),
     "greedy": frozenset({GENERATE, SPECULATIVE, ENGINE}),
     "repetition_penalty": _STATEFUL,
     "frequency_penalty": _STATEFUL,
@@ -302,13 +303,13 @@ HONOURED: dict[str, frozenset[str]] = {
     "num_samples": frozenset({GENERATE, SPECULATIVE, ENGINE}),
     "seed": frozenset({GENERATE, SPECULATIVE, ENGINE}),
     "stop": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
-    "stop_token_ids": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, ENGINE}),
+    "stop_token_ids": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE, MODE, ENGINE}),
     "include_stop": frozenset({GENERATE, BEAM, SPECULATIVE, CONTRASTIVE}),
     "min_tokens": frozenset({GENERATE, ENGINE}),
     "logit_bias": frozenset({GENERATE, ENGINE}),
     "allowed_token_ids": frozenset({GENERATE, ENGINE}),
     "bad_words": frozenset({GENERATE, ENGINE}),
-    "constraint": frozenset({GENERATE, BEAM, SPECULATIVE, SCORE, ENGINE}),
+    "constraint": frozenset({GENERATE, BEAM, SPECULATIVE, SCORE, MODE, ENGINE}),
     "top_logprobs": frozenset({ENGINE}),
     "ignore_eos": frozenset({ENGINE}),
     "generation_config": frozenset({GENERATE}),
@@ -329,7 +330,8 @@ TABLE_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram")),
     ("`rule` (an explicit chain)", ("chain",)),
     ("`num_samples`, `seed`", ("num_samples", "seed")),
-    ("`stop`, `stop_token_ids`", ("stop", "stop_token_ids")),
+    ("`stop`", ("stop",)),
+    ("`stop_token_ids`", ("stop_token_ids",)),
     ("`include_stop`", ("include_stop",)),
     ("`min_tokens`, `logit_bias`, `allowed_token_ids`, `bad_words`",
      ("min_tokens", "logit_bias", "allowed_token_ids", "bad_words")),
@@ -345,7 +347,7 @@ TABLE_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def table_markdown() -> str:
     """:data:`HONOURED` as the markdown table of ``docs/python.md``."""
     heads = ["`generate`", "`beam_generate`", "`speculative_generate`", "`contrastive_generate`", "`score`",
-             "engine (`Request`)"]
+             "`mode_search`", "engine (`Request`)"]
     lines = ["| setting | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     for label, names in TABLE_ROWS:
         loops = {HONOURED[n] for n in names}

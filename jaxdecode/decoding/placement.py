@@ -114,7 +114,7 @@ def pad_batch(batch: Batch, multiple: int) -> Batch:
                                length=z(batch.length, 1), row_ids=ids)
 
 
-def _batch_axes(small, large) -> list[int | None]:
+def batch_axes(small, large) -> list[int | None]:
     """Each leaf's batch axis, from the shapes of the same tree at two batch sizes (None: the leaf
     has no batch axis)."""
     axes = []
@@ -126,7 +126,7 @@ def _batch_axes(small, large) -> list[int | None]:
     return axes
 
 
-def _rows_struct(tree, extra: int = 0):
+def rows_struct(tree, extra: int = 0):
     """Shape stand-ins of a tree whose leaves all have a leading batch axis, ``extra`` rows more."""
     grown = lambda a: jax.ShapeDtypeStruct((a.shape[0] + extra,) + a.shape[1:], a.dtype)
     return jax.tree_util.tree_map(grown, tree)
@@ -204,7 +204,7 @@ class Placement:
         def specs(tree_axes, tree):
             if not isinstance(tree_axes, list):
                 return jax.tree_util.tree_map(lambda _: self.spec(tree_axes), tree)
-            return _spec_tree(self, tree_axes, tree)
+            return spec_tree(self, tree_axes, tree)
 
         in_specs = tuple(specs(ax, a) for ax, a in zip(axes, args, strict=True))
         program = _program(fn, tuple(sorted(static.items())), self.mesh, _Frozen(in_specs),
@@ -252,7 +252,7 @@ def _program(fn, static: tuple, mesh: Mesh, in_specs: _Frozen, out_specs: _Froze
     return jax.jit(mapped, donate_argnums=donate)
 
 
-def _spec_tree(placement: Placement, axes: list, tree):
+def spec_tree(placement: Placement, axes: list, tree):
     """Partition specs shaped like ``tree``, leaf ``i`` split along ``axes[i]``."""
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     return jax.tree_util.tree_unflatten(tree_def, [placement.spec(a) for a in axes])

@@ -59,9 +59,9 @@ from jaxdecode.decoding.placement import (
     AXIS,
     ONE_DEVICE,
     Placement,
-    _batch_axes,
-    _rows_struct,
-    _spec_tree,
+    batch_axes,
+    rows_struct,
+    spec_tree,
     pad_batch,
 )
 from jaxdecode.decoding.steps import (
@@ -71,13 +71,13 @@ from jaxdecode.decoding.steps import (
     SamplingState,
     StepOutput,
     TokenResult,
-    _cache_chunk,
-    _grow,
-    _prefill,
-    _prefill_shared,
-    _rule_init,
-    _window_chunk,
-    _window_start,
+    cache_chunk,
+    grow,
+    prefill,
+    prefill_shared,
+    rule_init,
+    window_chunk,
+    window_start,
 )
 from jaxdecode.decoding.stops import as_automaton
 from jaxdecode.models.base import DecodingModel
@@ -95,7 +95,6 @@ __all__ = [
     "pad_rule",
     "push_recent",
     "round_up",
-    "sample_tokens",
 ]
 
 
@@ -122,6 +121,10 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
                   progress: bool | str = False, mesh=None) -> TokenResult:
     """Generate ``n`` tokens after each prompt (token arrays of any lengths >= 1) from ``model``
     (a :class:`jaxdecode.models.DecodingModel`, e.g. ``lm.decoder``) with ``params``.
+
+    The token-level engine that :func:`generate` runs, not in ``__all__``: its arguments are the
+    loop's own (a rule, stop sequences, row ids, a callback per chunk), and they change with the
+    loop. A request's settings belong in :func:`generate`'s :class:`DecodeParams`.
 
     ``key``: one PRNG key for every row, or one per row (``[B, 2]``). A request of any size runs
     in batches that fit ``memory_budget`` (bytes, or a size such as ``"2G"``), of at most
@@ -191,7 +194,7 @@ def sample_tokens(model: DecodingModel, params, prompts: Sequence[np.ndarray], n
 
             how = Decoding(rule if len(parts) == 1 else rule_rows(sel), greedy, stops, chunk,
                            constraint if cons is None else [cons[i] for i in sel])
-            results.append(_sample_batch(
+            results.append(sample_batch(
                 model, params, [rows[i] for i in sel], n, key if key.ndim == 1 else key[sel], how,
                 row_ids=ids[sel], on_chunk=chunk_cb if (on_chunk is not None or bar is not None) else None,
                 mesh=mesh))
@@ -234,11 +237,12 @@ def _rule_per_row(rule, B: int):
     return cut
 
 
-def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, on_chunk=None, mesh=None,
-                  placement=None) -> TokenResult:
-    """:func:`sample_tokens` for one batch (``key``: one, or one per row) decoded as ``how`` says,
-    its arrays placed and its programs run by ``placement`` (default: one device, or split over
-    ``mesh``)."""
+def sample_batch(model, params, prompts, n, key, how: Decoding | None = None, row_ids=None, on_chunk=None,
+                 mesh=None, placement=None) -> TokenResult:
+    """:func:`sample_tokens` for one batch (``key``: one, or one per row) decoded as ``how`` says
+    (default: plain sampling), its arrays placed and its programs run by ``placement`` (default:
+    one device, or split over ``mesh``)."""
+    how = how or Decoding()
     if placement is None:
         placement = ONE_DEVICE if mesh is None else Placement(mesh)
     rule, greedy, chunk, constraint = how.rule, how.greedy, how.chunk, how.constraint
@@ -283,11 +287,11 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
             # which axis of each leaf of the rule's state holds the rows: compare its shape at two
             # batch sizes (every leaf of a padded rule has the rows first)
             init = lambda r, p, lengths: r.init(p, lengths, model.V, max_new)
-            shapes = [jax.eval_shape(init, *(_rows_struct(a, extra) for a in (rule_b, prompt, length)))
+            shapes = [jax.eval_shape(init, *(rows_struct(a, extra) for a in (rule_b, prompt, length)))
                       for extra in (0, 1)]
-            rule_axes = _batch_axes(*shapes)
-            rule_specs = _spec_tree(placement, rule_axes, shapes[0])
-        rule_state = placement.run(_rule_init, (rule_b, prompt, length), (0, 0, 0), rule_specs,
+            rule_axes = batch_axes(*shapes)
+            rule_specs = spec_tree(placement, rule_axes, shapes[0])
+        rule_state = placement.run(rule_init, (rule_b, prompt, length), (0, 0, 0), rule_specs,
                                    V=model.V, max_new=max_new)
 
     # The cache a chunk starting after `taken` steps needs: allocated once for the whole request
@@ -301,8 +305,8 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
         if placement.split:  # the axis of each cache leaf that holds the rows (a model lays its cache out as it likes)
             cache_shape, bigger = (jax.eval_shape(lambda b=b: model.empty_cache(b, capacity(0)))
                                    for b in (local, local + 1))
-            cache_axes = _batch_axes(cache_shape, bigger)
-            cache_specs = _spec_tree(placement, cache_axes, cache_shape)
+            cache_axes = batch_axes(cache_shape, bigger)
+            cache_specs = spec_tree(placement, cache_axes, cache_shape)
         tokens = batch.prompt[:, :min(Pb, T)]
         first: dict[bytes, int] = {}  # each distinct prompt's first row
         same = [first.setdefault(tokens[i, :batch.length[i]].tobytes(), i) for i in range(B)]
@@ -317,15 +321,15 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
             tok_u = np.zeros((Ub, tokens.shape[1]), np.int32)
             len_u = np.ones((Ub,), np.int32)
             tok_u[:len(uniq)], len_u[:len(uniq)] = tokens[uniq], batch.length[uniq]
-            logits, cache = _prefill_shared(params, jnp.asarray(tok_u), jnp.asarray(len_u), jnp.asarray(rows),
+            logits, cache = prefill_shared(params, jnp.asarray(tok_u), jnp.asarray(len_u), jnp.asarray(rows),
                                             model=model, capacity=capacity(0))
         else:
             prompt_T = prompt if Pb <= T else placement.put(tokens)
-            logits, cache = placement.run(_prefill, (params, prompt_T, length), (None, 0, 0),
+            logits, cache = placement.run(prefill, (params, prompt_T, length), (None, 0, 0),
                                           (P(AXIS), cache_specs), model=model, capacity=capacity(0))
         n_cache = min(n, T - Pmax)
     else:
-        logits = placement.run(_window_start, (params, recent, length), (None, 0, 0), P(AXIS), model=model)
+        logits = placement.run(window_start, (params, recent, length), (None, 0, 0), P(AXIS), model=model)
         n_cache = 0
     state = SamplingState(
         logits=logits, recent=recent, length=length, rule_state=rule_state,
@@ -336,7 +340,7 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
         axes = SamplingState(logits=0, recent=0, length=0, rule_state=rule_axes, done=0, stop_state=0, step=None,
                              cstate=None if cstate is None else 0)
         state_axes = _axes_list(axes, state)
-        state_specs = _spec_tree(placement, state_axes, state)
+        state_specs = spec_tree(placement, state_axes, state)
     common = (rule_b, key, row_ids_b, stop_dev)
     common_axes = (0, key_axis, 0, None)
 
@@ -347,16 +351,16 @@ def _sample_batch(model, params, prompts, n, key, how: Decoding, row_ids=None, o
         step_end = placement.scalar(np.int32(taken + valid))
         if taken < n_cache:
             if model.capacity(cache) < capacity(taken):
-                cache = placement.run(_grow, (cache,), (cache_axes,), cache_specs, model=model,
+                cache = placement.run(grow, (cache,), (cache_axes,), cache_specs, model=model,
                                       capacity=capacity(taken))
             state, cache, out = placement.run(
-                _cache_chunk, (params, state, cache) + common + (step_end, con, budget),
+                cache_chunk, (params, state, cache) + common + (step_end, con, budget),
                 (None, state_axes, cache_axes) + common_axes + (None, None, 0),
                 (state_specs, cache_specs, _OUT), donate=(2,), model=model, chunk=chunk, greedy=greedy)
         else:
             cache = None
             state, out = placement.run(
-                _window_chunk, (params, state) + common + (step_end, con, budget),
+                window_chunk, (params, state) + common + (step_end, con, budget),
                 (None, state_axes) + common_axes + (None, None, 0),
                 (state_specs, _OUT), model=model, chunk=chunk, greedy=greedy)
         out, done = placement.fetch((out, state.done))

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, check_int, make_batch, round_up
+from jaxdecode.decoding.params import MODE, resolve
 from jaxdecode.models.base import DecodingModel
 
 
@@ -85,10 +85,15 @@ def _choices(constraint, n: int):
     return choices
 
 
-def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_budget: int = 100_000, *,
-                lower_bound: float | None = None, batch: int = 32,
-                constraint=None, end_tokens: Sequence[int] = ()) -> tuple[np.ndarray, float, int]:
-    """The most probable continuation of ``n`` tokens: (tokens [n], log-probability, nodes expanded).
+def mode_search(model: DecodingModel, weights, prompt: np.ndarray, params=None, node_budget: int = 100_000, *,
+                lower_bound: float | None = None, batch: int = 32, **overrides) -> tuple[np.ndarray, float, int]:
+    """The most probable continuation of up to ``params.n`` tokens of ``model`` with its parameters
+    ``weights`` after ``prompt`` (token ids): (tokens, log-probability, nodes expanded).
+
+    ``params``: a :class:`~jaxdecode.decoding.params.DecodeParams` or the number of new tokens
+    ``n``; keywords override its fields, as for :func:`jaxdecode.generate`. Of its settings the
+    search honours ``n``, ``stop_token_ids`` and ``constraint`` (``end_tokens=`` is the older
+    name of ``stop_token_ids``); ``node_budget``, ``lower_bound`` and ``batch`` are its own.
 
     Best-first search over prefixes (uniform-cost search with a heap keyed by minus the
     log-probability): log-probabilities only fall as a prefix grows, so the first complete
@@ -105,11 +110,16 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
     complete hypothesis popped is still the mode. The default lower bound is then the best stop
     (or the end) along constrained greedy's path.
 
-    ``end_tokens``: token ids that end a continuation (a model's EOS): a prefix that generates
+    ``stop_token_ids``: token ids that end a continuation (a model's EOS): a prefix that generates
     one is complete there (a leaf, the end token its last token), so the mode may be shorter
     than ``n``.
     """
-    n = check_int("the number of new tokens n", n, 0)
+    if "end_tokens" in overrides:
+        if "stop_token_ids" in overrides:
+            raise TypeError("mode_search: give the end tokens once (stop_token_ids=, or its older name end_tokens=)")
+        overrides["stop_token_ids"] = overrides.pop("end_tokens")
+    p = resolve(params, overrides, MODE)
+    n, constraint, end_tokens = p.n, p.constraint, p.stop_token_ids
     prompt = make_batch([prompt], n, model.V, model.T).prompt[0, :len(np.asarray(prompt).reshape(-1))]
     node_budget = check_int("node_budget", node_budget, 1)
     batch = check_int("batch", batch, 1)
@@ -131,7 +141,7 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
         Pb = round_up(P, PROMPT_BUCKET)
         padded = np.zeros((1, Pb), np.int32)
         padded[0, :P] = prompt
-        prompt_logits, cache = _prompt_prefill(params, jnp.asarray(padded[:, :min(Pb, T)]),
+        prompt_logits, cache = _prompt_prefill(weights, jnp.asarray(padded[:, :min(Pb, T)]),
                                                jnp.asarray([P], jnp.int32), model=model,
                                                capacity=round_up(Pb + W, PROMPT_BUCKET))
 
@@ -144,7 +154,7 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
             for i, t in enumerate(nodes):
                 tokens[i, :len(t)] = t
                 depth[i] = len(t)
-            out = _expand_cached(params, cache, prompt_logits, jnp.asarray(tokens), jnp.asarray(depth),
+            out = _expand_cached(weights, cache, prompt_logits, jnp.asarray(tokens), jnp.asarray(depth),
                                  model=model)
             return np.asarray(out, np.float64)[:len(nodes)]
     else:
@@ -156,7 +166,7 @@ def mode_search(model: DecodingModel, params, prompt: np.ndarray, n: int, node_b
                 seq = np.concatenate([prompt, np.asarray(t, np.int32)])[-T:]
                 history[i, :len(seq)] = seq
                 lengths[i] = len(seq)
-            out = _expand_window(params, jnp.asarray(history), jnp.asarray(lengths), model=model)
+            out = _expand_window(weights, jnp.asarray(history), jnp.asarray(lengths), model=model)
             return np.asarray(out, np.float64)[:len(nodes)]
 
     ends = {int(e) for e in end_tokens}

@@ -1,32 +1,21 @@
 """Batch generation over many devices, with JAX's own distribution (:mod:`jax.sharding`).
 
 A :class:`~jax.sharding.Mesh` with a batch axis, ``"data"``, spans the devices (every process's,
-in a multi-process cluster). The batch's arrays (prompt tokens, lengths, row ids, per-row keys
-and rule settings, the rule state, the automaton states of constrained rows, the loop state and
-the KV cache) are global arrays split along that axis (``NamedSharding(mesh, P("data"))``, on
-whichever axis of a cache leaf holds the rows); the parameters, the stop strings and the
-constraint tables are replicated (``P()``).
+in a multi-process cluster). The batch's arrays (prompts, keys, rule settings and state, the loop
+state and the KV cache) are global arrays split along that axis; the parameters, the stop
+strings and the constraint tables are replicated. The batch is padded with dummy rows to a
+multiple of the axis's size.
 
-The decoding loop is the one of :mod:`jaxdecode.decoding.sampling`, and so are its jitted programs
-(prefill, the chunks of cached and of window-mode steps, the rule's initial state): the loop is
-written against a placement (:mod:`jaxdecode.decoding.placement`), and with a mesh each program
-runs under :func:`jax.shard_map` over the batch axis, so every device runs the single-device program
-over its own rows. A row is computed from that row alone, so this is exact and needs no
-communication between devices during a request (the compiled programs hold no collective), and
-a model's native operations (:mod:`jaxdecode.native.kernels`) see only their device's rows. Letting
-XLA's partitioner propagate the shardings through the plain programs instead gathers the index
-arrays of every scatter at each step, and gathers the whole KV cache onto every device for each
-native call (a custom call it cannot split).
+The decoding loop and its jitted programs are those of :mod:`jaxdecode.decoding.sampling`, run
+under :func:`jax.shard_map` over the batch axis (:mod:`jaxdecode.decoding.placement`): every device
+runs the single-device program over its own rows, with no communication during a request. A
+row's random stream depends only on its key, its row id and the step, so the texts and tokens
+equal single-device generation exactly.
 
-The batch is padded with dummy rows to a multiple of the batch axis's size (on top of the usual
-power-of-two bucket). A row's random stream depends only on its key, its row id and the step, so
-the texts and tokens equal single-device generation exactly.
-
-Several processes (hosts) run the same program (SPMD): each calls :func:`sharded_sample_tokens`
-(or :func:`jaxdecode.generate` with ``mesh=``) with the same request, builds only the shards of its own devices
-(:func:`jax.make_array_from_callback`), and receives every row's result
-(:func:`jax.experimental.multihost_utils.process_allgather`). Processes that each hold their own
-prompts join them with :func:`gather_prompts` first. See ``docs/multihost.md``.
+Several processes run the same program (SPMD): each calls :func:`sharded_sample_tokens` (or
+:func:`jaxdecode.generate` with ``mesh=``) with the same request and receives every row's result;
+:func:`gather_prompts` joins prompts that each process holds. Why ``shard_map`` rather than XLA's
+partitioner, and the multi-host steps: ``docs/multihost.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdecode.decoding.placement import AXIS, Placement, make_mesh, pad_batch
-from jaxdecode.decoding.sampling import Decoding, _sample_batch
+from jaxdecode.decoding.sampling import Decoding, sample_batch
 from jaxdecode.decoding.steps import TokenResult
 from jaxdecode.models.base import DecodingModel
 
@@ -57,15 +46,6 @@ def sharded_sample_tokens(model: DecodingModel, params, prompts: Sequence[np.nda
     multi-process cluster every process passes the same request."""
     return sample_batch(model, params, prompts, n, key, Decoding(rule, greedy, stops, chunk, constraint),
                         row_ids=row_ids, on_chunk=on_chunk, placement=Placement(make_mesh() if mesh is None else mesh))
-
-
-def sample_batch(model, params, prompts, n, key, how: Decoding | None = None, row_ids=None, on_chunk=None, *,
-                 placement: Placement) -> TokenResult:
-    """One batch of :func:`jaxdecode.decoding.sampling.sample_tokens` (the same loop and programs),
-    decoded as ``how`` says (default: plain sampling), with every array placed and every program
-    run by ``placement``."""
-    return _sample_batch(model, params, prompts, n, key, how or Decoding(), row_ids=row_ids, on_chunk=on_chunk,
-                         placement=placement)
 
 
 def gather_prompts(local: Sequence[np.ndarray]) -> tuple[list[np.ndarray], slice]:

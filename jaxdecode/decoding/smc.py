@@ -1,90 +1,24 @@
 """Sampling from the model *conditioned* on a constraint: sequential Monte Carlo, and exact
 enumeration for small languages.
 
-Masking every step (:mod:`jaxdecode.constraints`, ``sample_tokens(..., constraint=c)``) keeps the
+Masking every step (:mod:`jaxdecode.constraints`, ``generate(..., constraint=c)``) keeps the
 output in the language, but it renormalizes each next-token distribution locally, without
 knowing how much of the model's probability lies on valid completions further on: it does not
 draw from the model's distribution conditioned on the output being in the language. This module
 draws from that conditional approximately (:func:`smc_generate`) and computes it exactly where the
-language within ``n`` tokens is small (:func:`exact_conditional`, :func:`masked_distribution`).
+language within ``n`` tokens is small (:func:`exact_conditional`, :func:`masked_distribution`,
+:func:`enumerate_outputs`).
 
-**Outputs.** A constraint is an automaton (``table``, ``final``, ``dist``; see
-:mod:`jaxdecode.constraints`). With ``left`` tokens left (the current one included), token ``v``
-is *allowed* in state ``s`` iff ``table[s, v] >= 0`` and ``dist[table[s, v]] <= left - 1`` (the
-budget rule: a final state stays reachable within the tokens left). An output ``y`` (tokens
-``y_1..y_m``, ``m <= n``) is *complete* when it stops in a final state, or reaches ``n`` tokens
-(then it is in a final state by the budget rule).
+SMC (Lew et al. 2023; Loula et al. 2025) runs ``particles`` partial outputs as rows of one batch.
+Each step proposes from the masked sampler and multiplies each particle's weight by ``Z_t``, the
+model's mass on the allowed tokens at a step from a non-final state (every step with end tokens);
+particles are resampled when the effective sample size falls below ``ess_threshold *
+particles``. The log of the mean final weight estimates the log-probability that the model's
+output is in the language. Everything here is the raw model: a decoding rule would change both
+the target and the proposal.
 
-**The model's probability of an output** (the target). With ``p_t = p(. | prompt, y_<t)``,
-
-    P(y) = prod_t p_t(y_t) * s(y)
-
-where ``s(y)``, the stop probability at the end of ``y``, is the model's mass on the tokens that
-cannot be taken there (those that leave the pattern, and those that could continue it but not
-finish within the tokens left: the budget rule); for an output of exactly ``n`` tokens ``s = 1``
-(it ends by the length limit). ``P`` is the law of the *model process*: draw tokens from the model;
-in a state where the drawn token is not allowed, stop if the state is final (``y`` is complete)
-and fail otherwise; stop after ``n`` tokens. Distinct complete outputs are disjoint events of that
-process, so ``sum_y P(y) = 1 - P(fail) <= 1``; this normalizer is the model's probability that its
-output is in the language (within ``n`` tokens). The **exact conditional** is
-``P(y) / sum_y' P(y')`` over complete outputs. Note that ``P`` depends on ``n`` through the budget
-rule: in a final state, tokens that continue the pattern but cannot finish in time count as
-stopping.
-
-**The masked sampler** (what :func:`jaxdecode.decoding.sampling.sample_tokens` does) draws ``y`` with
-probability ``Q(y)``, the product over its steps of: in a non-final state, ``p_t(v) / Z_t``, where
-``Z_t = sum of p_t over the allowed tokens``; in a final state, stop with probability ``s_t`` (the
-mass of the tokens not allowed, ``1 - Z_t``; 1 when none is allowed) or continue with probability
-``1 - s_t`` and take ``v`` with probability ``p_t(v) / Z_t``; nothing more after ``n`` tokens.
-
-**The importance weight** ``P(y) / Q(y)`` is a product of per-step ratios:
-
-- a step from a non-final state: ``p_t(v) / (p_t(v) / Z_t) = Z_t``. (``Z_t > 0``: a non-final
-  state reached under the budget rule has ``1 <= dist[s] <= left``, so the first token of a
-  shortest path to a final state is allowed.)
-- a step that continues from a final state: ``Q`` has ``(1 - s_t) p_t(v) / Z_t`` and
-  ``1 - s_t = Z_t``, so ``Q = p_t(v) = P``'s factor: ratio 1;
-- a stop in a final state: both have ``s_t`` (the same blocked mass, budget-blocked tokens
-  included, since both use the same allowed set): ratio 1;
-- the end by the length limit: ``P`` has ``s = 1``, ``Q`` no factor: ratio 1.
-
-So ``w(y) = P(y) / Q(y) = prod over the steps taken from non-final states of Z_t``, and
-``E_Q[w] = sum_y P(y)``: the normalizer. The weight counts the model's mass that the mask threw
-away where throwing it away changed the outcome (the steps where leaving the language would have
-failed the output rather than ended it).
-
-**A model with end tokens** (a Hugging Face model; the constraint's ``end_tokens``): its end
-tokens are allowed in final states only, and generating one ends the output (the end token is the
-stop, not the leftover mass). Then ``P(y) = prod_t p_t(y_t) * p_end(y)`` (the mass of the end
-tokens after ``y``; 1 for an output of ``n`` tokens), the masked sampler takes every step, the end
-token included, with probability ``p_t(v) / Z_t``, and the weight is the product of ``Z_t`` over
-every step taken, the final state's included.
-
-Everything here is the raw model (no decoding rule: temperature or truncation would change both
-the target and the proposal).
-
-**SMC** (:func:`smc_generate`; Lew et al. 2023, *Sequential Monte Carlo steering of large language
-models using probabilistic programs*; Loula et al. 2025): ``particles`` partial outputs are rows of
-one batch through the decoding-model interface. Each step proposes from the masked sampler,
-multiplies each active particle's weight by its ``Z_t``, and resamples (systematic by default, or
-multinomial) when the effective sample size ``(sum w)^2 / sum w^2`` falls below
-``ess_threshold * particles``: the cache rows are reordered with ``model.reorder`` along with each
-particle's state, and every weight is reset to the mean weight (so the final mean weight is the
-product of the mean weights of every stage: the usual unbiased estimate of the normalizer).
-Finished particles stay finished: they are carried along (and may be copied by resampling), their
-weights no longer change. The result: each particle's text, its normalized weight, the estimated
-conditional (normalized weight summed per distinct text), and ``log`` of the mean final weight,
-an estimate of ``log sum_y P(y)`` (unbiased before the log; biased low by about half its
-relative variance after).
-
-**Exact enumeration** (:func:`enumerate_outputs`): breadth first over the allowed tokens from the
-prompt, every live prefix of a level in one batch of next-token predictions (the model's exact
-window, :meth:`~jaxdecode.models.DecodingModel.window`), multiplying ``P`` and ``Q`` in float64.
-Every live prefix can still be completed and distinct prefixes complete differently, so the
-number of complete outputs is at least those found plus those live: the walk stops with a
-:class:`ValueError` as soon as that exceeds ``max_outputs``. Outputs are keyed by their text; a
-vocabulary with multi-character tokens can spell one text several ways, and their probabilities
-add up.
+The target, the proposal, the weights and the enumeration are derived in ``docs/constrained.md``
+(SMC and exact enumeration: the derivation).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _empty_outputs(chunk: int, B: int) -> StepOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"), donate_argnames=("cache",))
-def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, step_end, con=None,
+def cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops, step_end, con=None,
                  budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) through the model's cache (see ``chunk_begin``
     in :mod:`jaxdecode.models.base`).
@@ -134,7 +134,7 @@ def _cache_chunk(params, state: SamplingState, cache, rule, key, row_ids, stops,
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk", "greedy"))
-def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, step_end, con=None,
+def window_chunk(params, state: SamplingState, rule, key, row_ids, stops, step_end, con=None,
                   budget=None, *, model: DecodingModel, chunk: int, greedy: bool):
     """Steps up to ``step_end`` (at most ``chunk``) of the exact window mode: the model's
     prediction from each row's last T tokens."""
@@ -156,36 +156,35 @@ def _window_chunk(params, state: SamplingState, rule, key, row_ids, stops, step_
 
 
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
-def _prefill(params, tokens, lengths, *, model, capacity):
+def prefill(params, tokens, lengths, *, model, capacity):
+    """The sampling loop's compiled prefill (what a study times): the logits after each row's
+    prompt and the cache of ``capacity`` positions it fills."""
     logits, _, cache = model.prefill(params, tokens, lengths, capacity)
     return logits, cache
 
 
-def prefill(params, tokens, lengths, *, model, capacity):
-    """The sampling loop's own compiled prefill (what a study times): the logits after each row's
-    prompt and the cache of ``capacity`` positions it fills."""
-    return _prefill(params, tokens, lengths, model=model, capacity=capacity)
-
-
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
-def _prefill_shared(params, tokens, lengths, rows, *, model, capacity):
+def prefill_shared(params, tokens, lengths, rows, *, model, capacity):
     """Prefill each distinct prompt once, then give row ``i`` the cache of prompt ``rows[i]``."""
     logits, _, cache = model.prefill(params, tokens, lengths, capacity)
     return jnp.take(logits, rows, axis=0), model.reorder(cache, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "capacity"))
-def _grow(cache, *, model, capacity):
+def grow(cache, *, model, capacity):
+    """The cache with room for ``capacity`` positions."""
     return model.grow(cache, capacity)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _window_start(params, recent, lengths, *, model):
+def window_start(params, recent, lengths, *, model):
+    """The next-token logits of the exact window mode's first step, from each row's last T tokens."""
     return model.window(params, recent, lengths)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("V", "max_new"))
-def _rule_init(rule, prompt, lengths, *, V, max_new):
+def rule_init(rule, prompt, lengths, *, V, max_new):
+    """The rule's initial state for the batch, compiled."""
     return rule.init(prompt, lengths, V, max_new)
 
 

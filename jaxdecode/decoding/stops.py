@@ -19,11 +19,9 @@ text first contains a stop string: :func:`jaxdecode.decoding.common.finish_text`
 tokens on the host.
 
 The state count is padded to a power of two (at least :data:`MIN_STATES`), so new stop strings
-of similar lengths reuse the loops' compiled programs. Low-level loops that take token sequences
-(``stops=[array, ...]``) get the same kind of automaton over token ids (:func:`as_automaton`).
-
-For a serving engine, :meth:`StopAutomaton.step` advances one row's state on the host and
-:meth:`StopAutomaton.first_hit` finds where a token list first stops.
+of similar lengths reuse the loops' compiled programs. Token sequences (``stops=[array, ...]``)
+get the same kind of automaton over token ids (:func:`as_automaton`). On the host,
+:meth:`StopAutomaton.step` advances one row and :meth:`StopAutomaton.first_hit` finds a stop.
 """
 
 from __future__ import annotations

@@ -225,11 +225,11 @@ def test_no_cache_copy_in_the_step_loop_on_the_llama(fuse):
     m = dataclasses.replace(m, fuse=fuse)
     p = m.prepare(lm.params, B)
     batch = S.make_batch([np.array([1, 2, 3])] * B, 10, m.V, m.T)
-    logits, cache = S._prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=m, capacity=C)
+    logits, cache = S.prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=m, capacity=C)
     state = S.SamplingState(logits, jnp.asarray(batch.recent), jnp.asarray(batch.length), None,
                             jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jnp.int32(0))
     row_ids = jnp.zeros((B,), jnp.uint32)
-    hlo = S._cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), row_ids, None, np.int32(10),
+    hlo = S.cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), row_ids, None, np.int32(10),
                                model=m, chunk=16, greedy=False).compile(
         compiler_options={"xla_cpu_use_fusion_emitters": True}).as_text()
     k = jax.tree_util.tree_leaves(cache)[0]

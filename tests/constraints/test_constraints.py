@@ -323,11 +323,11 @@ def test_rows_mix_patterns_and_free_rows_without_recompiling(tiny_decoder):
     # the free row is what it would be without any constraint
     free = sample_tokens(model, params, prompts, 6, jax.random.PRNGKey(1))
     assert res.tokens[2].tolist() == free.tokens[2].tolist()
-    before = S._cache_chunk._cache_size()
+    before = S.cache_chunk._cache_size()
     d = C.compile_regex("[cd]{2,3}", TINY_VOCAB)
     sample_tokens(model, params, [np.array([5, 6]), np.array([1]), np.array([7])], 6, jax.random.PRNGKey(2),
                   constraint=[d, a, d])
-    assert S._cache_chunk._cache_size() == before
+    assert S.cache_chunk._cache_size() == before
 
 
 def test_score_reports_membership():

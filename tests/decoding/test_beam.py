@@ -244,6 +244,27 @@ def test_mode_search_budget(v4_model):
         BS.mode_search(model, params, np.array([1, 3, 0]), 6, node_budget=2, batch=1)
 
 
+def test_mode_search_takes_decode_params(v4_model):
+    """The settings as a DecodeParams, keywords overriding it, as generate takes them; a setting
+    the search does not honour is refused by name."""
+    from jaxdecode import DecodeParams, ParamsError
+
+    cfg, params, model = v4_model
+    prompt = np.array([1, 3, 0])
+    plain = BS.mode_search(model, params, prompt, 4, batch=8)
+    got = BS.mode_search(model, params, prompt, DecodeParams(n=6, seed=0), batch=8, n=4)
+    assert got[0].tolist() == plain[0].tolist() and got[1] == pytest.approx(plain[1])
+    # the mode's second token as an end token: the mode's first two tokens are then a complete
+    # output at least as probable as every 4-token one, so the mode ends with the end token
+    end = int(plain[0][1])
+    short = BS.mode_search(model, params, prompt, DecodeParams(n=4, stop_token_ids=(end,)), batch=8)
+    assert len(short[0]) < 4 and short[0][-1] == end and end not in short[0][:-1].tolist()
+    assert short[1] >= plain[1] - 1e-5
+    assert BS.mode_search(model, params, prompt, 4, batch=8, end_tokens=(end,))[0].tolist() == short[0].tolist()
+    with pytest.raises(ParamsError, match="^mode_search does not take top_p$"):
+        BS.mode_search(model, params, prompt, 4, top_p=0.9)
+
+
 # ----------------------------------------------------------------------------- end tokens and length penalty
 
 # A Markov chain over a, b and END (token 2) whose next token depends on the last one only.

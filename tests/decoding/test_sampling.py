@@ -122,13 +122,13 @@ def test_compile_once_per_bucket(tiny_lm):
     # warm the (4, 16) bucket: three distinct prompts (identical ones are prefilled once, in a
     # smaller batch bucket, so the test must not depend on which buckets earlier tests compiled)
     S.sample_tokens(model, params, [np.array([1]), np.array([2, 3]), np.array([4, 5, 6])], 8, key, chunk=8)
-    before = (S._cache_chunk._cache_size(), S._prefill._cache_size())
+    before = (S.cache_chunk._cache_size(), S.prefill._cache_size())
     for _ in range(4):
         B = int(rng.integers(3, 5))  # batch bucket 4
         # distinct prompts: lengths 1 to 7, each at most once
         prompts = [rng.integers(0, cfg.V, size=n) for n in rng.choice(np.arange(1, 8), size=B, replace=False)]
         S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(int(rng.integers(100))), chunk=8)
-    assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
+    assert (S.cache_chunk._cache_size(), S.prefill._cache_size()) == before
 
 
 def test_one_chunk_unless_streaming(monkeypatch, backend):
@@ -142,8 +142,8 @@ def test_one_chunk_unless_streaming(monkeypatch, backend):
     params = M.init_params(cfg, jax.random.PRNGKey(2))
     prompts = [np.array([1, 2, 3]), np.array([4])]
     calls = []
-    real = S._cache_chunk
-    monkeypatch.setattr(S, "_cache_chunk", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    real = S.cache_chunk
+    monkeypatch.setattr(S, "cache_chunk", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
     key = jax.random.PRNGKey(4)
     whole = S.sample_tokens(model, params, prompts, 150, key)
     assert calls == ([256] if backend == "native" else [64, 64, 64])
@@ -256,13 +256,13 @@ def test_one_trace_whatever_the_rule_values(tiny_lm):
     prompts = [np.array([1, 2]), np.array([3, 4, 5])]
     make = lambda t, p, f: rules.chain(rules.frequency_penalty(f), rules.temperature(t), rules.top_p(p))
     S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(0), rule=make(1.0, 0.9, 0.1), chunk=8)
-    before = S._cache_chunk._cache_size()
+    before = S.cache_chunk._cache_size()
     for t, p, f in [(0.5, 0.3, 0.0), (2.0, 1.0, 1.5), (0.0, 0.7, 0.2)]:
         S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(1), rule=make(t, p, f), chunk=8)
     # per-row settings: one value per prompt
     per_row = make(jnp.array([0.7, 1.3]), jnp.array([0.5, 0.95]), jnp.array([0.0, 0.3]))
     S.sample_tokens(model, params, prompts, 8, jax.random.PRNGKey(1), rule=per_row, chunk=8)
-    assert S._cache_chunk._cache_size() == before
+    assert S.cache_chunk._cache_size() == before
 
 
 def test_per_row_settings_match_separate_runs(tiny_lm):
@@ -471,10 +471,10 @@ def test_no_cache_copy_in_the_step_loop(backend):
     B, C = 4, 256
     p = model.prepare(params, B)
     batch = S.make_batch([np.array([1, 2, 3])] * B, 10, model.V, model.T)
-    logits, cache = S._prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=model, capacity=C)
+    logits, cache = S.prefill(p, jnp.asarray(batch.prompt), jnp.asarray(batch.length), model=model, capacity=C)
     state = S.SamplingState(logits, jnp.asarray(batch.recent), jnp.asarray(batch.length), None,
                             jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), jnp.int32(0))
-    hlo = S._cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), jnp.zeros((B,), jnp.uint32), None,
+    hlo = S.cache_chunk.lower(p, state, cache, None, jax.random.PRNGKey(0), jnp.zeros((B,), jnp.uint32), None,
                                np.int32(10), model=model, chunk=16, greedy=False).compile(
         compiler_options=LIBRARY_COMPILER).as_text()
     assert _loop_body_ops(hlo, f"f32[{B},{cfg.heads},{C},{cfg.head_dim}]") == []

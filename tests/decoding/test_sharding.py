@@ -139,13 +139,13 @@ def _sharded_main(out_path: str) -> None:
             key = f"{current['case']}/{fn.__name__}"
             record = key not in layouts
             if record:  # before the call: a donated cache is gone after it
-                names = {"_cache_chunk": ["params", "state", "cache", "rule", "key", "row_ids"],
-                         "_window_chunk": ["params", "state", "rule", "key", "row_ids"],
-                         "_prefill": ["params", "prompt", "length"], "_grow": ["cache"]}.get(fn.__name__, [])
+                names = {"cache_chunk": ["params", "state", "cache", "rule", "key", "row_ids"],
+                         "window_chunk": ["params", "state", "rule", "key", "row_ids"],
+                         "prefill": ["params", "prompt", "length"], "grow": ["cache"]}.get(fn.__name__, [])
                 layouts[key] = {"in": {nm: _describe(a) for nm, a in zip(names, args)}}
-                if fn.__name__ == "_cache_chunk":
+                if fn.__name__ == "cache_chunk":
                     layouts[key]["state_fields"] = {f: _describe(v) for f, v in args[1]._asdict().items()}
-                if fn.__name__ == "_cache_chunk" and current["case"] == "sample-portable":
+                if fn.__name__ == "cache_chunk" and current["case"] == "sample-portable":
                     hlo = program.lower(*args).compile().as_text()
                     layouts[key]["collectives"] = sum(hlo.count(c) for c in (
                         "all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"))
@@ -276,7 +276,7 @@ def test_four_devices_equal_one(launched):
         assert leaf["shard_shapes"] == [leaf["shape"]], leaf
 
     for name, rows, cache_axis in (("greedy-native", 8, 0), ("sample-portable", 8, 0), ("sample-toy", 4, 2)):
-        chunk = lay[f"{name}/_cache_chunk"]
+        chunk = lay[f"{name}/cache_chunk"]
         for leaf in chunk["in"]["params"]:
             replicated(leaf)
         for leaf in chunk["in"]["cache"]:  # KV cache: rows split; their lengths too
@@ -290,30 +290,30 @@ def test_four_devices_equal_one(launched):
             split(leaf, 0, rows)
         for leaf in chunk["out"]:  # the new state, cache and outputs keep the layout
             assert leaf["shards"] == DEVICES
-        prefill = lay[f"{name}/_prefill"]
+        prefill = lay[f"{name}/prefill"]
         for leaf in prefill["in"]["prompt"] + prefill["in"]["length"]:
             split(leaf, 0, rows)
-    sample = lay["sample-portable/_cache_chunk"]
+    sample = lay["sample-portable/cache_chunk"]
     assert sample["collectives"] == 0  # every device decodes its own rows: no communication
     assert len(sample["state_fields"]["rule_state"]) >= 1 and len(sample["state_fields"]["cstate"]) == 1
     for leaf in sample["state_fields"]["rule_state"] + sample["state_fields"]["cstate"] + sample["in"]["key"]:
         split(leaf, 0, 8)  # penalty state, automaton states, one key per row
-    for leaf in lay["sample-toy/_cache_chunk"]["in"]["key"]:
+    for leaf in lay["sample-toy/cache_chunk"]["in"]["key"]:
         replicated(leaf)  # one key for every row
     # past the window: the exact window mode, split the same way
-    for leaf in lay["greedy-native/_window_chunk"]["in"]["state"]:
+    for leaf in lay["greedy-native/window_chunk"]["in"]["state"]:
         if leaf["shape"]:
             split(leaf, 0, 8)
         else:
             replicated(leaf)  # the step count
     # the toy model's cache grown from 128 to 256 positions, rows still split on its third axis
-    grow = lay["sample-toy/_grow"]
+    grow = lay["sample-toy/grow"]
     for leaf in grow["in"]["cache"] + grow["out"]:
         split(leaf, 2 if len(leaf["shape"]) > 1 else 0, 4)
     assert [grow["in"]["cache"][0]["shape"][3], grow["out"][0]["shape"][3]] == [128, 256]
     # a prompt past the window: no cache at all, the window mode from the start (4 rows)
-    assert "text/_prefill" not in lay and "text/_cache_chunk" not in lay
-    for leaf in lay["text/_window_chunk"]["in"]["state"] + lay["text/_window_chunk"]["in"]["key"]:
+    assert "text/prefill" not in lay and "text/cache_chunk" not in lay
+    for leaf in lay["text/window_chunk"]["in"]["state"] + lay["text/window_chunk"]["in"]["key"]:
         if leaf["shape"] and leaf["shape"] != [2]:
             split(leaf, 0, 4)
 

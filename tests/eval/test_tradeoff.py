@@ -133,14 +133,14 @@ def test_every_family_is_one_call_of_one_compiled_program(tiny_lm, monkeypatch):
         return TR.sample_groups(model, params, prompts, 6, key, [{name: v} for v in values])
 
     family("temperature", (0.5, 1.0))  # 6 rows, bucket 8: compiles the program
-    before = (S._cache_chunk._cache_size(), S._prefill._cache_size())
+    before = (S.cache_chunk._cache_size(), S.prefill._cache_size())
     calls.clear()
     for name, values in (("temperature", (0.7, 1.3)), ("top_k", (2, 5)), ("top_p", (0.5, 0.9)),
                          ("min_p", (0.1, 0.3)), ("typical", (0.2, 0.9)), ("eta", (0.01, 0.3))):
         out = family(name, values)
         assert len(out) == 2 and out[0][0].shape == (3, 6)
     assert len(calls) == 6  # one call per family
-    assert (S._cache_chunk._cache_size(), S._prefill._cache_size()) == before
+    assert (S.cache_chunk._cache_size(), S.prefill._cache_size()) == before
 
 
 # native only: this checks the study's grouping of rows, which has no forward of its own

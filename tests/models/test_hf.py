@@ -300,7 +300,7 @@ def test_mode_search_on_a_model_with_end_tokens(models):
     V = lm.decoder.V
     ids = lm.vocab.encode("ROMEO:")
     eos = (int(np.argsort(np.asarray(jax.jit(lm.decoder.forward)(lm.params, jnp.asarray([ids]))[0][0, -1]))[-2]),)
-    tokens, logprob, _ = mode_search(lm.decoder, lm.params, ids, 2, end_tokens=eos)
+    tokens, logprob, _ = mode_search(lm.decoder, lm.params, ids, 2, stop_token_ids=eos)
     # brute force: every first token, then the best second one (all V prefixes in one forward)
     lg, _ = jax.jit(lm.decoder.forward)(lm.params, jnp.asarray([ids]))
     lp1 = np.asarray(jax.nn.log_softmax(lg[0, -1]), np.float64)

@@ -346,7 +346,7 @@ def test_multichar_compiles_once_per_bucket(mc):
     # warm the bucket: batch 4, prompt width 16, the cache and (15 + 8 > T) the window mode
     S.sample_tokens(model, lm.params, [np.array([1]), np.arange(15) % model.V, np.array([2, 3])], MC_N,
                     jax.random.PRNGKey(0))
-    sizes = lambda: (S._cache_chunk._cache_size(), S._prefill._cache_size(), S._window_chunk._cache_size())
+    sizes = lambda: (S.cache_chunk._cache_size(), S.prefill._cache_size(), S.window_chunk._cache_size())
     before = sizes()
     for _ in range(4):
         B = int(rng.integers(3, 5))  # batch bucket 4, prompts of 1 to 15 tokens (width bucket 16)
