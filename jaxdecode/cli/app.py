@@ -10,30 +10,30 @@ import sys
 from jaxdecode.cli.common import (
     UsageError,
     add_weights_flag,
-    _Parser,
-    _argument_hint,
-    _draft_kind,
-    _model_draft,
-    _unit,
+    Parser,
+    argument_hint,
+    draft_kind,
+    model_draft,
+    unit_name,
     SEED_MAX,
-    _seed,
-    _print_json,
-    _encode,
-    _unescape,
-    _rule_specs,
-    _cli_rule,
-    _settings,
-    _load,
-    _read_prompt,
-    _constraint,
-    _constraint_settings,
-    _streaming,
+    seed_value,
+    print_json,
+    encode_text,
+    unescape,
+    rule_specs,
+    cli_rule,
+    rule_settings,
+    load_model,
+    read_prompt,
+    compile_constraint,
+    constraint_settings,
+    streaming,
     BIG_REQUEST,
-    _memory_size,
-    _positive_int,
-    _past_window,
-    _print_samples,
-    _stops,
+    memory_size,
+    positive_int,
+    past_window,
+    print_samples,
+    stop_strings,
 )
 from jaxdecode.cli.checkpoint import cmd_convert, cmd_eval, cmd_info, cmd_quantize, cmd_train
 
@@ -60,7 +60,7 @@ def _check_combinations(args):
         if args.smc is not None:
             raise UsageError("--stream does not apply to --smc: the estimate is known only at the end")
     if args.greedy:
-        truncation = [spec.flag for spec in _rule_specs() if spec.kind in ("truncation", "temperature")
+        truncation = [spec.flag for spec in rule_specs() if spec.kind in ("truncation", "temperature")
                       and spec.name != "temperature" and getattr(args, spec.name) is not None]
         if truncation:
             raise UsageError(f"--greedy takes the most probable token, which {', '.join(truncation)} would not "
@@ -87,19 +87,19 @@ def _check_combinations(args):
 def cmd_generate(args):
     from jaxdecode.decoding.sampling import generate
 
-    prompt = _read_prompt(args)
+    prompt = read_prompt(args)
     if not 0 <= args.n <= MAX_NEW_TOKENS:
         raise UsageError(f"-n must be in 0..{MAX_NEW_TOKENS:,}, got {args.n}")
     if not 1 <= args.num_samples <= MAX_SAMPLES:
         raise UsageError(f"--num-samples must be in 1..{MAX_SAMPLES:,}, got {args.num_samples}")
     _check_combinations(args)
-    settings = _settings(args)
+    settings = rule_settings(args)
     for name, value in settings.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.greedy and settings.get("temperature") not in (None, 0.0):
         raise UsageError("--greedy contradicts --temperature > 0")
-    rule = _cli_rule(settings)  # validates before anything is loaded or traced
+    rule = cli_rule(settings)  # validates before anything is loaded or traced
     from jaxdecode.cli import generate as G
 
     if args.contrastive is not None:
@@ -108,18 +108,18 @@ def cmd_generate(args):
         return G.generate_beam(args, prompt, rule, settings)
     if args.speculative is not None:
         return G.generate_speculative(args, prompt, rule, settings)
-    lm = _load(args)
-    ids = _encode(lm, prompt, "the prompt")  # unknown characters: a clear error before any work
-    constraint = _constraint(args, lm)
+    lm = load_model(args)
+    ids = encode_text(lm, prompt, "the prompt")  # unknown characters: a clear error before any work
+    constraint = compile_constraint(args, lm)
     if args.smc is not None:
         return G.generate_smc(args, lm, prompt, constraint, settings)
-    stop = _stops(args, lm)
+    stop = stop_strings(args, lm)
     from jaxdecode.decoding.common import default_settings
 
     settings, greedy = default_settings(lm, settings, args.greedy, not args.no_generation_config)
-    _cli_rule(settings)  # the merged settings checked, their errors naming the flags
-    stream, on_text = _streaming(args, prompt)
-    on_text, done = _past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
+    cli_rule(settings)  # the merged settings checked, their errors naming the flags
+    stream, on_text = streaming(args, prompt)
+    on_text, done = past_window(args, lm, len(ids), args.n, args.num_samples, on_text)
     # a large request (within the window) shows a bar of its own; it runs in batches that fit memory
     big = (not args.quiet and not stream and len(ids) + args.n <= lm.decoder.T
            and args.num_samples * args.n >= BIG_REQUEST)
@@ -134,14 +134,14 @@ def cmd_generate(args):
                             "tokens": o.tokens.tolist(), "finish_reason": o.finish_reason} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
                             "greedy": bool(greedy), "stop": stop, "checkpoint": str(lm.path),
-                            **_constraint_settings(args), **settings}}
-        _print_json(doc)
+                            **constraint_settings(args), **settings}}
+        print_json(doc)
         return
     if stream:
         sys.stdout.write("\n")
-        print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per {_unit(lm)}", file=sys.stderr)
+        print(f"--- mean log-probability {outs[0].mean_logprob:.3f} nats per {unit_name(lm)}", file=sys.stderr)
         return
-    _print_samples(outs, _unit(lm))
+    print_samples(outs, unit_name(lm))
 
 
 def _contrastive_setting(text: str) -> tuple[int, float]:
@@ -156,26 +156,26 @@ def _contrastive_setting(text: str) -> tuple[int, float]:
 def cmd_mode(args):
     from jaxdecode.decoding.beam import mode_search
 
-    prompt = _read_prompt(args)
+    prompt = read_prompt(args)
     if args.n < 1:
         raise UsageError(f"-n must be >= 1, got {args.n}")
     if args.budget < 1:
         raise UsageError(f"--budget must be >= 1 node, got {args.budget}")
-    lm = _load(args)
-    ids = _encode(lm, prompt, "the prompt")
-    _past_window(args, lm, len(ids), args.n, bar=False)
+    lm = load_model(args)
+    ids = encode_text(lm, prompt, "the prompt")
+    past_window(args, lm, len(ids), args.n, bar=False)
     from jaxdecode.decoding.search import SearchBudgetExceeded
 
     try:
         tokens, logprob, nodes = mode_search(lm.decoder, lm.params, ids, args.n, node_budget=args.budget,
-                                             end_tokens=lm.eos_ids)
+                                             stop_token_ids=lm.eos_ids)
     except SearchBudgetExceeded as e:
         raise UsageError(f"{str(e).split(';')[0]}: raise --budget or lower -n") from None
     from jaxdecode.decoding.common import finish_text
 
     tokens, text, reason = finish_text(lm, tokens, False)
     if args.json:
-        _print_json({"prompt": prompt, "text": text, "tokens": tokens.tolist(), "logprob": logprob,
+        print_json({"prompt": prompt, "text": text, "tokens": tokens.tolist(), "logprob": logprob,
                      "finish_reason": reason, "nodes_expanded": nodes})
     else:
         unit = "tokens" if getattr(lm.vocab, "subword", False) else "characters"
@@ -213,13 +213,13 @@ def cmd_study(args):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     require_matplotlib()  # the figures: before minutes of work, not after
-    options = {"prompts": args.prompts, "n": args.n, "budget": args.budget, "draft": _model_draft(args.draft)}
+    options = {"prompts": args.prompts, "n": args.n, "budget": args.budget, "draft": model_draft(args.draft)}
     created = _study_folders(args)
     try:
         # a study with a shipped model of its own (tokenization: the subword one) runs on it unless
         # --ckpt names another
-        own = None if args.ckpt else (lambda name: _load(argparse.Namespace(**{**vars(args), "ckpt": name})))
-        run_command(args.name, lambda: _load(args), args.out, seed=args.seed, data_path=args.data,
+        own = None if args.ckpt else (lambda name: load_model(argparse.Namespace(**{**vars(args), "ckpt": name})))
+        run_command(args.name, lambda: load_model(args), args.out, seed=args.seed, data_path=args.data,
                     progress=not args.quiet, options=options, load_default=own)
     except BaseException:
         # a study that failed (no corpus, a bad option) leaves no empty folder behind
@@ -232,18 +232,18 @@ def cmd_study(args):
 def cmd_score(args):
     from jaxdecode.decoding.score import score_texts
 
-    text, prompt = _unescape(args.text), _unescape(args.prompt or "")
+    text, prompt = unescape(args.text), unescape(args.prompt or "")
     if not text:
         raise UsageError("the text to score is empty")
-    lm = _load(args)
-    _encode(lm, prompt, "the prompt")
-    _encode(lm, text, "the text")
+    lm = load_model(args)
+    encode_text(lm, prompt, "the prompt")
+    encode_text(lm, text, "the text")
     res = score_texts(lm, [text], [prompt])[0]
     if args.json:
-        _print_json({"prompt": res.prompt, "text": text, "mean_logprob": res.mean_logprob,
+        print_json({"prompt": res.prompt, "text": text, "mean_logprob": res.mean_logprob,
                      "logprobs": res.logprobs.tolist(), "probabilities": res.probabilities.tolist()})
     else:
-        print(f"{res.mean_logprob:.4f} nats per {_unit(lm)} over {len(res.logprobs)} {_unit(lm)}s")
+        print(f"{res.mean_logprob:.4f} nats per {unit_name(lm)} over {len(res.logprobs)} {unit_name(lm)}s")
 
 
 # ----------------------------------------------------------------------------- parser
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from importlib.metadata import version
 
-    p = _Parser(prog="jaxdecode", description="Decode text from a language model: generate, search, score, "
+    p = Parser(prog="jaxdecode", description="Decode text from a language model: generate, search, score, "
                 "serve. 'jaxdecode COMMAND --help' describes each command.")
     p.add_argument("--version", action="version", version=f"jaxdecode {version('jaxdecode')}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -278,12 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate (default 300; for the character model a token is a character)")
     s.add_argument("--num-samples", type=int, default=1, metavar="N",
                    help="samples per prompt, each with its own random stream (default 1)")
-    s.add_argument("--memory-budget", type=_memory_size, default=None, metavar="SIZE",
+    s.add_argument("--memory-budget", type=memory_size, default=None, metavar="SIZE",
                    help="run the samples in batches that fit SIZE bytes (e.g. 2G; default: "
                         "$JAXDECODE_MEMORY_BUDGET, else from the device's memory)")
-    s.add_argument("--max-rows", type=_positive_int, default=None, metavar="N",
+    s.add_argument("--max-rows", type=positive_int, default=None, metavar="N",
                    help="at most N samples per batch (default 256: larger batches are no faster)")
-    s.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
+    s.add_argument("--seed", type=seed_value, default=0, help=f"random seed, 0 to {SEED_MAX} (default 0)")
     s.add_argument("--ckpt", default=None, help="checkpoint folder: the shipped model (default), one of ours, "
                    "or a Hugging Face folder (docs/huggingface.md lists the families)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream text even when stdout is not a terminal (one sample; not with --json, "
                         "--beam or --smc, whose output is known only at the end)")
     s.add_argument("--quiet", action="store_true", help="no notes or progress bars on stderr")
-    for spec in _rule_specs():
+    for spec in rule_specs():
         s.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=spec.metavar,
                        help=spec.help)
     s.add_argument("--regex", default=None, metavar="PATTERN",
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--length-penalty", type=float, default=None, metavar="ALPHA",
                    help="beam: divide scores by ((5+|y|)/6)^ALPHA")
     s.add_argument("--n-best", type=int, default=None, help="beam: print the N best hypotheses")
-    s.add_argument("--speculative", type=_draft_kind, default=None, metavar="DRAFT",
+    s.add_argument("--speculative", type=draft_kind, default=None, metavar="DRAFT",
                    help=f"speculative sampling with this draft (exact: same distribution as plain "
                         f"sampling): {', '.join(DRAFTS)}, or the folder of a smaller model sharing the "
                         f"model's tokenizer; distilled, the fastest for the character model, is an n-gram "
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name", choices=[*STUDIES, "all"], help="the study, or all of them in turn")
     s.add_argument("--out", default=None, help="output folder (default results/NAME; with all, "
                                                "one folder per study in it, default results/)")
-    s.add_argument("--seed", type=_seed, default=None, help="random seed (default: each study's, 0)")
+    s.add_argument("--seed", type=seed_value, default=None, help="random seed (default: each study's, 0)")
     s.add_argument("--ckpt", default=None, help="the model (default: the shipped character model; the "
                                                 "tokenization study: the shipped subword one, shakespeare-bpe)")
     s.add_argument("--data", default=None)
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     s.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to 10%%)")
     s.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
-    s.add_argument("--seed", type=_seed, default=0, help="the run's seed: parameters and windows")
+    s.add_argument("--seed", type=seed_value, default=0, help="the run's seed: parameters and windows")
     s.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and saves)")
     s.add_argument("--eval-windows", type=int, default=32, help="fixed held-out windows evaluated")
     s.add_argument("--resume", action="store_true", help="continue from the optimizer state in out_dir")
@@ -434,13 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxdecode.cli.bench import add_serve_bench  # serve-bench: static against continuous batching
 
-    add_serve_bench(sub, _seed)
+    add_serve_bench(sub, seed_value)
     from jaxdecode.cli.server import add_serve  # serve: the OpenAI-compatible server
 
     add_serve(sub)
     from jaxdecode.cli.chat import add_chat  # chat: an interactive conversation
 
-    add_chat(sub, _seed)
+    add_chat(sub, seed_value)
     from jaxdecode.cli.explore import add_explore  # explore: the decoding explorer in a browser
 
     add_explore(sub)
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        hint = _argument_hint(parser, sys.argv[1:] if argv is None else list(argv))
+        hint = argument_hint(parser, sys.argv[1:] if argv is None else list(argv))
         print(f"jaxdecode: error: {_one_line(e)}{hint}", file=sys.stderr)
         return 2
     from jaxdecode.models.checkpoint import CheckpointError

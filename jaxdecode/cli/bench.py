@@ -207,7 +207,7 @@ def _figure(path, sweep: list[dict], runs: list[dict], title: str):
 
 
 def cmd_serve_bench(args):
-    from jaxdecode.cli.common import UsageError, _load, _note
+    from jaxdecode.cli.common import UsageError, load_model, note
     from jaxdecode.serving.engine import Engine, RealClock
     from jaxdecode.serving.warmup import count_compiles
     from jaxdecode.serving.simulator import DEFAULT_STEP_MODEL, StepTimeModel, VirtualClock, compare, scripts_of
@@ -229,7 +229,7 @@ def cmd_serve_bench(args):
     if args.out:
         require_matplotlib()
 
-    lm = _load(args)
+    lm = load_model(args)
     held = heldout_text(lm, args.data)
     requests = build_workload(lm, held, args.requests, args.rate, args.n, args.shared_prefix, args.seed)
     kind = "simulated" if args.simulate else "measured"
@@ -238,7 +238,7 @@ def cmd_serve_bench(args):
         # them); then a first pass on the wall clock, each policy, runs each program once before
         # the timed runs (a program's first call costs more than the later ones, compiled or not)
         compiled = Engine(lm, config=config).warm_up(requests)
-        _note(args, f"compiled {compiled} programs; a first pass of {len(requests)} requests on the wall "
+        note(args, f"compiled {compiled} programs; a first pass of {len(requests)} requests on the wall "
                     f"clock, each policy (about {requests[-1].arrival:.0f} s of arrivals each), "
                     f"then the timed pass")
         for policy in ("static", "continuous"):

@@ -29,7 +29,7 @@ def add_chat(sub, seed_type) -> None:
 
 
 def cmd_chat(args):
-    from jaxdecode.cli.common import UsageError, _load
+    from jaxdecode.cli.common import UsageError, load_model
     from jaxdecode.models.checkpoint import resolve
     from jaxdecode.rules import make_rule
     from jaxdecode.serving.engine import Engine, Request
@@ -47,7 +47,7 @@ def cmd_chat(args):
         raise UsageError(str(e)) from None
     if template is None:
         raise UsageError("this checkpoint has no chat template: give one with --chat-template FILE")
-    lm = _load(args)
+    lm = load_model(args)
     engine = Engine(lm, 1)
     greedy = args.temperature == 0
     rule = make_rule(temperature=None if greedy or args.temperature == 1 else args.temperature,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxdecode.cli.common import UsageError, _encode, _load, _print_json, _unescape
+from jaxdecode.cli.common import UsageError, encode_text, load_model, print_json, unescape
 
 
 def cmd_info(args):
@@ -27,7 +27,7 @@ def cmd_info(args):
                        if k not in ("V", "T", "d", "L", "heads", "chars", "parameters")},
     }
     if args.json:
-        _print_json(info, indent=2)
+        print_json(info, indent=2)
         return
     c = info["config"]
     print(f"checkpoint  {info['path']}")
@@ -92,9 +92,9 @@ def cmd_eval(args):
         raise UsageError(f"--windows must be >= 1, got {args.windows}")
     if args.text is None and args.prompt is not None:
         raise UsageError("--prompt needs --text (the text to score after it)")
-    if args.text is not None and not _unescape(args.text):
+    if args.text is not None and not unescape(args.text):
         raise UsageError("the text to score is empty")
-    lm = _load(args)
+    lm = load_model(args)
     out = {"checkpoint": str(lm.path)}
     if lm.meta.get("format") == "huggingface":
         out["weights"] = lm.meta["weights"]
@@ -107,7 +107,7 @@ def cmd_eval(args):
             record = training_record(lm)
         else:
             _, val = data_lib.split(text)
-            held = _encode(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")
+            held = encode_text(lm, val, f"the held-out part of the corpus ({data_lib.locate_corpus(args.data)})")
             windows = data_lib.eval_windows(held, lm.cfg.T, args.windows)
             out["held_out_loss"] = held_out_loss(lm.params, lm.cfg, windows)
             out["held_out_windows"] = int(windows.shape[0])
@@ -117,14 +117,14 @@ def cmd_eval(args):
     if args.text is not None:
         from jaxdecode.decoding.score import score_texts
 
-        text, prompt = _unescape(args.text), _unescape(args.prompt or "")
-        _encode(lm, prompt, "the prompt")
-        _encode(lm, text, "the text")
+        text, prompt = unescape(args.text), unescape(args.prompt or "")
+        encode_text(lm, prompt, "the prompt")
+        encode_text(lm, text, "the text")
         res = score_texts(lm, [text], prompts=[prompt])[0]
         out["mean_logprob"] = res.mean_logprob
         out["characters"] = len(res.logprobs)
     if args.json:
-        _print_json(out, indent=2)
+        print_json(out, indent=2)
     else:
         for k, v in out.items():
             print(f"{k:<22} {v:.4f}" if isinstance(v, float) else f"{k:<22} {v}")

@@ -13,7 +13,7 @@ class UsageError(ValueError):
     """Bad input from the command line: reported as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line (``jaxdecode: error: ...``, exit code 2) instead of
     a usage block: :func:`main` reports the :class:`UsageError`."""
 
@@ -32,7 +32,7 @@ def _known_options(parser) -> set[str]:
     return found
 
 
-def _argument_hint(parser, argv) -> str:
+def argument_hint(parser, argv) -> str:
     """What to add to an argparse error: where the help is; for a word that starts with '-' but is
     no option, the option meant when one is close (``--top_p``: ``--top-p``), else how to pass a
     text that starts with '-' (a prompt such as "-- Enter ROMEO")."""
@@ -67,7 +67,7 @@ def _argument_hint(parser, argv) -> str:
 SEED_MAX = 2**32 - 1  # PRNGKey keeps 32 bits of a seed: larger seeds would repeat smaller ones
 
 
-def _seed(text: str) -> int:
+def seed_value(text: str) -> int:
     """A --seed value: an integer in [0, SEED_MAX]."""
     try:
         value = int(text)
@@ -90,18 +90,18 @@ def _plain(obj):
     return obj
 
 
-def _print_json(obj, **kwargs) -> None:
+def print_json(obj, **kwargs) -> None:
     """``obj`` as strict JSON on stdout."""
     print(json.dumps(_plain(obj), ensure_ascii=False, allow_nan=False, **kwargs))
 
 
-def _note(args, message: str) -> None:
+def note(args, message: str) -> None:
     """A one-line note on stderr (none with --quiet)."""
     if not getattr(args, "quiet", False):
         print(f"jaxdecode: note: {message}", file=sys.stderr, flush=True)
 
 
-def _encode(lm, text: str, what: str):
+def encode_text(lm, text: str, what: str):
     """``lm.vocab.encode(text)``; a character outside the vocabulary is a UsageError naming ``what``."""
     from jaxdecode.io.vocab import UnknownCharacterError
 
@@ -114,7 +114,7 @@ def _encode(lm, text: str, what: str):
                          f"('jaxdecode info' lists the vocabulary)") from None
 
 
-def _unescape(s: str) -> str:
+def unescape(s: str) -> str:
     r"""Turn the escapes ``\n``, ``\t`` and ``\\`` into their characters."""
     out, i = [], 0
     while i < len(s):
@@ -130,7 +130,7 @@ def _unescape(s: str) -> str:
     return "".join(out)
 
 
-def _draft_kind(text: str) -> str:
+def draft_kind(text: str) -> str:
     """``--speculative``: a registered draft, or the folder of a smaller model (same tokenizer)."""
     from pathlib import Path
 
@@ -142,12 +142,12 @@ def _draft_kind(text: str) -> str:
                                      "the folder of a smaller model with the same tokenizer)")
 
 
-def _unit(lm) -> str:
+def unit_name(lm) -> str:
     """What a token of ``lm`` is called in messages: a character for the character model."""
     return "token" if getattr(lm.vocab, "subword", False) else "character"
 
 
-def _model_draft(folder):
+def model_draft(folder):
     """A smaller model with the same tokenizer, as a speculative draft (None: no folder given)."""
     if folder is None:
         return None
@@ -162,13 +162,14 @@ def _model_draft(folder):
 _FLAG_KINDS = ("temperature", "truncation", "penalty")
 
 
-def _rule_specs():
+def rule_specs():
+    """The registered rules in the order --help lists their flags."""
     from jaxdecode.rules import REGISTRY
 
     return sorted(REGISTRY, key=lambda spec: _FLAG_KINDS.index(spec.kind))
 
 
-def _cli_rule(settings: dict):
+def cli_rule(settings: dict):
     """:func:`jaxdecode.make_rule` of the rule flags, its errors naming the flags (``--top-p must
     lie in (0, 1], got 2``) rather than the Python parameters."""
     import re
@@ -184,7 +185,8 @@ def _cli_rule(settings: dict):
         raise UsageError(str(e)) from None
 
 
-def _settings(args) -> dict:
+def rule_settings(args) -> dict:
+    """The rule flags given on the command line, as :func:`jaxdecode.make_rule` keywords."""
     from jaxdecode.rules import REGISTRY
 
     return {spec.name: getattr(args, spec.name) for spec in REGISTRY
@@ -199,7 +201,8 @@ def add_weights_flag(s) -> None:
                         "int8 (weight-only, quantized when loaded) or int4 (weight-only, groups of 32)")
 
 
-def _load(args):
+def load_model(args):
+    """The model of --ckpt, with --dtype and --weights; their misuse on the character model is a UsageError."""
     from jaxdecode.models import checkpoint
 
     try:
@@ -216,14 +219,15 @@ def _load(args):
     return lm
 
 
-def _read_prompt(args) -> str:
-    prompt = _unescape(args.prompt)
+def read_prompt(args) -> str:
+    """The prompt argument, unescaped; an empty prompt is a UsageError."""
+    prompt = unescape(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty: give at least one character")
     return prompt
 
 
-def _constraint(args, lm):
+def compile_constraint(args, lm):
     """The --regex / --choice / --json-schema constraint, compiled for ``lm``'s vocabulary, or None."""
     from jaxdecode import constraints as C
 
@@ -232,9 +236,9 @@ def _constraint(args, lm):
     if len(given) > 1:
         raise UsageError(f"give one constraint, not {' and '.join(given)}")
     if args.regex is not None:
-        c = C.compile_regex(_unescape(args.regex), lm.vocab)
+        c = C.compile_regex(unescape(args.regex), lm.vocab)
     elif args.choice:
-        c = C.compile_choices([_unescape(x) for x in args.choice], lm.vocab)
+        c = C.compile_choices([unescape(x) for x in args.choice], lm.vocab)
     elif args.json_schema is not None:
         try:
             text = open(args.json_schema, encoding="utf-8").read()
@@ -247,12 +251,13 @@ def _constraint(args, lm):
     return c
 
 
-def _constraint_settings(args) -> dict:
+def constraint_settings(args) -> dict:
+    """The constraint flags given, for the JSON output's settings."""
     return {k: v for k, v in (("regex", args.regex), ("choice", args.choice), ("json_schema", args.json_schema))
             if v}
 
 
-def _streaming(args, prompt):
+def streaming(args, prompt):
     """Whether to stream (one sample, not JSON; a terminal or --stream), and the callback."""
     stream = not args.json and args.num_samples == 1 and (sys.stdout.isatty() or args.stream)
     if not stream:
@@ -270,7 +275,8 @@ def _streaming(args, prompt):
 BIG_REQUEST = 50_000  # characters: a request this large shows a progress bar
 
 
-def _memory_size(text: str) -> int:
+def memory_size(text: str) -> int:
+    """A --memory-budget value such as ``2G``, in bytes."""
     from jaxdecode.decoding.budget import parse_bytes
 
     try:
@@ -279,7 +285,8 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argument type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -289,7 +296,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None, bar: bool = True):
+def past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None, bar: bool = True):
     """Generation that reaches past the model's window ``T`` runs the exact window path (a forward
     over the last ``T`` characters per step, much slower than a cached step): say so on stderr and,
     with ``bar``, show a progress bar with the time left, advanced through ``on_text``.
@@ -302,12 +309,12 @@ def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None,
         return on_text, lambda: None
     unit = "tokens" if getattr(lm.vocab, "subword", False) else "characters"
     if prompt_len > T:
-        _note(args, f"the prompt has {prompt_len} {unit}: the model sees only the last {T} (its window "
+        note(args, f"the prompt has {prompt_len} {unit}: the model sees only the last {T} (its window "
                     f"T), and each {unit[:-1]} generated past T runs the exact window path (a forward over "
                     f"the last {T} {unit} per step), much slower than within T")
     else:
         past = prompt_len + n - T
-        _note(args, f"{past} of the {n} {unit} {'lies' if past == 1 else 'lie'} past the model's window "
+        note(args, f"{past} of the {n} {unit} {'lies' if past == 1 else 'lie'} past the model's window "
                     f"T={T}: each runs the exact window path (a forward over the last {T} {unit} per step), much "
                     f"slower than within T")
     if not bar or args.quiet or (on_text is not None and sys.stdout.isatty()):
@@ -332,20 +339,21 @@ def _past_window(args, lm, prompt_len: int, n: int, rows: int = 1, on_text=None,
     return advance, progress.close
 
 
-def _print_samples(outs, unit="character"):
+def print_samples(outs, unit="character"):
+    """The samples as text on stdout, each headed by its mean log-probability when there are several."""
     for i, o in enumerate(outs):
         if len(outs) > 1:
             print(f"--- sample {i} (mean log-probability {o.mean_logprob:.3f} nats per {unit})")
         print(o.prompt + o.text)
 
 
-def _stops(args, lm):
+def stop_strings(args, lm):
     """The --stop strings, unescaped and checked against the vocabulary, or None."""
     if not args.stop:
         return None
-    stops = [_unescape(s) for s in args.stop]
+    stops = [unescape(s) for s in args.stop]
     for s in stops:
         if not s:
             raise UsageError("--stop: a stop string must not be empty")
-        _encode(lm, s, f"the stop string {s!r}")
+        encode_text(lm, s, f"the stop string {s!r}")
     return stops

@@ -14,9 +14,9 @@ def make_explorer(options: dict, lm=None):
             return lm
         from argparse import Namespace
 
-        from jaxdecode.cli.common import _load
+        from jaxdecode.cli.common import load_model
 
-        return _load(Namespace(ckpt=options.get("ckpt"), dtype=options.get("dtype"), weights=options.get("weights")))
+        return load_model(Namespace(ckpt=options.get("ckpt"), dtype=options.get("dtype"), weights=options.get("weights")))
 
     from jaxdecode.server.explore import Explorer
 

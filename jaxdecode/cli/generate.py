@@ -10,16 +10,16 @@ import numpy as np
 
 from jaxdecode.cli.common import (
     UsageError,
-    _constraint,
-    _constraint_settings,
-    _encode,
-    _load,
-    _past_window,
-    _print_json,
-    _print_samples,
-    _stops,
-    _streaming,
-    _unit,
+    compile_constraint,
+    constraint_settings,
+    encode_text,
+    load_model,
+    past_window,
+    print_json,
+    print_samples,
+    stop_strings,
+    streaming,
+    unit_name,
 )
 
 
@@ -47,11 +47,11 @@ def generate_contrastive(args, prompt, settings):
     if clash:
         raise UsageError(f"--contrastive is deterministic and ranks the model's own top-k; it does not "
                          f"combine with {', '.join(clash)}")
-    lm = _load(args)
-    ids = _encode(lm, prompt, "the prompt")
-    stop = _stops(args, lm)
-    stream, on_text = _streaming(args, prompt)
-    on_text, done = _past_window(args, lm, len(ids), args.n, 1, on_text)
+    lm = load_model(args)
+    ids = encode_text(lm, prompt, "the prompt")
+    stop = stop_strings(args, lm)
+    stream, on_text = streaming(args, prompt)
+    on_text, done = past_window(args, lm, len(ids), args.n, 1, on_text)
     try:
         out = contrastive_generate(lm, prompt, decode_params(args, stop=stop), k, alpha, on_text=on_text)[0]
     except ValueError as e:
@@ -59,13 +59,13 @@ def generate_contrastive(args, prompt, settings):
     finally:
         done()
     if args.json:
-        _print_json({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
+        print_json({"outputs": [{"prompt": prompt, "text": out.text, "mean_logprob": out.mean_logprob,
                                   "tokens": out.tokens.tolist(), "finish_reason": out.finish_reason}],
                      "settings": {"n": args.n, "contrastive": {"k": k, "alpha": alpha}, "stop": stop,
                                   "checkpoint": str(lm.path)}})
     elif stream:
         sys.stdout.write("\n")
-        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per {_unit(lm)}", file=sys.stderr)
+        print(f"--- mean log-probability {out.mean_logprob:.3f} nats per {unit_name(lm)}", file=sys.stderr)
     else:
         print(out.prompt + out.text)
 
@@ -88,11 +88,11 @@ def generate_smc(args, lm, prompt, constraint, settings):
     draws = rng.choice(len(ranked), size=args.num_samples, p=np.array([p for _, p in ranked]) / sum(p for _, p in ranked))
     texts = [ranked[i][0] for i in draws]
     if args.json:
-        _print_json({"outputs": [{"prompt": prompt, "text": t} for t in texts],
+        print_json({"outputs": [{"prompt": prompt, "text": t} for t in texts],
                      "distribution": [{"text": t, "probability": p} for t, p in ranked],
                      "log_marginal_likelihood": res.log_marginal,
                      "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
-                                  "smc": args.smc, "checkpoint": str(lm.path), **_constraint_settings(args)}})
+                                  "smc": args.smc, "checkpoint": str(lm.path), **constraint_settings(args)}})
         return
     for t in texts:
         print(prompt + t)
@@ -112,11 +112,11 @@ def generate_beam(args, prompt, rule, settings):
     if args.num_samples != 1:
         raise UsageError("--num-samples does not apply to beam search (use --n-best)")
     alpha = args.length_penalty if args.length_penalty is not None else 0.0
-    lm = _load(args)
-    ids = _encode(lm, prompt, "the prompt")
-    constraint = _constraint(args, lm)
-    stop = _stops(args, lm)
-    _past_window(args, lm, len(ids), args.n, bar=False)  # beam search reports nothing until the end
+    lm = load_model(args)
+    ids = encode_text(lm, prompt, "the prompt")
+    constraint = compile_constraint(args, lm)
+    stop = stop_strings(args, lm)
+    past_window(args, lm, len(ids), args.n, bar=False)  # beam search reports nothing until the end
     params = decode_params(args, settings, stop=stop, constraint=constraint)
     hyps = beam_generate(lm, prompt, params, args.beam, n_best=n_best, length_penalty=alpha)[0]
     if args.json:
@@ -124,11 +124,11 @@ def generate_beam(args, prompt, rule, settings):
                             "tokens": np.asarray(h.tokens).tolist(), "score": h.score,
                             "logprob": h.logprob, "finished": bool(h.finished)} for h in hyps],
                "settings": {"n": args.n, "beam": args.beam, "n_best": n_best, "length_penalty": alpha,
-                            "stop": stop, "checkpoint": str(lm.path), **_constraint_settings(args), **settings}}
-        _print_json(doc)
+                            "stop": stop, "checkpoint": str(lm.path), **constraint_settings(args), **settings}}
+        print_json(doc)
         return
     for i, h in enumerate(hyps):
-        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per {_unit(lm)}")
+        print(f"--- beam {i}: score {h.score:.3f}, mean log-probability {h.mean_logprob:.3f} nats per {unit_name(lm)}")
         print(prompt + h.text)
 
 
@@ -153,10 +153,10 @@ def generate_speculative(args, prompt, rule, settings):
         raise UsageError(f"--ngram-order must be between 1 and 6, got {order}")
     if backoff is not None and not (backoff > 0 and math.isfinite(backoff)):
         raise UsageError(f"--ngram-backoff must be a positive number, got {backoff}")
-    lm = _load(args)
-    check_request(lm.decoder, len(_encode(lm, prompt, "the prompt")), args.n, gamma)  # before building a draft
-    constraint = _constraint(args, lm)
-    stop = _stops(args, lm)
+    lm = load_model(args)
+    check_request(lm.decoder, len(encode_text(lm, prompt, "the prompt")), args.n, gamma)  # before building a draft
+    constraint = compile_constraint(args, lm)
+    stop = stop_strings(args, lm)
     if args.speculative in DRAFTS:
         draft = make_draft(args.speculative, lm, data_path=args.data, n=order, backoff=backoff,
                            progress=not args.quiet)
@@ -170,7 +170,7 @@ def generate_speculative(args, prompt, rule, settings):
             raise UsageError(f"--speculative {args.speculative}: the draft's vocabulary ({small.decoder.V} tokens) "
                              f"is not the model's ({lm.decoder.V}); a draft must share the model's tokenizer")
         draft = ModelDraft.from_lm(small)
-    stream, on_text = _streaming(args, prompt)
+    stream, on_text = streaming(args, prompt)
     params = decode_params(args, settings, seed=args.seed, greedy=args.greedy, num_samples=args.num_samples,
                            stop=stop, constraint=constraint)
     outs = speculative_generate(lm, prompt, params, draft=draft, gamma=gamma, on_text=on_text)
@@ -184,14 +184,14 @@ def generate_speculative(args, prompt, rule, settings):
                             "stats": o.stats.as_dict()} for o in outs],
                "settings": {"n": args.n, "seed": args.seed, "num_samples": args.num_samples,
                             "greedy": bool(args.greedy), "stop": stop, "speculative": args.speculative,
-                            "gamma": gamma, **_constraint_settings(args),
+                            "gamma": gamma, **constraint_settings(args),
                             "ngram_order": order, "ngram_backoff": backoff,
                             "checkpoint": str(lm.path), **settings},
                "stats": total.as_dict()}
-        _print_json(doc)
+        print_json(doc)
         return
     if stream:
         sys.stdout.write("\n")
     else:
-        _print_samples(outs, _unit(lm))
+        print_samples(outs, unit_name(lm))
     print(line, file=sys.stderr)

@@ -76,7 +76,7 @@ def _on_mesh(lm, sizes: dict | None):
 def cmd_serve(args):
     import uvicorn
 
-    from jaxdecode.cli.common import UsageError, _load
+    from jaxdecode.cli.common import UsageError, load_model
     from jaxdecode.server.app import Server, build_app
     from jaxdecode.server.chat import ChatTemplateError, load_chat_template
     from jaxdecode.models.checkpoint import resolve as resolve_checkpoint
@@ -103,7 +103,7 @@ def cmd_serve(args):
     kw = dict(model_name=name, api_key=args.api_key or os.environ.get("JAXDECODE_API_KEY"),
               chat_template=template, max_waiting=args.max_waiting)
     if args.engine_thread:
-        lm = _load(args)
+        lm = load_model(args)
         try:
             lm = _on_mesh(lm, mesh)
             engine = _engine(lm, options)
@@ -162,10 +162,10 @@ def build_engine(options: dict):
     checkpoint and the engine options ``serve`` was given."""
     from argparse import Namespace
 
-    from jaxdecode.cli.common import UsageError, _load
+    from jaxdecode.cli.common import UsageError, load_model
 
     try:
-        lm = _load(Namespace(ckpt=options["ckpt"], dtype=options["dtype"], weights=options.get("weights")))
+        lm = load_model(Namespace(ckpt=options["ckpt"], dtype=options["dtype"], weights=options.get("weights")))
         lm = _on_mesh(lm, options.get("mesh"))
     except UsageError as e:
         raise ValueError(str(e)) from None

@@ -403,7 +403,7 @@ def test_rule_flags_convert_and_reach_make_rule():
 
     parser = _generate_parser()
     args = parser.parse_args(["abc", "--no-repeat-ngram", "3", "--top-k", "5", "--temperature", "0.5"])
-    settings = cli._settings(args)
+    settings = cli.rule_settings(args)
     assert settings == {"no_repeat_ngram": 3, "temperature": 0.5, "top_k": 5}
     assert type(settings["no_repeat_ngram"]) is int and type(settings["top_k"]) is int
     assert [type(r) for r in rules.make_rule(**settings).rules] == [
@@ -851,10 +851,10 @@ def test_stop_strings_and_finish_reason(tiny_ckpt, capsys):
 
 
 def test_escapes():
-    from jaxdecode.cli.app import _unescape
+    from jaxdecode.cli.app import unescape
 
-    assert _unescape(r"a\tb\\n\nc\q\\") == "a\tb\\n\nc\\q\\"
-    assert _unescape("x\\") == "x\\"  # a trailing backslash stays
+    assert unescape(r"a\tb\\n\nc\q\\") == "a\tb\\n\nc\\q\\"
+    assert unescape("x\\") == "x\\"  # a trailing backslash stays
 
 
 @pytest.mark.parametrize("text, shown", [(r"a\tb", r"'\t' at position 1"), (r"a\\nb", r"'\\' at position 1")])
