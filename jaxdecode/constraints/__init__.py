@@ -9,25 +9,14 @@ deterministic automaton over token ids. :class:`Constraint` holds it as three ar
 - ``final [S]`` bool: the text so far is in the language;
 - ``dist [S]`` int32: the fewest tokens that reach a final state from ``s``.
 
-States from which no final state can be reached are removed, so every allowed token keeps the
-language reachable. A loop carries one automaton state per row and, at each step, allows token
-``v`` only if its next state can still reach a final state within the tokens the row has left
-(``dist[table[s, v]] <= left - 1``): a started output can always be finished within ``n``.
-
-**The end of an output.** The character model has no end token. In a final state a row may stop:
-it stops with the model's probability of the tokens it cannot take there (those that cannot
-continue the pattern, or could but not finish within the tokens left), and otherwise continues
-with one of the allowed tokens, drawn from the masked (and rule-processed) distribution. Greedy
-search stops when that mass exceeds the probability of the most probable allowed token. Where no
-token can be taken the row stops outright. Under this rule a row's output is the model's text
-cut at the first point where the model leaves the language, with the mask only steering the
-steps where leaving would end the output outside it; it is not the model's distribution
-conditioned on the language (see :mod:`jaxdecode.decoding.smc` for that).
-
-Several patterns share one batch: :func:`stack` offsets their states into one table, with
-state 0 a free state (every token allowed, always final) for rows without a constraint. The
-table's row count is padded to a power of two, so a new pattern of a similar size does not
-recompile anything: the arrays are traced arguments of the loops.
+States from which no final state can be reached are removed. A loop carries one automaton state
+per row and allows token ``v`` only if its next state can still reach a final state within the
+tokens the row has left (``dist[table[s, v]] <= left - 1``): a started output can always be
+finished within ``n``. In a final state a row may stop, with the model's probability of the tokens
+it cannot take there (``docs/constrained.md``, The end of an output): masking is not conditioning
+(:mod:`jaxdecode.decoding.smc` samples the conditional). Several patterns share one batch
+(:func:`stack`, state 0 free for rows without one), in a table padded to a power of two so that a
+new pattern of a similar size recompiles nothing.
 """
 
 from __future__ import annotations

@@ -20,10 +20,9 @@ The prompt (:data:`PROMPT`) is verbatim from the corpus (*The Taming of the Shre
 scene 1: Katharina's "A join'd-stool." and Petruchio's reply), ending with the blank line after
 Petruchio's speech; in the corpus the next line is ``KATHARINA:``. It lies in the held-out 10%
 (the model saw ``KATHARINA:`` as a heading only 10 times in training), and it is short (75
-characters) so that the cache of 2,000 particles stays small (128 positions per particle, about
-2 GB in all). Every choice ends in ``:``, after
-which the choices' automaton allows nothing, so the stop probability of a complete choice is 1
-and ``P(choice)`` is the model's probability of the heading's characters.
+characters) so that the cache of 2,000 particles stays small (about 2 GB in all). Every choice
+ends in ``:``, after which the choices' automaton allows nothing, so the stop probability of a
+complete choice is 1 and ``P(choice)`` is the model's probability of the heading's characters.
 """
 
 from __future__ import annotations

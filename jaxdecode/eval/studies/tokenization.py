@@ -4,43 +4,21 @@ A byte-level BPE tokenizer writes a text one way, its **canonical** tokenization
 (``vocab.encode_piece(text)``), but the model may spell the same text with other tokens ("Ay" as
 ``A`` + ``y``). Every probability over *strings* is a sum over every spelling; masking a pattern
 token by token also forbids tokens that would cross the pattern's edges. On a model with such a
-vocabulary (``--ckpt shakespeare-bpe``; a character model is refused), seeded:
+vocabulary (``--ckpt shakespeare-bpe``; a character model is refused), seeded, it measures:
 
-1. **Non-canonical outputs**: the share of plain samples (:data:`PLAIN_PROMPTS`) and of masked
-   samples (``generate(..., constraint=c)``) whose tokens, end token removed, are not the
-   canonical encoding of their text (bytes that are not UTF-8 decode to U+FFFD, so such a sample
-   counts too), with a 95% Wilson interval; and, where the language can be enumerated, the exact
-   share of probability on non-canonical token sequences under the masked sampler ``Q`` and under
-   the model's conditional ``P``.
-2. **Mass lost at token boundaries**: ``1 - Z_1``, the model's probability on the first tokens
-   the mask forbids (tokens that leave the language, and tokens that would cross the boundary
-   between the prompt and the output or the pattern and what follows); the nats the mask removes
-   over a whole output, ``E_Q[sum_t -log Z_t]`` over the steps before the end token
-   (:mod:`jaxdecode.decoding.smc`: ``log Q(y) - log P(y)`` is the sum of ``-log Z_t`` over the
-   steps the weight counts, the end token's included when the output ends with one); and
-   ``P(language)``, the model's probability that its output lies in the language, summed over
-   every spelling and over canonical spellings only.
-3. **Masked against conditional, over strings**: TV(P, Q) and KL(P || Q) with every spelling of a
-   string summed (:class:`~jaxdecode.decoding.smc.Enumeration` sums by text), and sequential Monte
-   Carlo's estimate of ``P`` with its TV to ``P`` for each particle count. A language too large to
-   enumerate (the ``line`` of :data:`LANGUAGES`) gets sampled quantities only: the non-canonical
-   share of masked samples and SMC's weighted share, and the word counts of masked samples
-   against SMC's weighted estimate.
-4. **Token healing**: where the prompt's last token is a proper prefix of other tokens (a
-   trailing space: ``" "`` against ``" night"``), the prompt loses that token, the pattern gains
-   its text in front (``re.escape(tail) + pattern``), and the tail is cut from each output. Then
-   ``1 - Z_1``, the removed nats, ``P(language)``, the non-canonical shares and TV(P, Q) again
-   (no SMC), and the TV between the healed and the unhealed ``P`` over strings.
+1. **Non-canonical outputs** of plain and masked samples (with a 95% Wilson interval), and the
+   exact non-canonical share of the masked sampler ``Q`` and the conditional ``P`` where the
+   language can be enumerated;
+2. **Mass lost at token boundaries**: ``1 - Z_1``, the nats the mask removes over an output
+   (:mod:`jaxdecode.decoding.smc`'s weights), and ``P(language)`` over every spelling and over
+   canonical ones only;
+3. **Masked against conditional, over strings**: TV(P, Q), KL(P || Q) and SMC's estimate of ``P``
+   (a language too large to enumerate: sampled quantities only);
+4. **Token healing**: the prompt's last token taken back into the pattern, the same numbers again.
 
-**Two endings.** A language with ``ends_speech`` is a whole speech: the output is a string of the
-language followed by the model's end token, whose probability is part of ``P``. Otherwise the end
-token is not part of the pattern and the output stops when the pattern is complete (the leftover
-rule of :mod:`jaxdecode.constraints`; every finite language here is prefix-free, so the stop
-probability is 1): ``P`` of a string is the model's probability that its text begins with it.
-
-An enumerated language's outputs run up to ``n`` tokens, its longest spelling (one more with an end
-token), so that every spelling counts. Everything is the raw model (no generation defaults, no
-rule). The JSON holds no timings: one seed writes the same bytes.
+The languages with an end token and those without, and how long an enumeration runs:
+``docs/chapter.md`` (Tokenization and constraints). Everything is the raw model (no generation
+defaults, no rule). The JSON holds no timings: one seed writes the same bytes.
 """
 
 from __future__ import annotations

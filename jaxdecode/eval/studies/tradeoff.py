@@ -6,40 +6,19 @@ for ``n`` characters after every prompt), ``n`` characters are generated under e
 six sampling families (temperature, top-k, top-p, min-p, typical, eta), by greedy decoding,
 beam search (k = 5, one prompt at a time: faster on CPU than a batch) and contrastive search
 (k = 4, alpha = 0.6, batched); the held-out text's own next ``n`` characters after each prompt
-(the "human" continuation) are the reference. Each setting's outputs, pooled over the prompts, get:
-
-* the probability the **untruncated** model gives each generated character (the loops'
-  ``model_logprobs`` for sampling and contrastive search; beam search and the held-out text are
-  scored with :func:`jaxdecode.decoding.score.score_texts` after the prompt): its empirical CDF on a grid of 101 points
-  ``0, 0.01, ..., 1`` (``F(x)`` = share of characters with probability ``<= x``), the share below
-  0.1 and the share above 0.9, and the negative log-likelihood in nats per character (the mean of
-  ``-log p`` over all characters);
-* word measures (:func:`words`): a word is a maximal run of ASCII letters and apostrophes that
-  holds at least one letter, lowercased. A word that touches the end of a text may be cut off and
-  is left out, and so is a first word that continues a prompt cut inside a word. The
-  **real-word share** is the share of words, pooled over the samples, that occur somewhere in the
-  corpus (its whole text, split the same way; a secondary share against the training 90% alone
-  is stored too, because every word of the held-out text occurs in the whole corpus by
-  construction). The **repeated-trigram share** is the share of word trigrams, pooled over the
-  samples, that occurred earlier in the same sample. **distinct-n** (n = 1, 2, 3) is the number of
-  distinct word n-grams over the number of n-grams, per sample, averaged over the samples that
-  have at least one n-gram.
+(the "human" continuation) are the reference. Each setting's outputs, pooled over the prompts,
+get the untruncated model's probability of each character (its CDF, the shares below 0.1 and
+above 0.9, the NLL) and word measures (:func:`words`: the real-word share, the repeated-trigram
+share, distinct-n); their definitions are in ``docs/chapter.md`` (The quality–likelihood trade-off).
 
 Every family runs as ONE call of :func:`jaxdecode.decoding.sampling.sample_tokens`: a batch of
-``settings x prompts`` rows (setting-major), each row carrying its own setting. The rule is the
-same chain for every family, ``temperature -> top_k -> top_p -> min_p -> typical -> eta`` with
-per-row settings, the rules a row does not use at their neutral values (``t = 1``, ``k = V``,
-``p = 1``, ``min_p = 0``, ``mass = 1``, ``eta = 0``, each of which keeps every logit unchanged), so
-every family is the same compiled program whenever its batch falls into the same size bucket
-(with 24 prompts, all of them: 96 or 120 rows, bucket 128). Greedy decoding rides in the top-k
-call as ``t = 0`` rows (top-k at k = 1). Row ``i`` of every setting has row id ``i`` (the prompt's
-index): each prompt's samples use the same random numbers under every setting (common random
-numbers), so the curves compare settings rather than draws; key ``PRNGKey(seed)``.
+``settings x prompts`` rows, each carrying its own setting of one chain ``temperature -> top_k ->
+top_p -> min_p -> typical -> eta`` (the rules a row does not use at their neutral values), so
+every family is the same compiled program; greedy rides in the top-k call as ``t = 0`` rows. Row
+``i`` of every setting has row id ``i``: common random numbers across settings, key ``PRNGKey(seed)``.
 
-Outputs: ``tradeoff.json`` (floats rounded to 6 significant digits, written atomically, and
-byte-identical for a seed), ``tradeoff.md`` (the key numbers beside the chapter's) and
-``tradeoff.png`` (left: the CDFs; right: real-word share against NLL), the last only when
-matplotlib is installed.
+Outputs: ``tradeoff.json`` (byte-identical for a seed), ``tradeoff.md`` (the key numbers beside
+the chapter's) and ``tradeoff.png`` (the CDFs; real-word share against NLL) when matplotlib is installed.
 """
 
 from __future__ import annotations
