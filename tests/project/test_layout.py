@@ -20,7 +20,7 @@ ALLOWED = {
     "models": {"io", "native", "rules"},
     "decoding": {"io", "rules", "constraints", "models.base"},
     "speculative": {"io", "rules", "constraints", "decoding"} | INTERFACE,
-    "serving": {"io", "rules", "constraints", "decoding", "models.base"},
+    "serving": {"io", "rules", "constraints", "decoding", "speculative", "models.base"},
     "server": {"io", "rules", "constraints", "decoding", "serving"} | INTERFACE,
     "eval": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving"},
     "cli": {"io", "native", "rules", "constraints", "models", "decoding", "speculative", "serving", "server", "eval"},
