@@ -19,6 +19,10 @@ EVERY_FLAG = ["--slots", "6", "--cache", "paged", "--num-blocks", "40", "--block
 EXPECTED = EngineConfig(slots=6, cache="paged", num_blocks=40, block_size=8, prefix_caching=False,
                         attention="portable", kv_dtype="int8", prefill_chunk=5, prefill_budget=7, decode_steps=3,
                         overlap=False, admit_batch=2)
+# the speculative engine's flags (the dense float32 cache only: apart from the list above)
+SPECULATIVE = {"speculative", "draft", "gamma", "speculative_max_rows"}
+EVERY_SPECULATIVE_FLAG = ["--speculative", "model", "--draft", "small", "--gamma", "3", "--speculative-max-rows", "2"]
+EXPECTED_SPECULATIVE = EngineConfig(slots=1, speculative="model", draft="small", gamma=3, speculative_max_rows=2)
 
 
 def _config(command: str, argv: list[str]) -> EngineConfig:
@@ -37,11 +41,13 @@ def test_every_field_but_the_policy_has_one_flag(command):
     assert set(FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"policy"}
     assert _config(command, EVERY_FLAG) == EXPECTED
     for f in FLAGS:  # each flag alone moves its own field and no other
-        at = next(i for i, a in enumerate(EVERY_FLAG) if a.lstrip("-").replace("-", "_").removeprefix("no_") == f)
-        flag = EVERY_FLAG[at:at + (1 if at + 1 == len(EVERY_FLAG) or EVERY_FLAG[at + 1].startswith("--") else 2)]
-        extra = ["--cache", "paged"] if f == "num_blocks" else ["--slots", "6"] if f == "admit_batch" else []
+        every, expected = (EVERY_SPECULATIVE_FLAG, EXPECTED_SPECULATIVE) if f in SPECULATIVE else (EVERY_FLAG, EXPECTED)
+        at = next(i for i, a in enumerate(every) if a.lstrip("-").replace("-", "_").removeprefix("no_") == f)
+        flag = every[at:at + (1 if at + 1 == len(every) or every[at + 1].startswith("--") else 2)]
+        extra = ["--cache", "paged"] if f == "num_blocks" else ["--slots", "6"] if f == "admit_batch" else \
+            ["--speculative", "model"] if f in SPECULATIVE - {"speculative"} else []
         got = _config(command, extra + flag)
-        assert getattr(got, f) == getattr(EXPECTED, f), f
+        assert getattr(got, f) == getattr(expected, f), f
         moved = {g for g in FLAGS if getattr(got, g) != getattr(_config(command, extra), g)}
         assert moved == {f}, (f, moved)
 
@@ -50,7 +56,8 @@ def test_every_field_but_the_policy_has_one_flag(command):
 def test_both_commands_take_the_same_flags_and_no_other_spelling():
     assert _engine_options("serve") == _engine_options("serve-bench") == {
         "--slots", "--cache", "--num-blocks", "--block-size", "--no-prefix-caching", "--attention", "--kv-dtype",
-        "--prefill-chunk", "--prefill-budget", "--decode-steps", "--no-overlap", "--admit-batch"}
+        "--prefill-chunk", "--prefill-budget", "--decode-steps", "--no-overlap", "--admit-batch", "--speculative",
+        "--draft", "--gamma", "--speculative-max-rows"}
     argv = ["--slots", "4", "--cache", "paged", "--block-size", "4", "--admit-batch", "2", "--no-overlap"]
     assert _config("serve", argv) == _config("serve-bench", argv)
     # the command's own default slot count; everything else the same
@@ -66,6 +73,9 @@ def test_both_commands_take_the_same_flags_and_no_other_spelling():
     (["--slots", "2", "--admit-batch", "3"], "--admit-batch must be at most the --slots (2), got 3"),
     (["--num-blocks", "4"], "--num-blocks is a setting of the paged cache (--cache 'paged')"),
     (["--decode-steps", "0"], "--decode-steps must be an integer >= 1, got 0"),
+    (["--gamma", "2"], "--gamma is a setting of speculative decoding (--speculative)"),
+    (["--speculative", "lookup", "--cache", "paged"], "speculative decoding in the engine runs on the dense "
+                                                      "float32 cache: drop --cache 'paged'"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag(command, flags, message, capsys, tiny_ckpt):
     """Checked once, by EngineConfig, before a model is loaded or a server started."""
