@@ -125,7 +125,10 @@ def unless_neutral(neutral, logits, apply):
     its neutral setting leaves the logits exactly unchanged, so skipping its work changes no bit;
     the engine's batches carry each rule at its neutral setting in the rows that set none, and this
     spares them the work (the sorts of top-k and top-p) when no row uses it. One compiled program
-    either way (``lax.cond``)."""
+    either way (``lax.cond``). Settings known at trace time (or no trace: the explorer applies rules
+    eagerly) decide in Python, with no conditional to compile."""
+    if not is_tracer(neutral):
+        return logits if bool(np.all(np.asarray(neutral))) else apply(logits)
     return jax.lax.cond(jnp.all(neutral), lambda x: x, apply, logits)
 
 
