@@ -4,35 +4,16 @@ A decoding model is a small, immutable, hashable object (it is a static argument
 jitted programs, so everything it decides, the backend included, is part of what jit compiles).
 Its parameters travel separately as a pytree. Its cache is a pytree too, opaque to the loops: they
 create it, pass it back, reorder it for beams and truncate it for speculative rollback, only
-through the methods below, so a paged cache can replace a dense one without touching a loop.
+through the methods of :class:`DecodingModel`, so a paged cache can replace a dense one without
+touching a loop.
 
-Shapes: ``B`` rows, ``S`` new tokens per row, ``V`` vocabulary, ``d`` hidden width.
-
-``prefill(params, tokens [B, P], lengths [B], capacity) -> (logits [B, V], hidden [B, d], cache)``
-    right-padded prompts (row ``b`` real up to ``lengths[b]``, ``P <= T``); the logits and final
-    hidden state after each prompt's last token.
-``extend(params, cache, tokens [B, S], span=None) -> (logits [B, S, V], hidden [B, S, d], cache)``
-    append ``S`` tokens per row at each row's own length. ``span`` (static) promises that no row
-    attends past that many positions; rows must stay within ``T``.
-``window(params, history [B, N], lengths [B]) -> (logits [B, V], hidden [B, d])``
-    the exact next-token prediction for rows of any length, ``history`` left-aligned: a model with
-    window ``T`` sees the last ``T`` tokens (past ``T`` the loops use this instead of the cache).
-``empty_cache(batch, capacity)``, ``reorder(cache, rows [B'], span=None)`` (row ``i`` becomes row
-``rows[i]``: beams), ``truncate(cache, lengths [B])`` (forget positions at or past ``lengths``:
-speculative rollback), ``grow(cache, capacity)``, ``capacity(cache)``, ``lengths(cache)``.
-
-``hidden`` is the last layer's output after the final LayerNorm (Hugging Face's
-``hidden_states[-1]``), or None for a model that has none; contrastive search needs it.
-
-Optional, with defaults here: ``prepare(params, rows)`` turns parameters into what a loop whose
-passes have ``rows`` rows passes to the methods (a backend may pack weights once per request);
-``chunk_begin / chunk_step / chunk_end`` run a chunk of single-token decode steps, letting the
-model keep the chunk's new keys apart from a large read-only cache (a loop that writes into a
-loop-carried cache and reads it back in one iteration makes XLA copy it every step);
-``attention_heads`` counts the query heads a memory estimate charges a prompt's attention scores
-to; ``reads_only_filled`` says whether attending over a mostly empty cache costs nothing extra
-(then a loop allocates the cache once per request instead of growing it); ``for_beams()`` names
-the model beam search runs on (one whose cache reorders cheaply, e.g. a paged one).
+The model: ``prefill`` (prompts), ``extend`` (tokens appended at each row's own length) and
+``window`` (the exact prediction from a row's last ``T`` tokens, used past the window). The
+cache: ``empty_cache``, ``reorder``, ``truncate``, ``grow``, ``capacity``, ``lengths``. Optional,
+with defaults: ``prepare``, ``chunk_begin / chunk_step / chunk_end``, ``attention_heads``,
+``reads_only_filled`` and ``for_beams()``. Each method's docstring gives its shapes;
+``docs/own-model.md`` shows a model written against it. Here too: :class:`FunctionModel` (a
+logits function as a model) and the paged block pool a serving engine runs on.
 """
 
 from __future__ import annotations
@@ -55,10 +36,15 @@ def added_positions(model, cache, capacity: int) -> int:
 
 
 class DecodingModel:
-    """Base class of decoding models (see the module docstring for the contract)."""
+    """Base class of decoding models (see the module docstring). Shapes: ``B`` rows, ``S`` new
+    tokens per row, ``V`` vocabulary, ``d`` hidden width. ``hidden`` is the last layer's output
+    after the final LayerNorm (Hugging Face's ``hidden_states[-1]``), or None for a model that has
+    none; contrastive search needs it."""
 
     V: int  # vocabulary size
     T: int  # window: positions the model sees; past it the loops call ``window``
+    # whether attending over a mostly empty cache costs nothing extra (then a loop allocates the
+    # cache once per request instead of growing it)
     reads_only_filled: bool = False
     backend: str = "portable"  # what `jaxdecode info` reports
 
@@ -71,17 +57,26 @@ class DecodingModel:
 
     # --- the model
     def empty_cache(self, batch: int, capacity: int):
+        """A cache of ``batch`` empty rows with room for ``capacity`` positions."""
         raise NotImplementedError
 
     def prefill(self, params, tokens, lengths, capacity: int):
+        """Right-padded prompts ``tokens [B, P]`` (row ``b`` real up to ``lengths[b]``, ``P <= T``)
+        -> ``(logits [B, V], hidden [B, d], cache)``: the logits and final hidden state after each
+        prompt's last token."""
         raise NotImplementedError
 
     def extend(self, params, cache, tokens, span: int | None = None, in_place: bool = True):
-        """``in_place`` is a hint: True when the caller carries the cache as it is from pass to
+        """Append ``tokens [B, S]`` at each row's own length -> ``(logits [B, S, V], hidden [B, S, d],
+        cache)``. ``span`` (static) promises that no row attends past that many positions; rows
+        must stay within ``T``. ``in_place`` is a hint: True when the caller carries the cache as it is from pass to
         pass, False when it rebuilds it every pass (beam search reorders it)."""
         raise NotImplementedError
 
     def window(self, params, history, lengths):
+        """The exact next-token prediction for rows of any length, ``history [B, N]`` left-aligned
+        -> ``(logits [B, V], hidden [B, d])``: a model with window ``T`` sees the last ``T`` tokens
+        (past ``T`` the loops use this instead of the cache)."""
         raise NotImplementedError
 
     def prefill_cache(self, params, tokens, lengths, capacity: int):
@@ -90,12 +85,15 @@ class DecodingModel:
 
     # --- the cache (defaults for a cache with a ``length`` field and batch-first leaves)
     def lengths(self, cache):
+        """The positions each row holds ``[B]``."""
         return cache.length
 
     def truncate(self, cache, lengths):
+        """Forget the positions at or past ``lengths [B]`` (speculative rollback)."""
         return cache._replace(length=jnp.asarray(lengths, jnp.int32))
 
     def reorder(self, cache, rows, span: int | None = None):
+        """Row ``i`` becomes row ``rows[i]`` (``rows [B']``: beams, samples of one prompt)."""
         return jax.tree_util.tree_map(lambda a: jnp.take(a, rows, axis=0), cache)
 
     def paged(self, block_size: int, attention: str = "portable") -> PagedPool:
@@ -109,16 +107,23 @@ class DecodingModel:
         return self
 
     def capacity(self, cache) -> int:
+        """The positions a row of the cache has room for."""
         raise NotImplementedError
 
     def grow(self, cache, capacity: int):
+        """The cache with room for ``capacity`` positions, its contents kept."""
         raise NotImplementedError
 
     # --- decoding hints
     def prepare(self, params, rows: int):
+        """What a loop whose passes have ``rows`` rows passes to the methods (a backend may pack
+        weights once per request). Default: ``params``."""
         return params
 
     def chunk_begin(self, params, cache, batch: int, chunk: int):
+        """Start a chunk of single-token decode steps. A model may keep the chunk's new keys apart
+        from a large read-only cache (a loop that writes into a loop-carried cache and reads it
+        back in one iteration makes XLA copy it every step). Default: the cache itself."""
         return cache
 
     def chunk_step(self, params, cache, run, i, token):

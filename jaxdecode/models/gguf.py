@@ -2,37 +2,18 @@
 
 The file is read with the reader llama.cpp publishes (the ``gguf`` package). What it holds
 becomes what a Hugging Face folder of the same model would load as (:mod:`jaxdecode.models.hf`):
-
-- **configuration** from the metadata (``{arch}.embedding_length``, ``.block_count``,
-  ``.attention.head_count`` and so on) for the architectures ``llama`` (Llama, Mistral; a
-  ``.attention.sliding_window`` makes it Mistral's), ``qwen2`` and ``qwen3``;
-- **tokenizer** from ``tokenizer.ggml.*`` built as a ``tokenizers`` tokenizer: byte-level BPE
-  (``tokenizer.ggml.model`` ``"gpt2"``) with the pre-tokenizer its ``tokenizer.ggml.pre`` names
-  (GPT-2's, Llama 3's or Qwen 2's split), or SentencePiece (``"llama"``: a BPE whose merges are
-  ranked by the scores of the pieces they make, bytes through the ``<0xNN>`` pieces), the control
-  and user-defined tokens as added tokens, a beginning token where ``add_bos_token`` says so;
-- **tensors**, each matrix kept in the form nearest its type (``weights="auto"``):
-
-  ======================  =================================================================
-  F32, F16, BF16          as stored (the native CPU path reads F16/BF16 as they are; the
-                          portable path widens to float32)
-  Q4_0                    int4 (:mod:`.hf.linear`): the same nibbles and float16 scales, in
-                          groups of 32 along the input, so the weights are the file's exactly
-  Q8_0                    int8 with one scale per column: re-rounded once when loaded (a block
-                          of 32's scale is finer than a column's: see docs/huggingface.md)
-  Q4_1, Q4_K, Q3_K, Q2_K  int4: widened to float32, then rounded as ``weights="int4"`` rounds
-  Q5_0, Q5_1, Q5_K, Q6_K  int8, the same way
-  ======================  =================================================================
-
-  q, k and v (gate and up) share one form where the native path fuses them: the widest of
-  theirs. A matrix whose input is not a multiple of 32 falls back from int4 to int8. Norms and
-  biases are float32; the embedding is widened to float32 (F16/BF16: kept so). Any other
-  ``weights`` choice converts every matrix from its float32 values as it does for a folder.
+the configuration from the metadata (architectures ``llama``, Mistral's where the file records a
+sliding window, ``qwen2`` and ``qwen3``); the tokenizer from ``tokenizer.ggml.*`` as a
+``tokenizers`` tokenizer (byte-level BPE with its pre-tokenizer, or SentencePiece's pieces as a
+BPE ranked by their scores); and each matrix in the form nearest its type (``weights="auto"``):
+F32/F16/BF16 as stored, Q4_0 as int4 bit for bit, Q8_0 as int8 re-rounded per column, the other
+4-bit types as int4 and the 5- to 8-bit ones as int8, from their widened values.
 
 llama.cpp stores a Llama's q and k rows permuted for its rotation of adjacent pairs; they are put
-back in the rotate-half order the decoder uses. Llama 3's rope scaling, which llama.cpp stores as
-each frequency's divisor (``rope_freqs.weight``), is read back as the scaling's parameters. An architecture, a tensor type or a tokenizer
-that is not one of these is refused in one sentence.
+back in the rotate-half order the decoder uses, and Llama 3's rope scaling (``rope_freqs.weight``)
+is read back as the scaling's parameters. An architecture, a tensor type or a tokenizer that is
+not one of these is refused in one sentence. The table of types, what each costs and how it is
+checked: ``docs/huggingface.md`` (Precisions and GGUF files).
 """
 
 from __future__ import annotations
@@ -383,7 +364,7 @@ def load_gguf(path, *, dtype: str = "float32", max_length: int | None = None, we
     docstring for what is kept how). ``weights``: ``"auto"`` (each matrix in its type's nearest
     kept form) or any of :data:`jaxdecode.models.hf.linear.WEIGHTS` for every matrix; ``backend``
     as for a folder. One GGUFError line for anything that cannot be loaded."""
-    from jaxdecode.models.hf import HFDecoder, HFTokenizer, _choose
+    from jaxdecode.models.hf import HFDecoder, HFTokenizer, choose_weights
     from jaxdecode.models.hf.tokenizer import TokenizerError
     from jaxdecode.models.lm import LanguageModel
 
@@ -392,7 +373,7 @@ def load_gguf(path, *, dtype: str = "float32", max_length: int | None = None, we
         raise GGUFError(f"{path}: a GGUF file loads with dtype float32 (its matrices keep their own forms)")
     if mesh is not None:
         raise GGUFError(f"{path}: a GGUF file loads on one device, not on a mesh")
-    native, _ = _choose(dtype, weights, backend)
+    native, _ = choose_weights(dtype, weights, backend)
     reader = _reader(path)
     meta = _Meta(reader, path)
     arch = meta.need("general.architecture")

@@ -124,7 +124,7 @@ def test_each_part_of_a_tensor_is_where_the_reader_split_puts_it(family):
     """Every parameter's :class:`Piece` reads, at any device's index, what the reader's own split
     of the whole tensor holds there (fused q/k/v and gate/up, transposed or not, 1-D biases)."""
     from jaxdecode.models.hf import read_config, sliced
-    from jaxdecode.models.hf.weights import _split, tensor_table
+    from jaxdecode.models.hf.weights import split_tensor, tensor_table
 
     cfg, _ = read_config(TESTS / "fixtures" / "hf" / family)
     rng = np.random.default_rng(1)
@@ -134,7 +134,7 @@ def test_each_part_of_a_tensor_is_where_the_reader_split_puts_it(family):
         tensor = rng.standard_normal(shape).astype(np.float32)
 
 
-        whole = dict(_split(cfg, param, how, tensor))
+        whole = dict(split_tensor(cfg, param, how, tensor))
         got = sliced.pieces(cfg, param, how, shape, Path("x"), name)
         assert [p for p, _ in got] == list(whole)
         for pname, piece in got:

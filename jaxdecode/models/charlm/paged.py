@@ -21,9 +21,8 @@ Three implementations of :func:`paged_attention`, chosen by name:
 
 :class:`PagedCharLM` is the reference transformer behind :class:`~jaxdecode.models.DecodingModel`
 with a paged cache, so every decoding loop runs on it unchanged; its ``pool_*`` methods are what a
-serving engine needs (write a request's prompt into its blocks, a decode or prefill-chunk pass for
-any rows through their tables). :func:`cache_bytes` compares a workload's paged and contiguous
-cache memory.
+serving engine needs (a prompt into its blocks, a pass for any rows through their tables).
+:func:`cache_bytes` compares a workload's paged and contiguous cache memory.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
         if backend == "native":
             raise HFError("the native CPU layer runs on one device: a model on a mesh needs backend='portable'")
         backend = "portable"
-    native, how = _choose(dtype, weights, backend)
+    native, how = choose_weights(dtype, weights, backend)
     stored: set = set()
     try:
         cfg, raw = read_config(folder)
@@ -111,7 +111,7 @@ def load_hf(folder, *, dtype: str = "float32", max_length: int | None = None, we
         raise HFError(str(e)) from None
 
 
-def _choose(dtype: str, weights: str, backend: str | None) -> tuple[bool, str]:
+def choose_weights(dtype: str, weights: str, backend: str | None) -> tuple[bool, str]:
     """``(native, how the matrices are kept)`` for a load's options (one-line HFError if refused)."""
     from jaxdecode.native import kernels
 

@@ -110,7 +110,8 @@ class HFConfig:
         return sum(att + (moe if self.is_moe(i) else dense) for i in range(self.L)) + emb
 
 
-def _int(cfg: dict, name: str, where: str, default=None) -> int:
+def config_int(cfg: dict, name: str, where: str, default=None) -> int:
+    """``cfg[name]`` (or ``default``) as a positive int32, or a ConfigError naming ``where``."""
     value = cfg.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
         raise ConfigError(f"{where}: {name} must be a positive integer below 2**31 (ids and positions are "
@@ -118,14 +119,15 @@ def _int(cfg: dict, name: str, where: str, default=None) -> int:
     return value
 
 
-def _float(cfg: dict, name: str, where: str, default: float) -> float:
+def config_float(cfg: dict, name: str, where: str, default: float) -> float:
+    """``cfg[name]`` (or ``default``) as a positive finite float, or a ConfigError naming ``where``."""
     value = cfg.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ConfigError(f"{where}: {name} must be a positive number, got {value!r}")
     return float(value)
 
 
-def _rope(cfg: dict, where: str, default_theta: float = 10000.0) -> tuple[float, tuple]:
+def rope_settings(cfg: dict, where: str, default_theta: float = 10000.0) -> tuple[float, tuple]:
     """``(theta, scaling)`` from the legacy ``rope_theta``/``rope_scaling`` fields or the newer
     ``rope_parameters`` dict."""
     params = cfg.get("rope_parameters")

@@ -26,9 +26,9 @@ from jaxdecode.models.hf.config import (
     ACTIVATIONS,
     ConfigError,
     HFConfig,
-    _float,
-    _int,
-    _rope,
+    config_float,
+    config_int,
+    rope_settings,
 )
 
 
@@ -138,8 +138,8 @@ class FamilySpec:
 
 
 def _gpt2(cfg: dict, where: str) -> HFConfig:
-    d = _int(cfg, "n_embd", where)
-    heads = _int(cfg, "n_head", where)
+    d = config_int(cfg, "n_embd", where)
+    heads = config_int(cfg, "n_head", where)
     if d % heads:
         raise ConfigError(f"{where}: n_embd={d} is not a multiple of n_head={heads}")
     act = cfg.get("activation_function", "gelu_new")
@@ -153,10 +153,10 @@ def _gpt2(cfg: dict, where: str) -> HFConfig:
     if cfg.get("tie_word_embeddings") is False:
         raise ConfigError(f"{where}: a GPT-2 with an untied output layer is not supported")
     return HFConfig(
-        model_type="gpt2", V=_int(cfg, "vocab_size", where), T=_int(cfg, "n_positions", where, 1024), d=d,
-        L=_int(cfg, "n_layer", where), heads=heads, kv_heads=heads, head_dim=d // heads,
-        ffn=_int({"n_inner": cfg.get("n_inner") or 4 * d}, "n_inner", where),
-        eps=_float(cfg, "layer_norm_epsilon", where, 1e-5), norm="layer",
+        model_type="gpt2", V=config_int(cfg, "vocab_size", where), T=config_int(cfg, "n_positions", where, 1024), d=d,
+        L=config_int(cfg, "n_layer", where), heads=heads, kv_heads=heads, head_dim=d // heads,
+        ffn=config_int({"n_inner": cfg.get("n_inner") or 4 * d}, "n_inner", where),
+        eps=config_float(cfg, "layer_norm_epsilon", where, 1e-5), norm="layer",
         positions="learned", mlp="plain", act=act, qkv_bias=True, o_bias=True, mlp_bias=True, tied=True,
         native_layer=False)
 
@@ -243,7 +243,7 @@ def _text_config(raw: dict, spec: FamilySpec, where: str) -> dict:
 
 def _opt_float(cfg: dict, name: str, where: str, default=None) -> float | None:
     value = cfg.get(name, default)
-    return None if value is None else _float({name: value}, name, where, 1.0)
+    return None if value is None else config_float({name: value}, name, where, 1.0)
 
 
 def _layer_types(cfg: dict, L: int, where: str, default: list[str]) -> list[str]:
@@ -261,7 +261,7 @@ def _rotating(cfg: dict, spec: FamilySpec, L: int, where: str) -> tuple:
         return ()
     flags = cfg.get("no_rope_layers")
     if flags is None:
-        every = _int(cfg, "no_rope_layer_interval", where, 4)
+        every = config_int(cfg, "no_rope_layer_interval", where, 4)
         flags = [int((i + 1) % every != 0) for i in range(L)]
     if not isinstance(flags, list) or len(flags) < L or any(f not in (0, 1) for f in flags):
         raise ConfigError(f"{where}: no_rope_layers must list 1 (rotary) or 0 (no rotation) for each of the "
@@ -273,7 +273,7 @@ def _rotating(cfg: dict, spec: FamilySpec, L: int, where: str) -> tuple:
 def _windows(cfg: dict, spec: FamilySpec, L: int, rotate: tuple, where: str) -> tuple[int | None, tuple]:
     """``(sliding_window, windows)``: one window for every layer, or one per layer."""
     if spec.windows == "all":
-        return (None if cfg.get("sliding_window") is None else _int(cfg, "sliding_window", where)), ()
+        return (None if cfg.get("sliding_window") is None else config_int(cfg, "sliding_window", where)), ()
     if spec.windows in ("from", "nope"):
         if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
             return None, ()
@@ -292,7 +292,7 @@ def _windows(cfg: dict, spec: FamilySpec, L: int, rotate: tuple, where: str) -> 
     else:
         return None, ()
     types = _layer_types(cfg, L, where, default)
-    window = _int(cfg, "sliding_window", where, 4096)
+    window = config_int(cfg, "sliding_window", where, 4096)
     return None, tuple(window if t == "sliding_attention" else None for t in types)
 
 
@@ -305,8 +305,8 @@ def _local_theta(cfg: dict, where: str) -> float:
         if kind != "default":
             raise ConfigError(f"{where}: rope_parameters.sliding_attention: rope scaling of type {kind!r} "
                               "is not supported on sliding layers (supported: default)")
-        return _float(local, "rope_theta", where, cfg.get("rope_local_base_freq", 10000.0))
-    return _float(cfg, "rope_local_base_freq", where, 10000.0)
+        return config_float(local, "rope_theta", where, cfg.get("rope_local_base_freq", 10000.0))
+    return config_float(cfg, "rope_local_base_freq", where, 10000.0)
 
 
 def _rotary_dim(cfg: dict, spec: FamilySpec, head_dim: int, where: str) -> int | None:
@@ -329,20 +329,20 @@ def _moe(cfg: dict, moe: MoESpec | None, L: int, where: str) -> dict:
     """The mixture-of-experts fields (none for a dense family)."""
     if moe is None:
         return {}
-    experts = _int(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts", where, moe.experts)
-    top_k = _int(cfg, "num_experts_per_tok", where, moe.top_k)
+    experts = config_int(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts", where, moe.experts)
+    top_k = config_int(cfg, "num_experts_per_tok", where, moe.top_k)
     if top_k > experts:
         raise ConfigError(f"{where}: num_experts_per_tok={top_k} exceeds the {experts} experts")
-    moe_ffn = _int(cfg, moe.ffn_field, where)
+    moe_ffn = config_int(cfg, moe.ffn_field, where)
     if moe.sparse_step:
-        step = _int(cfg, "decoder_sparse_step", where, 1)
+        step = config_int(cfg, "decoder_sparse_step", where, 1)
         only = cfg.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
             raise ConfigError(f"{where}: mlp_only_layers must be a list of layer numbers, got {only!r}")
         layers = tuple(i not in only and (i + 1) % step == 0 for i in range(L))
     else:
         layers = (True,) * L
-    shared = _int(cfg, "shared_expert_intermediate_size", where) if moe.shared else 0
+    shared = config_int(cfg, "shared_expert_intermediate_size", where) if moe.shared else 0
     norm = moe.norm_topk if moe.norm_topk is not None else bool(cfg.get("norm_topk_prob", False))
     return {"experts": experts, "top_k": top_k, "norm_topk": norm, "moe_ffn": moe_ffn, "shared_ffn": shared,
             "moe_layers": layers}
@@ -356,7 +356,7 @@ def _multipliers(cfg: dict, spec: FamilySpec, where: str) -> dict:
     if not spec.multipliers:
         return {}
     embed, residual, attention, logits = (
-        _float(cfg, name, where, 1.0)
+        config_float(cfg, name, where, 1.0)
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"))
     return {"embed_multiplier": embed, "residual_multiplier": residual, "attn_multiplier": attention,
             "logits_scaling": logits}
@@ -370,10 +370,10 @@ def decoder_config(raw: dict, where: str) -> HFConfig:
     for field in spec.refused:
         if cfg.get(field):
             raise ConfigError(f"{where}: {field}=true is not supported for {spec.model_type}")
-    d = _int(cfg, "hidden_size", where)
-    L = _int(cfg, "num_hidden_layers", where)
-    heads = _int(cfg, "num_attention_heads", where)
-    kv = _int(cfg, "num_key_value_heads", where, heads)
+    d = config_int(cfg, "hidden_size", where)
+    L = config_int(cfg, "num_hidden_layers", where)
+    heads = config_int(cfg, "num_attention_heads", where)
+    kv = config_int(cfg, "num_key_value_heads", where, heads)
     if heads % kv:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv}")
@@ -384,15 +384,15 @@ def decoder_config(raw: dict, where: str) -> HFConfig:
     if act not in ACTIVATIONS:
         raise ConfigError(f"{where}: activation {act!r} is not supported "
                           f"(supported: {', '.join(ACTIVATIONS)})")
-    theta, scaling = _rope(cfg, where, spec.rope_theta)
+    theta, scaling = rope_settings(cfg, where, spec.rope_theta)
     rotate = _rotating(cfg, spec, L, where)
     window, windows = _windows(cfg, spec, L, rotate, where)
     caps = spec.softcaps
     return HFConfig(
-        model_type=spec.model_type, V=_int(cfg, "vocab_size", where),
-        T=_int(cfg, "max_position_embeddings", where, 2048), d=d, L=L, heads=heads, kv_heads=kv,
-        head_dim=head_dim, ffn=_int(cfg, "intermediate_size", where),
-        eps=_float(cfg, "rms_norm_eps", where, spec.eps), norm=spec.norm, positions=spec.positions,
+        model_type=spec.model_type, V=config_int(cfg, "vocab_size", where),
+        T=config_int(cfg, "max_position_embeddings", where, 2048), d=d, L=L, heads=heads, kv_heads=kv,
+        head_dim=head_dim, ffn=config_int(cfg, "intermediate_size", where),
+        eps=config_float(cfg, "rms_norm_eps", where, spec.eps), norm=spec.norm, positions=spec.positions,
         mlp=spec.mlp, act=act, qkv_bias=_flag(cfg, spec.qkv_bias, spec.qkv_bias_default),
         o_bias=_flag(cfg, spec.o_bias), mlp_bias=_flag(cfg, spec.mlp_bias),
         tied=bool(cfg.get("tie_word_embeddings", spec.tied)), rope_theta=theta, rope_scaling=scaling,

@@ -2,40 +2,22 @@
 
 A decode step at a small batch is bound by reading the weights, so how they are kept decides its
 speed. ``weights`` (``load(..., weights=...)``, ``--weights``) chooses for the matrices of the
-attention, the MLP and the output layer (norms, biases, the router and the experts of a mixture
-stay in the compute dtype):
+attention, the MLP and the output layer: ``"auto"`` (``"stored"`` on the native CPU path,
+``"float32"`` on the portable one), ``"float32"``, ``"stored"``, ``"bfloat16"``, ``"int8"``
+(symmetric, one float32 scale per output column: ``W[:, n] = Q[:, n] * s[n]``) or ``"int4"``
+(symmetric groups of 32 along the input, one float16 scale per group and column: llama.cpp's
+Q4_0 rounding; int8 where the input is not a multiple of 32). Norms, biases, the router and the
+experts stay in the compute dtype. Each choice, its held-out loss and why int4 is symmetric:
+``docs/huggingface.md`` (Precisions and GGUF files).
 
-- ``"auto"`` (default): ``"stored"`` on the native CPU path, ``"float32"`` on the portable one
-  (XLA CPU widens a bfloat16 matrix into a float32 copy at every product, so keeping it saves no
-  reading there);
-- ``"float32"``: widened when loaded (the compute dtype's, to be exact);
-- ``"stored"``: bfloat16 and float16 matrices stay in that dtype, and each product widens them
-  as it reads them;
-- ``"bfloat16"``: every matrix rounded to bfloat16 when loaded (half the bytes of float32);
-- ``"int8"``: weight-only int8, symmetric, one float32 scale per output column
-  (``W[:, n] = Q[:, n] * s[n]``, ``s[n] = max|W[:, n]| / 127``), quantized when loaded from the
-  float32 values; the product is ``(x @ Q) * s``;
-- ``"int4"``: weight-only int4 in groups of 32 along the input dimension, one float16 scale per
-  group and column, symmetric (``W[k, n] = Q[k, n] * s[k // 32, n]``, ``Q`` in -8..7, the group's
-  weight of largest magnitude ``-8 * s``: llama.cpp's Q4_0 rounding), 4.5 bits a weight. A matrix
-  whose input dimension is not a multiple of 32 is kept in int8 instead. (Symmetric was chosen
-  over a zero point per group by held-out loss on ``shakespeare-bpe``: +0.0016 against +0.0022
-  nats per character over float32's 1.4953, with fewer bytes; ``tools/int4_layouts.py``.)
-
-A matrix is one of three leaves of the parameter tree, and :func:`matmul` dispatches on which:
+A matrix is one of these leaves of the parameter tree, and :func:`matmul` dispatches on which:
 
 - an array ``[K, N]`` (any float dtype): ``x @ W``, widened to ``x``'s dtype;
-- ``{"q": int8 [K, N], "scale": [N]}``: the portable int8 product (XLA; on an accelerator the
-  conversion fuses into the product);
-- ``{"q4": int4 [K, N], "scale": float16 [K / 32, N]}``: the portable int4 product, XLA's 4-bit
-  type (two weights a byte on an accelerator, where the widening and scaling fuse into the
-  product);
+- ``{"q": int8 [K, N], "scale": [N]}``: the portable int8 product ``(x @ Q) * s``;
+- ``{"q4": int4 [K, N], "scale": float16 [K / 32, N]}``: the portable int4 product (XLA's 4-bit type);
 - ``{"packed": [N / 16, K, 16], "scale"?}``: the native CPU kernel
-  (:func:`jaxdecode.native.kernels.linear`), which reads each weight once per call for all rows;
-  int4 as ``packed`` uint8 ``[N / 16, K / 2, 16]`` with float16 scales ``[N / 16, K / 32, 16]``
-  (:func:`jaxdecode.native.kernels.pack4`).
-  On this path q, k and v are one packed matrix (``qkv``), and so are the MLP's gate and up
-  (``gu``): one call each.
+  (:func:`jaxdecode.native.kernels.linear`; int4 packed by :func:`jaxdecode.native.kernels.pack4`),
+  where q, k and v are one matrix (``qkv``), and so are the MLP's gate and up (``gu``).
 """
 
 from __future__ import annotations

@@ -4,30 +4,16 @@ Sharding as data, as in MaxText's logical axis rules: every parameter names a lo
 dimension (:data:`LOGICAL`), and a table of rules (:data:`RULES`) maps each logical name to a mesh
 axis or to none (replicated). The decoder's code never names a device: the parameters are placed
 with :class:`~jax.sharding.NamedSharding` and XLA's partitioner (GSPMD) derives the rest, inserting
-the collectives itself. The rules are Megatron's:
+the collectives itself.
 
-- q, k and v, and the MLP's gate and up, split by columns (attention heads, key/value heads, FFN
-  units): each device computes its heads' attention and its units' activations alone;
-- o and down split by rows: each device's product is a partial sum, and one all-reduce of
-  ``B x d`` values after each completes it (two per layer);
-- the embedding and the output layer split by vocabulary (:data:`RULES`; by hidden size with
-  ``embedding="hidden"``, measured against it in ``docs/scaling.md``);
-- a mixture of experts splits its experts (expert parallelism): each device runs its own experts
-  on every token, with weight zero where the router did not choose them, and the layer's output is
-  one all-reduce of their sum;
-- norms, biases of row-split matrices, the router and learned positions are replicated.
-
-A logical axis is split only where the mesh's ``"model"`` size divides its number of units
-(heads, key/value heads, FFN units, experts, vocabulary); otherwise it is replicated. So with
-fewer key/value heads than model shards (grouped-query attention on a wide axis) the key/value
-projections and the KV cache are replicated, each device computing every key/value head, while
-the query heads are still split; with fewer query heads than shards the attention is replicated
-and only the MLP and the embedding are split. The KV cache (``[B, KV, capacity, hd]`` per layer)
-is split by key/value head exactly when k and v are.
-
-An int8 matrix (``{"q", "scale"}``, :mod:`.linear`) is split as its float matrix, and its scale
-(one per output column) lives with its columns: split with a column-split matrix, replicated
-with a row-split one.
+The rules are Megatron's: q, k, v and the MLP's gate and up split by columns (heads, units); o and
+down by rows (one all-reduce of ``B x d`` values after each: two per layer); the embedding and the
+output layer by vocabulary (or by hidden size with ``embedding="hidden"``); a mixture's experts by
+expert; norms, the router and learned positions replicated. A logical axis is split only where
+the ``"model"`` size divides its number of units; otherwise it is replicated (so with fewer
+key/value heads than shards, k, v and the KV cache are replicated). An int8 matrix is split as
+its float matrix, its scales with its columns. The table, its reasons and its measured costs:
+``docs/scaling.md`` (The rules).
 """
 
 from __future__ import annotations

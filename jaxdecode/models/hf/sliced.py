@@ -9,7 +9,7 @@ parameter and closed after it, so its mapped pages do not add up over the load: 
 the devices' parameters and, at most, one matrix's pages besides.
 
 A parameter is a rectangle of one checkpoint tensor, transposed or not (:class:`Piece`): where it
-lies is found by running the reader's own split (:func:`.weights._split`: transposes, fused q/k/v
+lies is found by running the reader's own split (:func:`.weights.split_tensor`: transposes, fused q/k/v
 or gate/up cut into parts) over index grids instead of values, so fused tensors (GPT-2's
 ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) are read part by part, each device its rows
 of its part. The experts of a mixture are stacked pieces, and their gate and up are joined, as
@@ -38,11 +38,11 @@ from jaxdecode.models.hf.weights import (
     FLOAT_DTYPES,
     INDEX_FILE,
     WeightsError,
-    _check_layers,
-    _match_table,
-    _short,
-    _split,
+    check_layers,
+    match_table,
     shard_files,
+    short_error,
+    split_tensor,
     tensor_table,
 )
 
@@ -167,7 +167,7 @@ def pieces(cfg, param: str, how: str | None, shape: tuple[int, ...], path: Path,
         grids = [np.arange(shape[0])]
     else:
         grids = [np.broadcast_to(np.arange(shape[0])[:, None], shape), np.broadcast_to(np.arange(shape[1]), shape)]
-    split = [_split(cfg, param, how, g) for g in grids]
+    split = [split_tensor(cfg, param, how, g) for g in grids]
     out = []
     for parts in zip(*split, strict=True):
         views = [v for _, v in parts]
@@ -182,9 +182,9 @@ def _sources(folder: Path, cfg, files: Files) -> tuple[dict, set]:
     dtypes met."""
     paths, source = shard_files(folder)
     index = source if source.name == INDEX_FILE else None
-    _check_layers(paths, source, cfg)
+    check_layers(paths, source, cfg)
     table = tensor_table(cfg)
-    found = _match_table(paths, source, cfg, table)
+    found = match_table(paths, source, cfg, table)
     flat: dict = {}
     layers: dict[str, list] = {}
     stored: set = set()
@@ -202,7 +202,7 @@ def _sources(folder: Path, cfg, files: Files) -> tuple[dict, set]:
         except WeightsError:
             raise
         except READ_ERRORS as e:
-            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
+            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({short_error(e)})") from None
         if kind not in FLOAT_DTYPES:
             raise WeightsError(f"{path}: tensor {name!r} is stored as {kind}; expected one of "
                                f"{', '.join(FLOAT_DTYPES)}")
@@ -273,7 +273,7 @@ class Reader:
         except WeightsError:
             raise
         except READ_ERRORS as e:
-            raise WeightsError(f"{_where(src)}: corrupt or truncated safetensors file ({_short(e)})") from None
+            raise WeightsError(f"{_where(src)}: corrupt or truncated safetensors file ({short_error(e)})") from None
         bad = ~np.isfinite(a)
         if bad.any():
             raise WeightsError(f"{_where(src)}: tensor {_name(src)!r} holds NaN or infinite values "

@@ -1,30 +1,22 @@
 """Every Hugging Face family as one decoder behind the decoding-model interface.
 
 :class:`HFDecoder` is a decoder-only transformer in plain ``jax.numpy`` whose variants are fields
-of its :class:`~.config.HFConfig` (which family sets which: :mod:`.families`):
+of its :class:`~.config.HFConfig` (which family sets which: :mod:`.families`; each family's
+variants: ``docs/huggingface.md``, What is supported):
 
-- the Llama line: RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``, in float32; Gemma's ``* (1 + w)``),
-  rotary positions (rotate-half convention, ``rope_theta``, ``llama3`` or linear scaling, a local
-  base on sliding layers, partial rotary dimensions, layers without rotation), grouped-query
-  attention (each key/value head serves ``heads / kv_heads`` query heads) scaled by ``head_dim``,
-  ``query_pre_attn_scalar`` or a multiplier, optionally soft-capped, q/k norms per head or over
-  the projection, a sliding window per layer (a query at position ``i`` sees keys at ``j`` with
-  ``i - W < j <= i``), a gated MLP (``down(act(gate x) * up x)``) or a mixture of experts
-  (:mod:`.moe`), norms before, around or after each block, block outputs times a residual
-  multiplier, embeddings scaled by ``sqrt(d)`` or a multiplier, soft-capped or divided logits,
-  tied or untied output.
-- GPT-2: LayerNorm, learned positions, one attention head per key/value head, a ``gelu_new``
-  MLP with biases, output tied to the token embedding.
+- the Llama line: RMSNorm (in float32; Gemma's ``* (1 + w)``), rotary positions (rotate-half,
+  with scaling, local bases, partial dimensions), grouped-query attention, optional soft-capping
+  and q/k norms, a sliding window per layer (a query at ``i`` sees keys at ``i - W < j <= i``), a
+  gated MLP or a mixture of experts (:mod:`.moe`), and the norms, multipliers and output
+  variants of its families;
+- GPT-2: LayerNorm, learned positions, a ``gelu_new`` MLP with biases, tied output.
 
 The cache is ``k``, ``v``: per layer ``[B, KV, capacity, hd]`` (keys after rotation), and the rows'
-lengths: row ``b``'s token ``p`` sits at position ``p``, and a query reads only positions below its
-own, so whatever lies at or past a row's length is never read before it is written (truncating
-is setting lengths). Past the window ``T`` (``max_position_embeddings``) the loops call
-:meth:`HFDecoder.window`, a forward over each row's last ``T`` tokens numbered from 0, as for the
-reference model.
-
-Compute runs in the parameters' dtype (float32 by default, bfloat16 for accelerators), with norms,
-softmax and logits in float32.
+lengths: a query reads only positions below its own, so whatever lies at or past a row's length
+is never read before it is written (truncating is setting lengths). Past the window ``T``
+(``max_position_embeddings``) the loops call :meth:`HFDecoder.window`, a forward over each row's
+last ``T`` tokens numbered from 0. Compute runs in the parameters' dtype (float32 by default,
+bfloat16 for accelerators), with norms, softmax and logits in float32.
 """
 
 from __future__ import annotations

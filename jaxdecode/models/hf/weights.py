@@ -22,8 +22,7 @@ Every matrix is stored as ``x @ W`` wants it: ``nn.Linear`` weights ([out, in]) 
 here, GPT-2's ``Conv1D`` weights ([in, out]) are not. Phi-3's fused ``qkv_proj`` and
 ``gate_up_proj`` are split into the separate matrices; the experts' per-expert matrices are stacked
 (``e_gate/3`` in the table is expert 3 of ``e_gate``; gate and up are then joined, :mod:`.moe`).
-The text decoder of a Gemma 3 image-text folder is read from its ``language_model`` tensors; the
-vision tower's are skipped.
+A Gemma 3 image-text folder's text decoder is read from its ``language_model`` tensors.
 """
 
 from __future__ import annotations
@@ -162,12 +161,12 @@ def shard_files(folder: Path) -> tuple[dict[str, Path], Path]:
             with safe_open(str(single), framework="numpy") as f:
                 return {name: single for name in f.keys()}, single
         except Exception as e:  # safetensors raises several types for a corrupt header
-            raise WeightsError(f"{single}: corrupt or truncated safetensors file ({_short(e)})") from None
+            raise WeightsError(f"{single}: corrupt or truncated safetensors file ({short_error(e)})") from None
     raise WeightsError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} "
                        "(only safetensors weights are read; convert .bin files first)")
 
 
-def _short(e: Exception) -> str:
+def short_error(e: Exception) -> str:
     """A library's error without its boilerplate prefix."""
     return str(e).removeprefix("Error while deserializing header: ")
 
@@ -180,7 +179,7 @@ def _canonical(name: str, cfg: HFConfig) -> str:
     return name
 
 
-def _check_layers(files: dict[str, Path], source: Path, cfg: HFConfig) -> None:
+def check_layers(files: dict[str, Path], source: Path, cfg: HFConfig) -> None:
     """Refuse a config with more layers than the weights hold before building a table per layer
     (a ``num_hidden_layers`` of a billion would otherwise take minutes to be refused)."""
     held = {int(m.group(1)) for name in files if (m := LAYER.search(name))}
@@ -189,7 +188,7 @@ def _check_layers(files: dict[str, Path], source: Path, cfg: HFConfig) -> None:
                            f"but config.json's {family(cfg).layers_field} is {cfg.L}")
 
 
-def _match_table(files: dict[str, Path], source: Path, cfg: HFConfig, table: dict) -> dict:
+def match_table(files: dict[str, Path], source: Path, cfg: HFConfig, table: dict) -> dict:
     """Checkpoint name (canonical) -> ``(stored name, file)``, every table entry found once."""
     found: dict[str, tuple[str, Path]] = {}
     skipped = family(cfg).tensors.skipped
@@ -249,9 +248,9 @@ def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -
 
     files, source = shard_files(folder)
     index = source if source.name == INDEX_FILE else None
-    _check_layers(files, source, cfg)
+    check_layers(files, source, cfg)
     table = tensor_table(cfg)
-    found = _match_table(files, source, cfg, table)
+    found = match_table(files, source, cfg, table)
 
     flat: dict[str, object] = {}
     layers: dict[str, list] = {}
@@ -267,7 +266,7 @@ def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -
                     a = _checked(f, held, found[canon][0], path, shape, index, dtype)
                     if stored is not None:
                         stored.add(f.get_slice(found[canon][0]).get_dtype())
-                    for pname, part in _split(cfg, param, how, a):
+                    for pname, part in split_tensor(cfg, param, how, a):
                         if layer is None:
                             flat[pname] = jnp.asarray(part, dtype)
                         else:
@@ -275,7 +274,7 @@ def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -
         except WeightsError:
             raise
         except Exception as e:
-            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({_short(e)})") from None
+            raise WeightsError(f"{path}: corrupt or truncated safetensors file ({short_error(e)})") from None
     stacked: dict = {}
     for k, v in layers.items():  # experts: e_gate/j -> e_gate [E, ...]
         if "/" in k:
@@ -293,7 +292,7 @@ def read_params(folder: Path, cfg: HFConfig, dtype, stored: set | None = None) -
     return flat
 
 
-def _split(cfg: HFConfig, param: str, how: str | None, a: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def split_tensor(cfg: HFConfig, param: str, how: str | None, a: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """A checkpoint tensor as ``(parameter, array)`` pieces: transposed, and split where fused."""
     if how in ("T", "Tqkv", "Tgu"):
         a = a.T
