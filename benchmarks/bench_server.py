@@ -1,14 +1,14 @@
 """The server against the in-process engine on the same requests: throughput, time to first token
 and inter-token latency (p50, p99), with Poisson arrivals up to saturation.
 
-    python -m benchmarks.bench_server [--ckpt FOLDER] [--slots 32] [--out FILE]
+    python -m benchmarks.bench_server [--ckpt FOLDER] [--slots 32] [--client raw|httpx] [--out FILE]
 
 For each arrival rate, the same requests (prompts, lengths, seeds) are served twice:
 
 - **engine**: ``Engine.run`` in this process, each request arriving at its time (the engine's own
   clock), with the server's settings (the same slots and rule layout);
 - **server**: ``jaxdecode serve`` in a subprocess on 127.0.0.1, one streaming HTTP client per
-  request (httpx, asyncio) sent at its arrival time; a token's time is when its chunk arrives.
+  request (asyncio) sent at its arrival time; a token's time is when its chunk arrives.
 
 Each rate runs ``--rounds`` times, the two arms alternating (the machine's load drifts). Every
 arm's CPU time is counted per process (the benchmark's own, which runs the clients or the
@@ -17,6 +17,13 @@ in-process engine; the server's HTTP process; its engine process), per generated
 ``--pin`` adds a saturation row with the engine on CPU 0 in both arms (the in-process engine, and
 the server's engine process) and everything else (the server's HTTP process, the clients) on
 CPU 1: the server's cost when the engine has the same core to itself in both arms.
+
+The clients (``--client``): bare asyncio connections by default, which read the chunked event
+stream by hand at a fraction of httpx's CPU time per token (on two cores the load generator's
+time is taken from the server); ``--client httpx`` for httpx's streaming client.
+
+The result file holds one result per model (``char``, ``bpe``, else the folder's name); a run
+replaces its model's.
 
 Then ``--clients`` (default 256) concurrent streaming clients at once, each checked to complete
 with no error. Every loop is bounded in count and time. The server is started (``--warm-up``: no
@@ -33,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -84,44 +92,128 @@ def _pct(values) -> dict:
     return {"p50": float(np.percentile(v, 50)) if v else None, "p99": float(np.percentile(v, 99)) if v else None}
 
 
-async def _client(http, base, r, t0, out, timeout):
+class _Stream:
+    """One streaming completion: its state as its lines arrive, whichever client reads them."""
+
+    def __init__(self, r):
+        self.r, self.times, self.text, self.error, self.tokens = r, [], "", None, 0
+
+    def line(self, line: str) -> bool:
+        """Take one line of the event stream; False once the stream has ended in an error event."""
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return True
+        chunk = json.loads(line[6:])
+        if "error" in chunk:  # the server's error event ends the stream
+            self.error = f"error event: {chunk['error'].get('message')}"
+            return False
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"]:
+            piece = chunk["choices"][0]["text"]
+            if piece:  # a chunk may carry several tokens (a stream that fell behind sends them together)
+                self.times.append((time.perf_counter(), len(piece)))
+                self.text += piece
+        return True
+
+
+def _body(r) -> dict:
+    return {"prompt": r["prompt"], "max_tokens": r["n"], "seed": r["seed"], "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def _httpx_client(http, base, st: _Stream, timeout):
     import httpx
 
+    try:
+        async with http.stream("POST", f"{base}/completions", json=_body(st.r), timeout=timeout) as resp:
+            if resp.status_code != 200:
+                st.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not st.line(line):
+                    break
+    except (httpx.HTTPError, OSError) as e:
+        st.error = f"{type(e).__name__}: {e}"
+
+
+async def _raw_client(base, st: _Stream):
+    """The same request over a bare asyncio connection (HTTP/1.1, one connection per request, the
+    chunked body read by hand): a load generator that costs a fraction of httpx's CPU time per
+    token, since on two cores its time is taken from the server."""
+    url = urlsplit(base)
+    payload = json.dumps(_body(st.r)).encode()
+    try:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    except OSError as e:
+        st.error = f"{type(e).__name__}: {e}"
+        return
+    try:
+        writer.write(f"POST {url.path}/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + payload)
+        await writer.drain()
+        status = (await reader.readline()).split()
+        headers = {}
+        while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            k, _, v = h.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip().lower()
+        if len(status) < 2 or status[1] != b"200":
+            code = status[1].decode() if len(status) > 1 else "(no status line)"
+            st.error = f"HTTP {code}: {(await reader.read(200))!r}"
+            return
+        rest = b""
+        async for piece in _body_pieces(reader, headers):
+            *lines, rest = (rest + piece).split(b"\n")
+            for line in lines:
+                if not st.line(line.rstrip(b"\r").decode()):
+                    return
+        if rest.strip():
+            st.line(rest.rstrip(b"\r").decode())
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        st.error = f"{type(e).__name__}: {e}"
+    finally:
+        writer.close()
+
+
+async def _body_pieces(reader, headers):
+    """A response body's bytes as they arrive: chunked, of a stated length, or up to the close."""
+    if headers.get("transfer-encoding") == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # (trailers)
+                    pass
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while piece := await reader.read(65536):
+            yield piece
+
+
+async def _client(http, base, r, t0, out, timeout):
     await asyncio.sleep(max(0.0, t0 + r["arrival"] - time.perf_counter()))
     sent = time.perf_counter()
-    times, text, error = [], "", None
-    body = {"prompt": r["prompt"], "max_tokens": r["n"], "seed": r["seed"], "stream": True,
-            "stream_options": {"include_usage": True}}
-    tokens = 0
-    try:
-        async with http.stream("POST", f"{base}/completions", json=body, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:  # the server's error event ends the stream
-                        error = f"error event: {chunk['error'].get('message')}"
-                        break
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if not chunk["choices"]:
-                        continue
-                    piece = chunk["choices"][0]["text"]
-                    if piece:  # a chunk may carry several tokens (one character each on the shipped model)
-                        times.append((time.perf_counter(), len(piece)))
-                        text += piece
-    except (httpx.HTTPError, OSError) as e:
-        error = f"{type(e).__name__}: {e}"
-    out.append({"sent": sent, "times": times, "text": text, "error": error, "i": r["i"], "tokens": tokens})
+    st = _Stream(r)
+    if http is None:
+        await _raw_client(base, st)
+    else:
+        await _httpx_client(http, base, st, timeout)
+    out.append({"sent": sent, "times": st.times, "text": st.text, "error": st.error, "i": r["i"],
+                "tokens": st.tokens})
 
 
-async def _load(base, reqs, timeout, limit):
+async def _load(base, reqs, timeout, limit, client):
+    out: list = []
+    if client == "raw":
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*[_client(None, base, r, t0, out, timeout) for r in reqs]),
+                               timeout=timeout)
+        return out
     import httpx
 
-    out: list = []
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as http:
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*[_client(http, base, r, t0, out, timeout) for r in reqs]),
@@ -129,8 +221,8 @@ async def _load(base, reqs, timeout, limit):
     return out
 
 
-def server_run(base, reqs, timeout=600.0, limit=512) -> dict:
-    out = asyncio.run(_load(base, reqs, timeout, limit))
+def server_run(base, reqs, timeout=600.0, limit=512, client="raw") -> dict:
+    out = asyncio.run(_load(base, reqs, timeout, limit, client))
     errors = [o["error"] for o in out if o["error"]]
     done = [o for o in out if not o["error"] and o["times"]]
     if not done:  # every client failed: say how, instead of failing on the empty timings
@@ -228,6 +320,8 @@ def main():
                    help="also saturation with the engine on CPU 0 in both arms, the rest on CPU 1")
     p.add_argument("--out", default=H.default_out("bench_server"), help="the result file")
     p.add_argument("--server-log", default=None, help="write the server's log (stderr) here")
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                   help="the load generator: bare asyncio connections (default) or httpx")
     args = p.parse_args()
     import jaxdecode
 
@@ -238,7 +332,7 @@ def main():
     me = os.getpid()
     rows = []
     try:
-        server_run(base, make_requests(args.slots, 0, args.seed + 99))  # (warm: the HTTP side too)
+        server_run(base, make_requests(args.slots, 0, args.seed + 99), client=args.client)  # (warm: HTTP too)
         plan = [(float(x), False) for x in args.rates.split(",")] + ([(0.0, True)] if args.pin else [])
         for rate, pinned in plan:
             reqs = make_requests(args.requests, rate, args.seed)
@@ -254,7 +348,7 @@ def main():
                     pin(me, {1})
                 srv_load = H.load()[0]
                 with CPUClock({"bench (clients)": me, "server http": proc.pid, "server engine": core}) as cs:
-                    srv = server_run(base, reqs)
+                    srv = server_run(base, reqs, client=args.client)
                 srv["load_before_and_after"] = [srv_load, H.load()[0]]
                 same = sum(srv["texts"].get(r["i"]) == t for r, t in zip(reqs, eng["texts"]))
                 eng.pop("texts"), srv.pop("texts")
@@ -268,15 +362,32 @@ def main():
         pin(me, set(range(os.cpu_count()))), pin(proc.pid, set(range(os.cpu_count())))
         if core is not None:
             pin(core, set(range(os.cpu_count())))
-        many = server_run(base, make_requests(args.clients, 0, args.seed + 7, (16, 48)))
+        many = server_run(base, make_requests(args.clients, 0, args.seed + 7, (16, 48)), client=args.client)
         many.pop("texts", None)
         clients = {"clients": args.clients, **many}
         print(json.dumps(clients), flush=True)
     finally:
         code = stop_server(proc)
-    result = H.result("benchmarks.bench_server", load_before=load_before, ckpt=args.ckpt or "shakespeare-char",
+    ckpt = args.ckpt or "shakespeare-char"
+    result = H.result("benchmarks.bench_server", load_before=load_before, ckpt=ckpt, client=args.client,
                       slots=args.slots, rates=rows, concurrent_clients=clients, server_exit_code=code)
-    H.write_json(args.out, result)
+    H.write_json(args.out, merged(args.out, model_key(ckpt), result))
+
+
+def model_key(ckpt: str) -> str:
+    """A result's key in the file: ``char`` or ``bpe`` for the shipped models, else the folder's name."""
+    name = os.path.basename(os.path.normpath(ckpt))
+    return {"shakespeare-char": "char", "shakespeare-bpe": "bpe"}.get(name, name)
+
+
+def merged(path, key: str, result: dict) -> dict:
+    """The result file with ``result`` under ``key``, the other models' results kept."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        doc = {}
+    return {**doc, key: result}
 
 
 if __name__ == "__main__":
