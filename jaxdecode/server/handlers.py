@@ -5,12 +5,14 @@ OpenAI's schema."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import json
 import math
 import re
 import secrets
+import threading
 import time
 import uuid
 import weakref
@@ -152,12 +154,13 @@ def writable_stops(stops: list[str], vocab) -> list[str]:
     return out
 
 
-def constraint(body, vocab, forced: tuple[str, object] | None = None):
+async def constraint(body, vocab, forced: tuple[str, object] | None = None):
     """The request's structured-output constraint, or None: vLLM's ``structured_outputs`` (``json``,
     ``regex``, ``choice``, ``json_object``), OpenAI's ``response_format``, or the older
     ``guided_json``, ``guided_regex`` and ``guided_choice``; at most one of them. ``forced``: a
     ``(field, JSON schema)`` the server itself imposes (a required tool call), which no other
-    structured output may accompany."""
+    structured output may accompany. A pattern not compiled before is compiled in a worker thread
+    (:func:`compiled`): a large schema takes seconds, and the event loop keeps serving meanwhile."""
     asked = [(name, kind, value) for name, kind, value in (("guided_regex", "regex", body.guided_regex),
                                                             ("guided_choice", "choice", body.guided_choice),
                                                             ("guided_json", "json", body.guided_json))
@@ -188,33 +191,63 @@ def constraint(body, vocab, forced: tuple[str, object] | None = None):
         raise APIError(400, f"{name} needs at least one choice", param=name)
     key = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
     try:
-        return compiled(kind, key, vocab)
+        found = cached(kind, key, vocab)
+        return found if found is not None else await asyncio.to_thread(compiled, kind, key, vocab)
     except (ConstraintError, ValueError) as e:
         raise APIError(400, f"{name}: {e}", param=name) from None
 
 
-@functools.lru_cache(maxsize=64)
-def compiled(kind: str, key: str, vocab):
-    """A compiled constraint, kept for the requests that ask for the same pattern: compiling is
-    the slow part (outlines-core's index over the vocabulary), and the engine stacks one table per
-    distinct constraint object, so equal patterns share one. :func:`spec_of` gives back
-    ``(kind, key)``."""
-    if kind == "regex":
-        c = compile_regex(key, vocab)
-    elif kind == "choice":
-        c = compile_choices(json.loads(key), vocab)
-    else:
-        c = compile_json_schema(key, vocab)
-    _SPECS[c] = (kind, key)
-    return c
-
-
+# Compiled constraints, the most recently used COMPILED_KEEP kept for the requests that ask for the
+# same pattern: compiling is the slow part (outlines-core's index over the vocabulary), and the
+# engine stacks one table per distinct constraint object, so equal patterns share one. Compiles run
+# one at a time (_COMPILING: two would share the machine's cores with the engine, and two requests
+# for one new pattern compile it once); the cache's own lock is held only to read or write it, so a
+# request whose pattern is cached never waits for another's compile.
+COMPILED_KEEP = 64
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE_LOCK = threading.Lock()
+_COMPILING = threading.Lock()
+
+
+def cached(kind: str, key: str, vocab):
+    """The constraint :func:`compiled` made of ``(kind, key)`` over ``vocab``, if it is kept; else None."""
+    with _CACHE_LOCK:
+        found = _COMPILED.get((kind, key, vocab))
+        if found is not None:
+            _COMPILED.move_to_end((kind, key, vocab))
+        return found
+
+
+def compiled(kind: str, key: str, vocab):
+    """A compiled constraint of ``kind`` ("regex", "choice" or "json") from ``key`` (the pattern,
+    the choices' or the schema's JSON), kept (see above); thread-safe. :func:`spec_of` gives back
+    ``(kind, key)``."""
+    found = cached(kind, key, vocab)
+    if found is not None:
+        return found
+    with _COMPILING:
+        found = cached(kind, key, vocab)  # (compiled while this call waited)
+        if found is not None:
+            return found
+        if kind == "regex":
+            c = compile_regex(key, vocab)
+        elif kind == "choice":
+            c = compile_choices(json.loads(key), vocab)
+        else:
+            c = compile_json_schema(key, vocab)
+        with _CACHE_LOCK:
+            _SPECS[c] = (kind, key)
+            _COMPILED[(kind, key, vocab)] = c
+            while len(_COMPILED) > COMPILED_KEEP:
+                _COMPILED.popitem(last=False)
+        return c
 
 
 def spec_of(constraint) -> tuple[str, str]:
     """The ``(kind, key)`` a constraint was :func:`compiled` from."""
-    return _SPECS[constraint]
+    with _CACHE_LOCK:
+        return _SPECS[constraint]
 
 
 def check_window(prompt_len: int, n: int, T: int, field: str):

@@ -17,9 +17,9 @@ from jaxdecode.server.chat import ChatTemplateError
 from jaxdecode.server.protocol import APIError, ChatRequest, CompletionRequest
 
 
-def _requests(server, body, prompts, n_new, top, stop, field, forced=None) -> list[Request]:
+async def _requests(server, body, prompts, n_new, top, stop, field, forced=None) -> list[Request]:
     settings = H.sampling(body, server.V, server.defaults)
-    constraint = H.constraint(body, server.vocab, forced)
+    constraint = await H.constraint(body, server.vocab, forced)  # (a new pattern compiles in a worker thread)
     stop = H.writable_stops(stop, server.vocab)
     out = []
     for tokens in prompts:
@@ -148,7 +148,7 @@ async def completions(body: CompletionRequest, request: HTTPRequest):
     k = body.prompt_logprobs if body.prompt_logprobs is not None else (body.logprobs or 0)
     top = body.logprobs or 0
     n_new = body.max_tokens
-    reqs = _requests(server, body, prompts, n_new, top, stop, "max_tokens")  # (checks the window)
+    reqs = await _requests(server, body, prompts, n_new, top, stop, "max_tokens")  # (checks the window)
     scored = None
     if scoring:
         scored = await H.prompt_logprobs(server.runner, [list(map(int, q)) for q in prompts], k)
@@ -376,7 +376,7 @@ async def chat_completions(body: ChatRequest, request: HTTPRequest):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs is not available when streaming", param="prompt_logprobs")
-    reqs = _requests(server, body, [tokens], n_new, top, stop, field, _forced_schema(tools, forced, body))
+    reqs = await _requests(server, body, [tokens], n_new, top, stop, field, _forced_schema(tools, forced, body))
     scored = None
     if body.prompt_logprobs is not None:
         scored = (await H.prompt_logprobs(server.runner, [list(map(int, tokens))], body.prompt_logprobs))[0]
