@@ -8,13 +8,15 @@ and the server keeps serving after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException as FastAPIHTTPException, RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import AppStatus
@@ -22,7 +24,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from jaxdecode.server.metrics import Metrics
-from jaxdecode.server.protocol import APIError, refuse_unsupported
+from jaxdecode.server.protocol import (APIError, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk,
+                                       ErrorResponse, Health, ModelList, refuse_unsupported)
 from jaxdecode.server.runner import EngineRunner
 
 log = logging.getLogger("jaxdecode.server")
@@ -127,29 +130,84 @@ def build_app(server: Server) -> FastAPI:
         server.metrics.requests.labels(_endpoint(request.url.path), "500").inc()
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(Health, 503))
     async def health():
         if not server.runner.alive:
             raise APIError(503, "the engine thread is not running")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=documented(ModelList, 401))
     async def models():
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
                                             "owned_by": "jaxdecode", "max_model_len": server.T}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=documented(None))
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     from jaxdecode.server.routes import chat_completions, completions  # the two generation endpoints
 
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat_completions)
+    generation = (400, 401, 404, 413, 429)  # (404: a model this server does not serve)
+    app.post("/v1/completions", responses=documented(Completion, *generation, stream=CompletionChunk))(completions)
+    app.post("/v1/chat/completions", responses=documented(ChatCompletion, *generation, stream=ChatCompletionChunk))(
+        chat_completions)
     from jaxdecode.server.explore import add_explorer  # the explorer: its page at / and /explore/...
 
     add_explorer(app, getattr(server, "explorer", None), api_key=server.api_key)
+    app.openapi = functools.partial(_openapi, app)
     return app
+
+
+ERRORS = {400: "the request is invalid: one line names the problem", 401: "missing or wrong API key",
+          404: "no such model", 413: f"the body is larger than {MAX_BODY} bytes", 429: "the queue is full",
+          500: "an internal error", 501: "not offered by this server",
+          503: "the server is shutting down, or its engine is not running"}
+
+
+_COMPONENTS: set = {ErrorResponse}  # the models the document names by reference, not through a route's model
+
+
+def _ref(model) -> dict:
+    _COMPONENTS.add(model)
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def documented(ok, *errors: int, stream=None) -> dict:
+    """A route's answers for the OpenAPI document: 200 with the model ``ok`` (None: the route's own
+    response class says), and each error status of ``errors`` with OpenAI's error JSON. Every
+    route may answer 500 (an unexpected error, caught) and 503 (while the server drains).
+    ``stream``: the model of a chunk, where ``stream: true`` answers with server-sent events (each
+    event's data a chunk's JSON, or an error's where the engine failed mid-stream, then [DONE])."""
+    out: dict = {200: {"description": "the answer"}}
+    if ok is not None:
+        out[200]["model"] = ok
+    if stream is not None:
+        out[200]["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "description": "one server-sent event",
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(stream), _ref(ErrorResponse)]}}]}}}}}
+    for status in sorted({*errors, 500, 503}):  # (JSON whatever the route's own response class: /metrics')
+        out[status] = {"description": ERRORS[status], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+    return out
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document without its 422 answers: a request that fails validation is
+    answered 400 with OpenAI's error JSON (the handler of RequestValidationError), never 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        models = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            models.pop(name, None)
+        for model in sorted(_COMPONENTS, key=lambda m: m.__name__):
+            published = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            models.update(published.pop("$defs", {}), **{model.__name__: published})
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _Gate:

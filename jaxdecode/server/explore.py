@@ -29,6 +29,7 @@ from importlib import resources
 import numpy as np
 from fastapi import Request as HTTPRequest
 from fastapi.responses import FileResponse, RedirectResponse
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from jaxdecode import constraints as C
 from jaxdecode.decoding.beam import BeamSearchError, beam_generate, beam_search
@@ -43,6 +44,7 @@ from jaxdecode.server.protocol import APIError
 LIMITS = {"top": 200, "n": 64, "k": 8, "seeds": 8, "tree_steps": 16, "exact_n": 16, "exact_budget": 20_000,
           "gamma": 8}
 STATIC = "static"  # the page's files, in this package
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class Explorer:
@@ -69,9 +71,21 @@ class Explorer:
                 return fn(self.lm, *args, **kw)
 
         try:
-            return await asyncio.to_thread(call)
+            return _finite(await asyncio.to_thread(call))
         except (RuleError, C.ConstraintError, BeamSearchError, ValueError) as e:
             raise APIError(400, str(e)) from None
+
+
+def _finite(value):
+    """A result with every float that JSON cannot hold (infinities, NaN: a log-probability after a
+    setting that pushes the logits past float32's range) as None, :func:`_num`'s convention."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 # ----------------------------------------------------------------------------- request fields
@@ -107,6 +121,11 @@ def _settings(body: dict) -> dict:
     factories."""
     settings = _field(body, "settings", dict, {}) or {}
     settings = {k: v for k, v in settings.items() if v is not None}
+    for name, value in settings.items():  # (the rules take arrays too, a value per row: here, one number)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"settings.{name} must be a number, got {value!r}"[:200], param="settings")
+        if not abs(value) <= FLOAT32_MAX:  # (the logits are float32: past it, a setting makes them NaN)
+            raise APIError(400, f"settings.{name} must be a finite float32 number, got {value!r}", param="settings")
     try:
         make_rule(**settings)  # an unknown name or a value out of range
     except RuleError as e:
@@ -345,6 +364,88 @@ def constrained(lm, prompt: str, kind: str, key, n: int, seed: int, greedy: bool
             "accepted": con.accepts(gen), "steps": steps}
 
 
+# ----------------------------------------------------------------------------- the published bodies
+# The endpoints read their bodies by hand (_field: a 400 naming the field); these models only
+# describe them in the OpenAPI document. A field left out takes its default; other fields are ignored.
+
+
+# the rule settings by name (jaxdecode.rules.REGISTRY), each value checked by its rule
+_Settings = create_model("Settings", __config__=ConfigDict(extra="forbid"),
+                         **{spec.name: ((int if spec.type is int else float) | None, None) for spec in REGISTRY})
+
+
+class _Common(BaseModel):
+    prompt: str = Field(min_length=1)
+    settings: _Settings | None = None
+
+
+class _Drawn(_Common):
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    greedy: bool = False
+
+
+class NextBody(_Common):
+    top: int = Field(30, ge=1, le=LIMITS["top"])
+    path: list[int] | None = Field(None, description="token ids after the prompt, each in [0, vocabulary size)")
+
+
+class SampleBody(_Drawn):
+    n: int = Field(1, ge=1, le=LIMITS["n"])
+    path: list[int] | None = Field(None, description="token ids after the prompt, each in [0, vocabulary size)")
+
+
+class CompareBody(_Common):
+    n: int = Field(12, ge=1, le=LIMITS["n"])
+    k: int = Field(4, ge=1, le=LIMITS["k"])
+    seeds: list[int] = Field([0, 1, 2], max_length=LIMITS["seeds"])
+    exact_budget: int = Field(LIMITS["exact_budget"], ge=1, le=LIMITS["exact_budget"])
+
+
+class BeamBody(_Common):
+    n: int = Field(6, ge=1, le=LIMITS["tree_steps"])
+    k: int = Field(3, ge=1, le=LIMITS["k"])
+    pruned: int = Field(2, ge=0, le=LIMITS["k"])
+
+
+class ConstrainedBody(_Drawn):
+    regex: str | None = Field(None, description="give one of regex and choices")
+    choices: list[str] | None = Field(None, min_length=1)
+    n: int = Field(16, ge=1, le=LIMITS["n"])
+    top: int = Field(12, ge=1, le=LIMITS["top"])
+
+
+class SpeculativeBody(_Drawn):
+    n: int = Field(32, ge=1, le=LIMITS["n"])
+    gamma: int = Field(3, ge=1, le=LIMITS["gamma"])
+    draft: str = "lookup"
+
+
+def _documented(body: type[BaseModel] | None, *errors: int) -> dict:
+    """A route's ``responses`` and its ``openapi_extra`` (the request body it reads by hand)."""
+    from jaxdecode.server.app import documented
+
+    kw = {"responses": documented(None, 401, *errors)}
+    if body is not None:
+        schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs = schema.pop("$defs", {})
+        if defs:  # (the nested models inline: the document's components hold only the routes' own)
+            schema = _inline(schema, defs)
+        kw["openapi_extra"] = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+        kw["responses"] = documented(None, 400, 401, 413, *errors)
+    return kw
+
+
+def _inline(schema, defs: dict):
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            return _inline(defs[ref.rsplit("/", 1)[1]], defs)
+        return {k: _inline(v, defs) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_inline(v, defs) for v in schema]
+    return schema
+
+
 # ----------------------------------------------------------------------------- routes
 
 
@@ -389,7 +490,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
         kind = {"js": "text/javascript", "css": "text/css", "html": "text/html", "svg": "image/svg+xml"}
         return FileResponse(str(static / name), media_type=kind.get(name.rsplit(".", 1)[-1], "text/plain"))
 
-    @app.get("/explore/info")
+    @app.get("/explore/info", **_documented(None))
     async def info(request: HTTPRequest):
         ex = need(request)
 
@@ -403,14 +504,14 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
         return await ex.run(describe)
 
-    @app.post("/explore/next")
+    @app.post("/explore/next", **_documented(NextBody))
     async def next_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         top = _field(body, "top", int, 30, 1, LIMITS["top"])
         prompt, settings = _prompt(body), _settings(body)
         return await ex.run(lambda lm: next_token(lm, prompt, _path(body, lm.decoder.V), settings, top))
 
-    @app.post("/explore/sample")
+    @app.post("/explore/sample", **_documented(SampleBody))
     async def sample_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
@@ -419,7 +520,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
         greedy = _field(body, "greedy", bool, False)
         return await ex.run(lambda lm: sample(lm, prompt, _path(body, lm.decoder.V), settings, seed, n, greedy))
 
-    @app.post("/explore/compare")
+    @app.post("/explore/compare", **_documented(CompareBody))
     async def compare_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
@@ -432,7 +533,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
         budget = _field(body, "exact_budget", int, LIMITS["exact_budget"], 1, LIMITS["exact_budget"])
         return await ex.run(compare, prompt, n, k, seeds, settings, budget)
 
-    @app.post("/explore/beam")
+    @app.post("/explore/beam", **_documented(BeamBody))
     async def beam_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
@@ -441,7 +542,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
         children = _field(body, "pruned", int, 2, 0, LIMITS["k"])
         return await ex.run(beam_tree, prompt, n, k, settings, children)
 
-    @app.post("/explore/constrained")
+    @app.post("/explore/constrained", **_documented(ConstrainedBody))
     async def constrained_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         prompt, settings = _prompt(body), _settings(body)
@@ -457,7 +558,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
         top = _field(body, "top", int, 12, 1, LIMITS["top"])
         return await ex.run(constrained, prompt, kind, key, n, seed, greedy, settings, top)
 
-    @app.post("/explore/speculative")
+    @app.post("/explore/speculative", **_documented(SpeculativeBody, 501))
     async def speculative_view(request: HTTPRequest):
         ex, body = need(request), await _body(request)
         if ex.speculate is None:

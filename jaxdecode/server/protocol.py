@@ -87,11 +87,27 @@ class StructuredOutputs(BaseModel):
     backend: str | None = None  # (likewise)
 
 
+def _published(schema: dict, cls) -> None:
+    """A request's JSON schema as the server takes it: no field beyond the declared ones and
+    :data:`HARMLESS` (any other is refused), and each field of :data:`NOT_USED` limited to the values
+    that leave it unused."""
+    props = schema.setdefault("properties", {})
+    for name in sorted(HARMLESS):
+        props[name] = {"description": "accepted and not used"}
+    chat = cls.__name__ == "ChatRequest"
+    for key, values in NOT_USED.items():
+        name, _, only = key.partition("@")
+        if name in props and (not only or chat):
+            props[name] = {"enum": values, "description": "not supported: only the values that leave it unused"}
+    schema["additionalProperties"] = False
+
+
 class _Sampling(BaseModel):
     """The fields completions and chat share: OpenAI's, then vLLM's extras. Unknown fields are kept
-    (``extra="allow"``) so that :func:`refuse_unsupported` can name them."""
+    (``extra="allow"``) so that :func:`refuse_unsupported` can name them (the published schema
+    forbids them: :func:`_published`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_published)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -194,22 +210,26 @@ HARMLESS = {"user", "metadata", "store", "service_tier", "request_id", "session_
             "stream_interval", "routed_experts_prompt_start", "return_token_offsets", "return_mm_kwargs",
             "web_search_options"}
 
-# the fields declared above only to be refused, with a test of the values that mean "not used"
-_NONE = (lambda v: v is None)
-_EMPTY = (lambda v: v is None or v == [] or v == {})
-UNSUPPORTED = {
-    "best_of": (lambda v: v in (None, 1)), "suffix": (lambda v: v in (None, "")),
-    "guided_grammar": _NONE, "guided_decoding_backend": _NONE,
-    "use_beam_search": (lambda v: not v), "length_penalty": (lambda v: v in (None, 1.0)),
-    "spaces_between_special_tokens": (lambda v: v is True), "truncate_prompt_tokens": _NONE,
-    "logprob_token_ids": _NONE, "return_tokens_as_token_ids": (lambda v: not v),
-    "return_token_ids": (lambda v: not v), "logits_processors": _EMPTY, "vllm_xargs": _EMPTY,
-    "thinking_token_budget": (lambda v: v is None or v == -1), "repetition_detection": _NONE,
-    "priority": (lambda v: v == 0), "prompt_embeds": _NONE,
-    "functions": _EMPTY, "function_call": _NONE, "audio": _NONE,
-    "modalities": (lambda v: v is None or v in ([], ["text"])), "prediction": _NONE,
-    "mm_processor_kwargs": _EMPTY, "chat_template": _NONE, "echo@chat": (lambda v: not v),
+# the fields declared above only to be refused, each with the values that mean "not used" (the only
+# ones accepted; the OpenAPI document lists them as the field's enum)
+NOT_USED: dict[str, list] = {
+    "best_of": [None, 1], "suffix": [None, ""], "guided_grammar": [None], "guided_decoding_backend": [None],
+    "use_beam_search": [None, False], "length_penalty": [None, 1.0], "spaces_between_special_tokens": [True],
+    "truncate_prompt_tokens": [None], "logprob_token_ids": [None], "return_tokens_as_token_ids": [None, False],
+    "return_token_ids": [None, False], "logits_processors": [None, [], {}], "vllm_xargs": [None, [], {}],
+    "thinking_token_budget": [None, -1], "repetition_detection": [None], "priority": [0],
+    "prompt_embeds": [None], "functions": [None, []], "function_call": [None], "audio": [None],
+    "modalities": [None, [], ["text"]], "prediction": [None], "mm_processor_kwargs": [None, [], {}],
+    "chat_template": [None], "echo@chat": [False],
 }
+
+
+def _not_used(values: list):
+    # (by type as well as value: 0 is not False here, nor 1.0 True)
+    return lambda v: any(v == u and type(v) is type(u) or v is None is u for u in values)
+
+
+UNSUPPORTED = {key: _not_used(values) for key, values in NOT_USED.items()}
 WHY = {"chat_template": "a template given in the request is not run; start the server with --chat-template",
        "functions": "use tools", "function_call": "use tool_choice",
        "echo@chat": "echo on chat completions is not supported"}
@@ -242,3 +262,180 @@ def refuse_unsupported(request: _Sampling) -> None:
             if getattr(so, name):
                 raise APIError(400, f"structured_outputs.{name} is not supported by this server",
                                param=f"structured_outputs.{name}", code="unsupported_field")
+
+
+# ----------------------------------------------------------------------------- the published answers
+# The response bodies as the OpenAPI document at /openapi.json describes them (the routes build
+# their bodies as plain dicts; these models are the schema they are checked against, by
+# tests/server/test_openapi_fuzz.py). Fields a choice may leave out have defaults.
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error JSON: every 4xx and 5xx answer of every route."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: null for the first token, then {token id: its entry} per token
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "abort"] | None
+    logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class Completion(BaseModel):
+    """``POST /v1/completions``' answer (``stream: true``: ``text/event-stream`` chunks instead)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(BaseModel):
+    """``POST /v1/chat/completions``' answer (``stream: true``: ``text/event-stream`` chunks instead)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+# a streamed answer's chunks (text/event-stream: each event's data one chunk's JSON, then [DONE])
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]  # (none in the usage chunk)
+    usage: Usage | None = None
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
