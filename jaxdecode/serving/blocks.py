@@ -2,31 +2,26 @@
 block table.
 
 The device holds the keys and values of every layer in a pool of ``num_blocks`` blocks of
-``block_size`` positions (a model's paged form, :class:`jaxdecode.models.base.PagedPool`); a sequence's positions live in the
-blocks its table lists, position ``p`` in block ``table[p // block_size]`` at offset
-``p % block_size``. This module decides which blocks each sequence gets; it never touches the
-device. What it does:
+``block_size`` positions (a model's paged form, :class:`jaxdecode.models.base.PagedPool`);
+position ``p`` of a sequence lies in block ``table[p // block_size]`` at offset ``p % block_size``.
+This module decides which blocks each sequence gets; it never touches the device:
 
 - **allocation**: a new sequence gets the blocks its prompt needs; appending tokens takes a new
   block when the last one is full. When the pool runs out, :class:`OutOfBlocks` is raised and
-  nothing changes (a scheduler catches it to queue or preempt a request); a request that could not
-  fit even in an empty pool is a ``ValueError``.
-- **reference counts and forks**: :meth:`BlockAllocator.fork` makes a sequence that shares every
-  block of another (beams); a block returns to the free list when no table references it.
-- **copy on write**: a sequence that appends into a partly filled last block it shares first gets
-  a copy of that block; :meth:`~BlockAllocator.append` returns the ``(src, dst)`` block copies the
-  device must do before writing (:func:`jaxdecode.models.base.copy_blocks`).
+  nothing changes; a request that could not fit even in an empty pool is a ``ValueError``.
+- **reference counts and forks**: :meth:`BlockAllocator.fork` shares every block of another
+  sequence (beams); a block returns to the free list when no table references it.
+- **copy on write**: appending into a shared, partly filled last block first copies it;
+  :meth:`~BlockAllocator.append` returns the ``(src, dst)`` copies the device must do
+  (:func:`jaxdecode.models.base.copy_blocks`).
 - **prefix sharing** (as vLLM's automatic prefix caching): every full, computed block is keyed by
-  its tokens and the key of the block before it, so equal keys mean equal prefixes. A new
-  sequence whose prompt starts with cached full blocks reuses them and needs its keys and values
-  computed only from there on (:attr:`Allocation.cached`). Freed blocks keep their contents and
-  key while on the free list, least recently freed reused first, so a prefix stays reusable until
-  its blocks are actually needed for something else.
+  its tokens and the key of the block before it. A prompt that starts with cached full blocks
+  reuses them (:attr:`Allocation.cached`); freed blocks keep their contents and key on the free
+  list, least recently freed reused first, until they are needed for something else.
 
-A block becomes shareable only when the caller says its keys and values are on the device
-(:meth:`BlockAllocator.mark_computed`, after the pass that wrote them), so a request admitted in
-the same pass never reads blocks that are still being written. The last prompt position is never
-taken from the cache (its logits are needed), as in vLLM.
+A block becomes shareable only once its keys and values are on the device
+(:meth:`BlockAllocator.mark_computed`), and the last prompt position is never taken from the
+cache (its logits are needed), as in vLLM.
 """
 
 from __future__ import annotations

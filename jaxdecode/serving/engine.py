@@ -1,91 +1,22 @@
 """A generation engine for a stream of requests: continuous batching over a fixed number of slots.
 
 Each sample of a :class:`Request` is one *row*. The engine owns ``slots`` decode slots: a dense KV
-cache of that many rows (the model's own cache, through :mod:`jaxdecode.models.base`), and per
-slot the next-token logits, the rule settings and the rule state. One engine :meth:`Engine.step`:
+cache of that many rows (the model's own cache, through :mod:`jaxdecode.models.base`) or a paged
+pool (``cache="paged"``, :class:`PagedExecutor`), and per slot the next-token logits, the rule
+settings and the rule state. One :meth:`Engine.step` admits waiting rows into free slots (the
+``"continuous"`` or ``"static"`` policy), reads one piece of each unread prompt (chunked prefill,
+within ``prefill_budget``), runs one or more decode steps for every slot whose prompt is read, and
+lets rows that are done leave.
 
-1. rows that have arrived wait in a FIFO queue; the scheduling policy moves them into free slots
-   (``"continuous"``: whenever a slot is free; ``"static"``: only when every slot is free, and
-   then a whole batch of ``slots`` rows, or what is left once no more requests will arrive);
-2. rows that are still reading their prompt run one piece of it: prompts longer than
-   ``prefill_chunk`` tokens are read in pieces, one per step (chunked prefill: a long prompt does
-   not stall the rows that are decoding). A prompt's first piece goes through the model's
-   ``prefill`` (its remainder modulo the chunk size, so every later piece is one full chunk),
-   later pieces through ``extend``; the resulting cache rows are written into their slots by a
-   jitted scatter along the batch axis. Rows of one prompt that are at the same point (the
-   samples of a request) share one prefill row;
-3. one decode step for every slot whose prompt is read: each row chooses its token from its own
-   logits with its own settings, key and step, and the model appends the tokens at each row's own
-   position;
-4. rows that produced ``n`` tokens or one of their request's stop strings leave, freeing the slot.
-
-**Same outputs as** :func:`jaxdecode.generate`: sample ``j`` of a request with seed ``s`` draws
-step ``t`` with the key ``fold_in(fold_in(PRNGKey(s), j), t)`` from the processed logits, as the
-sampling loop does, so its tokens do not depend on arrival order, slot, or which requests share
-the batch. (The logits themselves come from batches of other shapes than ``generate``'s, which
-may move them in the last unit of float32 precision; ``generate`` itself shows the same when a
-prompt shares its batch. Tokens can then only differ on a near tie.)
-
-**Rule chains in one batch.** Every slot runs the same chain of rule *kinds* (the layout), each
-with its own settings. A request whose chain is the layout with some parts left out joins with a
-neutral setting for those parts; each neutral setting leaves the logits exactly (bit for bit)
-unchanged: temperature 1, top-k V, top-p 1, min-p 0, typical 1, epsilon 0, eta 0, repetition
-penalty 1, frequency and presence penalty 0 (``tests/serving/test_engine.py`` checks this). Top-n-sigma and
-n-gram blocking have no such setting. An empty engine chooses its layout among the chains of the
-rows in line that the first of them fits: the one most of them fit. A row that does not fit the
-running layout waits (first in, first out: the rows behind it wait too) until the engine has
-drained. ``layout=`` pins one layout instead (a request that does not fit it is refused). Greedy
-and sampled rows share any batch: each row has its own flag.
-
-**Constrained rows** (``Request.constraint``, a compiled regex, choice or JSON schema): a row
-chooses as the sampling loop does under a :class:`~jaxdecode.constraints.Constraint` (the tokens
-the pattern allows, the stop decision in a final state drawn from the step key's ``STOP_STREAM``,
-an end token that ends the text), so its text is ``generate``'s with that constraint. The
-executor stacks the constraints of the rows in the slots into one table
-(:func:`~jaxdecode.constraints.stack`: state 0 free, for unconstrained rows; rows padded to a power
-of two), stacked again and sent when an admitted row brings a constraint it lacks (each new table
-size compiles the decode programs once; :meth:`warm_up` covers the sizes its requests can make).
-While no row in the slots has one, the calls run the unconstrained programs. Each slot's state in
-its automaton stays on the device (reset at the row's first step) and advances inside the call,
-so multi-step calls and ``overlap`` stay on with constrained rows: a row its constraint ends (a
-stop decision, or no token allowed) leaves as a row that meets a stop string does (the tokens
-after it are dropped; under overlap it is seen one call late), with ``generate``'s finish reason.
-
-**Window.** Every row stays within the model window: a request whose prompt plus ``n`` exceeds
-``T`` is refused with an error (:func:`jaxdecode.generate` serves such requests in its exact window
-mode, a full forward per step).
-
-**Paged cache** (``cache="paged"``; the dense cache is the default). Every slot's keys and values
-live in one pool of ``num_blocks`` blocks of ``block_size`` positions (:class:`PagedExecutor`),
-found through the slot's row of a block table that a
-:class:`~jaxdecode.serving.blocks.BlockAllocator` keeps on the host. Admission gives a row its
-prompt's blocks: full leading blocks already in the pool with the same tokens (a shared
-instruction) are reused and not computed again (prefix hits: only the rest of the prompt is run);
-the samples of a request admitted together share all of its prompt's blocks and each copies the
-partly filled last one when it first writes into it (copy on write). Blocks for generated tokens
-are taken as rows grow, one step at a time (for a call of several decode steps, before the call:
-the positions it writes), but admission **reserves** them: a row is admitted only
-if the free blocks cover what it and every running row may still take (up to prompt + n - 1
-positions each, plus one copy of a shared block), so a running row never runs out and nothing is
-ever preempted. A row that does not fit waits at the head of the queue (the rows behind it wait
-too) until finished rows free their blocks; a request one of whose samples could not fit even in
-the empty pool is refused when it is submitted. A decode step chooses the tokens first, then
-writes the tokens of the rows that go on (a finished row's last token is never written).
-:meth:`Engine.cache_stats` reports the peak of blocks in use and the prefix hits.
-``kv_dtype="int8"`` (on either cache; a dense one is then a pool of one block of the window per
-slot) stores the keys and values as int8 with a float32 scale per head and position
-(:class:`~jaxdecode.models.base.Int8Blocks`): about a quarter of the memory, texts close to the
-float pool's but not equal to ``generate``'s.
-
-**Prefill budget** (``prefill_budget``): the most prompt tokens all rows together read in one
-engine step (default: no limit; each row reads at most ``prefill_chunk``). Rows past the budget
-wait for the next step, in the order they were admitted, so the decode steps that prompt pieces
-join stay short.
-
-The engine runs on a clock: :class:`RealClock` (wall time, sleeping until arrivals) or a virtual
-one (:class:`jaxdecode.serving.simulator.VirtualClock`, each step costing what a step-time model
-says). The device work is done by an executor: :class:`ModelExecutor` runs the model; the
-simulator's executor replays known outputs without one. The scheduling code is the same for all.
+A sample's text is :func:`jaxdecode.generate`'s for the same request: it draws with its own key
+and step, whatever its arrival order, slot or batch. Slots share one layout of rule kinds, each
+row with its own settings (the parts it lacks at settings that leave the logits exactly
+unchanged); constrained rows carry their automaton state on the device. A request that would
+reach past the model window ``T`` is refused. On the paged cache admission reserves every block a
+row may still take, so nothing is ever preempted, and full prompt blocks already in the pool are
+reused. The engine runs on a clock (:class:`RealClock`, or the simulator's virtual one) and its
+device work is an executor's (:class:`ModelExecutor`, or the simulator's replay). Each of these
+in full: ``docs/serving.md`` (One engine step, in detail).
 """
 
 from __future__ import annotations
@@ -99,13 +30,13 @@ import numpy as np
 
 from jaxdecode.decoding.common import Generation, finish_text, stop_string_list
 from jaxdecode.serving.blocks import BlockAllocator
-from jaxdecode.serving.paging import PagedRows, _admitted
+from jaxdecode.serving.paging import PagedRows, admission_order
 from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
 from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, SPECULATIVE_MAX_ROWS, EngineConfig
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
-    TOP_LOGPROBS, Request, _embed, _kind, best_layout, make_rows, neutral_rule, rule_parts)
+    TOP_LOGPROBS, Request, best_layout, embed_in_layout, make_rows, neutral_rule, part_kind, rule_parts)
 from jaxdecode.serving.stream import RequestStream
 from jaxdecode.serving.speculative import SpeculativeExecutor
 from jaxdecode.serving.warmup import warm_up
@@ -305,7 +236,7 @@ class Engine(PagedRows):
         group: dict = {}  # request -> its first row admitted in this call (paged: the others fork it)
         while free and self._waiting:
             row = self._waiting[0]
-            rules = _embed(row.parts, self._layout, self.V)
+            rules = embed_in_layout(row.parts, self._layout, self.V)
             if rules is None:
                 break  # waits until the engine drains (first in, first out)
             if self.paged and not self._place(row, group):
@@ -324,7 +255,7 @@ class Engine(PagedRows):
         """For an empty engine: of the chains of the first rows in line that the first row fits,
         the one that most of them fit (the current layout first, then the earliest, on ties)."""
         best = best_layout(list(itertools.islice(self._waiting, LAYOUT_LOOKAHEAD)), self._layout, self.V)
-        if self._layout is None or [_kind(p) for p in best] != [_kind(p) for p in self._layout]:
+        if self._layout is None or [part_kind(p) for p in best] != [part_kind(p) for p in self._layout]:
             self.executor.set_layout(best)
         self._layout = best
 
@@ -335,7 +266,7 @@ class Engine(PagedRows):
             if row is not None and row.prefilled < len(row.prompt):
                 groups.setdefault((row.prompt.tobytes(), row.prefilled), []).append(row)
         first, more, tokens = [], [], 0
-        for (_, start), rows in sorted(groups.items(), key=lambda item: _admitted(item[1][0])):
+        for (_, start), rows in sorted(groups.items(), key=lambda item: admission_order(item[1][0])):
             P, C = len(rows[0].prompt), self.chunk
             size = P - C * ((P - 1) // C) if start == 0 else C
             if self._over_budget(tokens, size):

@@ -123,7 +123,7 @@ def _decode_many(params, cache, logits, rule, rule_state, keys, row_ids, steps, 
     return token, mlp, slp, stop, logits, cache, rule_state, cstate
 
 
-def _scatter_rows(big, small, src, dst):
+def scatter_rows(big, small, src, dst):
     """Rows ``small[src[i]]`` written into ``big[dst[i]]`` for pytrees of batch-first leaves; a
     ``dst`` past the end is dropped (padding). A leaf of ``small`` whose rows are smaller (a
     prefill's cache, which holds only its prompt's positions) fills the leading corner of the row:
@@ -141,7 +141,7 @@ def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model):
     """Prefill right-padded prompt pieces ``tokens`` ``[U, W]`` and write prefill row ``src[i]`` into
     slot ``dst[i]`` (its ``W`` cache positions and its next-token logits)."""
     first, _, sub = model.prefill(params, tokens, lengths, tokens.shape[1])
-    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, first, src, dst)
+    return scatter_rows(cache, sub, src, dst), scatter_rows(logits, first, src, dst)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "logits"))
@@ -152,7 +152,7 @@ def _extend_insert(params, cache, logits, rows, real, tokens, src, dst, *, model
     sub = model.reorder(cache, rows)
     sub = model.truncate(sub, jnp.where(real, model.lengths(sub), 0))
     out, _, sub = model.extend(params, sub, tokens, span, in_place=False)
-    return _scatter_rows(cache, sub, src, dst), _scatter_rows(logits, out[:, -1], src, dst)
+    return scatter_rows(cache, sub, src, dst), scatter_rows(logits, out[:, -1], src, dst)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -164,7 +164,7 @@ def _top_logprobs(logits, *, k):
 @functools.partial(jax.jit, static_argnames=("V",), donate_argnames=("rule_state",))
 def _init_rule_rows(rule, rule_state, prompt, lengths, dst, *, V):
     """The rule state of new rows (prompts ``[K, T]``) written into slots ``dst``."""
-    return _scatter_rows(rule_state, rule.init(prompt, lengths, V, 0), jnp.arange(prompt.shape[0]), dst)
+    return scatter_rows(rule_state, rule.init(prompt, lengths, V, 0), jnp.arange(prompt.shape[0]), dst)
 
 
 # ----------------------------------------------------------------------------- executors
@@ -422,7 +422,7 @@ def _paged_forward_step(params, pool, logits, tables, lengths, tokens, counts, s
     into slot ``dst[i]`` (a ``dst`` past the end is dropped)."""
     out, _, pool = model.pool_forward(params, pool, tables, lengths, tokens, counts)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
-    return pool, _scatter_rows(logits, last, src, dst)
+    return pool, scatter_rows(logits, last, src, dst)
 
 
 _paged_forward = jax.jit(_paged_forward_step, static_argnames=("model",), donate_argnames=("pool", "logits"))

@@ -10,7 +10,7 @@ from jaxdecode.serving.blocks import OutOfBlocks
 from jaxdecode.serving.records import cache_stats
 
 
-def _admitted(row) -> tuple[int, int]:
+def admission_order(row) -> tuple[int, int]:
     """Rows in the order they joined the queue (requests in submission order, then samples)."""
     return row.req, row.j
 
@@ -73,7 +73,7 @@ class PagedRows:
         if not groups:
             return 0
         pieces, run, tokens = [], [], 0
-        for leader in sorted(groups, key=lambda g: _admitted(groups[g][0])):
+        for leader in sorted(groups, key=lambda g: admission_order(groups[g][0])):
             rows = groups[leader]
             start = rows[0].prefilled
             size = min(self.chunk, len(rows[0].prompt) - start)

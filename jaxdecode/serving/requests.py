@@ -167,7 +167,7 @@ def make_rows(engine, r: Request, i: int) -> list:
             raise ValueError(f"request {i}: prompt ({len(prompt)} tokens) + n ({n}) needs {need} blocks of "
                              f"{a.block_size} positions per sample, more than the whole pool of "
                              f"{a.num_blocks} blocks: it could never be served")
-    if engine._pinned and _embed(parts, engine._layout, engine.V) is None:
+    if engine._pinned and embed_in_layout(parts, engine._layout, engine.V) is None:
         raise ValueError(f"request {i}: its rule chain ({_kinds_text(parts)}) does not fit the engine's "
                          f"layout ({_kinds_text(engine._layout)}): it must be the layout with parts "
                          f"left out, and only parts with a neutral setting may be left out")
@@ -180,7 +180,7 @@ def make_rows(engine, r: Request, i: int) -> list:
 def _check_speculative(engine, p, prompt, parts, i: int) -> None:
     """What a speculative engine refuses: settings speculative decoding does not support, and a
     request whose prompt, ``n`` and ``gamma + 1`` proposals do not fit in the window."""
-    from jaxdecode.speculative.loop import _stateless
+    from jaxdecode.speculative.loop import check_stateless
 
     say = f"request {i}: the engine decodes speculatively"
     if p.constraint is not None:
@@ -189,7 +189,7 @@ def _check_speculative(engine, p, prompt, parts, i: int) -> None:
         raise ValueError(f"{say} and does not return top_logprobs; ask without them or serve the request "
                          f"on an engine without --speculative")
     try:
-        _stateless(Chain(parts) if parts else None, engine.V)
+        check_stateless(Chain(parts) if parts else None, engine.V)
     except ValueError as e:
         raise ValueError(f"{say}: {e}") from None
     need = len(prompt) + p.n + engine.gamma + 1
@@ -278,16 +278,17 @@ def neutral_rule(part, V: int):
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(value, np.asarray(a).dtype) for a in leaves])
 
 
-def _kind(part):
+def part_kind(part):
+    """What a layout matches a rule part by: its tree structure (its type and static settings)."""
     return jax.tree_util.tree_structure(part)
 
 
-def _embed(parts: tuple, layout: tuple, V: int):
+def embed_in_layout(parts: tuple, layout: tuple, V: int):
     """Each layout part's rule for a row with ``parts``: its own where it has that part, else the
     neutral one; None if ``parts`` is not the layout with neutral-capable parts left out."""
     out, i = [], 0
     for lp in layout:
-        if i < len(parts) and _kind(parts[i]) == _kind(lp):
+        if i < len(parts) and part_kind(parts[i]) == part_kind(lp):
             out.append(parts[i])
             i += 1
         else:
@@ -302,8 +303,8 @@ def best_layout(line, current, V: int) -> tuple:
     """Of the chains of the rows in ``line`` (and the ``current`` layout, if any) that the first
     row fits, the one that most of them fit (the current layout first, then the earliest, on ties)."""
     candidates = ([] if current is None else [current]) + [r.parts for r in line]
-    candidates = [c for c in candidates if _embed(line[0].parts, c, V) is not None]
-    return max(candidates, key=lambda c: sum(_embed(r.parts, c, V) is not None for r in line))
+    candidates = [c for c in candidates if embed_in_layout(line[0].parts, c, V) is not None]
+    return max(candidates, key=lambda c: sum(embed_in_layout(r.parts, c, V) is not None for r in line))
 
 
 def _kinds_text(parts) -> str:

@@ -33,8 +33,8 @@ import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, round_up
 from jaxdecode.rules import processed_logprobs
-from jaxdecode.serving.executors import ModelExecutor, _scatter_rows
-from jaxdecode.speculative.acceptance import Noise, _accept, _draw, _take, row_keys
+from jaxdecode.serving.executors import ModelExecutor, scatter_rows
+from jaxdecode.speculative.acceptance import Noise, accept_with_noise, draw_token, row_keys, take_at
 
 
 def _pass_noise(keys, row_ids, passes, gamma: int):
@@ -81,14 +81,14 @@ def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, pa
     logits, _, cache = model.extend(params, cache, fed, span)
     target = process_all(logits)
     sample_lp = processed_logprobs(target)
-    n_greedy, next_greedy = _accept(target, None, drafts, None, True)
+    n_greedy, next_greedy = accept_with_noise(target, None, drafts, None, True)
     q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(processed_logprobs(q_logits))
-    n_sampled, next_sampled = _accept(jnp.exp(sample_lp), q, drafts, noise, False)
+    n_sampled, next_sampled = accept_with_noise(jnp.exp(sample_lp), q, drafts, noise, False)
     n_acc = jnp.where(greedy, n_greedy, n_sampled)
     nxt = jnp.where(greedy, next_greedy, next_sampled)
     new = jnp.concatenate([drafts, jnp.zeros((S, 1), jnp.int32)], axis=1).at[rows, n_acc].set(nxt)
-    mlp = _take(processed_logprobs(logits), new)
-    slp = _take(sample_lp, new)
+    mlp = take_at(processed_logprobs(logits), new)
+    slp = take_at(sample_lp, new)
     cache = model.truncate(cache, jnp.where(decoding, lengths + 1 + n_acc, lengths))
     dnew = draft.commit(dnew, drafts, n_acc, nxt, decoding)
     return new, mlp, slp, n_acc + 1, n_acc, cache, dnew
@@ -105,7 +105,7 @@ def _plain_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, p
     logits, _, cache = model.extend(params, cache, pending[:, None], span)
     logits = logits[:, 0]
     processed = process(logits)
-    sampled = _draw(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), noise.final)
+    sampled = draw_token(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), noise.final)
     token = jnp.where(greedy, jnp.argmax(processed, axis=-1).astype(jnp.int32), sampled)
     take = lambda lp: jnp.take_along_axis(lp, token[:, None], axis=-1)
     mlp = take(processed_logprobs(logits))
@@ -146,7 +146,7 @@ def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passe
 def _draft_rows(draft, dstate, prompt, lengths, dst, *, capacity):
     """The draft state of texts ``prompt`` ``[K, W]`` (right-padded, ``lengths`` ``[K]``) written
     into slots ``dst`` (a ``dst`` past the end is dropped)."""
-    return _scatter_rows(dstate, draft.init(prompt, lengths, capacity), jnp.arange(prompt.shape[0]), dst)
+    return scatter_rows(dstate, draft.init(prompt, lengths, capacity), jnp.arange(prompt.shape[0]), dst)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "slots"))

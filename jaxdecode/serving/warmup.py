@@ -23,7 +23,7 @@ import contextlib
 import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
-from jaxdecode.serving.requests import _embed, _kind, make_rows
+from jaxdecode.serving.requests import embed_in_layout, make_rows, part_kind
 
 
 @contextlib.contextmanager
@@ -80,7 +80,7 @@ def warm_up(engine, requests) -> int:
     if engine.layout_pinned:
         layouts = [engine.rule_layout]
     else:  # each chain of kinds among the rows (the engine's layout is one of the rows' chains)
-        layouts = list({tuple(_kind(p) for p in r.parts): r.parts for r in rows}.values())
+        layouts = list({tuple(part_kind(p) for p in r.parts): r.parts for r in rows}.values())
     prompts = sorted({len(r.prompt) for r in rows})
     longest = max(len(r.prompt) + r.n - 1 for r in rows)
     widths, more = _piece_widths(engine, prompts)
@@ -97,9 +97,9 @@ def warm_up(engine, requests) -> int:
     with count_compiles() as counted:
         for layout in layouts:
             ex.set_layout(layout)
-            row = next((r for r in rows if _embed(r.parts, layout, engine.V) is not None), rows[0])
+            row = next((r for r in rows if embed_in_layout(r.parts, layout, engine.V) is not None), rows[0])
             with ex.compiling():
-                ex.admit([(0, row, _embed(row.parts, layout, engine.V))])
+                ex.admit([(0, row, embed_in_layout(row.parts, layout, engine.V))])
                 _prefills(engine, widths, more, groups)
                 for size in sizes:
                     if cons:

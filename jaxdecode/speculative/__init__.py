@@ -3,33 +3,16 @@
 Leviathan, Kalman and Matias (2023), "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. (2023), "Accelerating Large Language Model Decoding with Speculative Sampling".
 
-Each iteration, for every row of the batch at once:
-
-1. the draft proposes ``gamma`` tokens ``x_1 .. x_gamma`` from its distributions ``q_i``;
-2. the target scores the pending token and the ``gamma`` proposals in ONE :func:`model.extend`
-   pass, which gives its distributions ``p_1 .. p_{gamma+1}``;
-3. proposal ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
-   rejection a token is drawn from the normalized residual ``max(p_i - q_i, 0)``; if all are
-   accepted, one more token comes from ``p_{gamma+1}``;
-4. each row keeps what it accepted plus that one token: its target cache length (and the
-   draft's state) rolls back to exactly that context.
-
-Whatever the draft, each row's output has exactly the target's distribution (processed by the
-same stateless rule as the draft's: temperature, top-k, top-p, min-p, ...); the draft only
-changes how many tokens each target pass yields. With ``greedy=True`` a proposal is accepted
-while it equals the target's argmax and the correction is the argmax, so the output equals
-greedy decoding.
-
-Rows accept different numbers of tokens, so each row has its own output buffer, count, target
-cache length and draft state. The whole run is a few jitted ``lax.while_loop`` segments, one per
-static attended span of the KV cache (as in :mod:`jaxdecode.decoding.sampling`): no host round trip per
-token. Randomness: row ``r`` draws all the noise of iteration ``i`` (one uniform per draft token,
-per acceptance test and for the corrected token; fixed entries per position) from
-``fold_in(fold_in(key, r), i)`` (:func:`iteration_noise`). A row's output therefore depends only
-on the user key, its row id and its own history, never on its batch.
-
-The KV cache gives the book's exact logits only within the model window ``T``; requests whose
-prompt plus ``n`` plus ``gamma + 1`` do not fit are refused.
+Each iteration the draft proposes ``gamma`` tokens, the target scores them in ONE
+``model.extend`` pass, each proposal is accepted with probability ``min(1, p/q)``, and the first
+rejection is replaced by a draw from the normalized residual ``max(p - q, 0)`` (one more token
+from the target when all are accepted). Whatever the draft, each row's output has exactly the
+target's distribution (processed by the same stateless rule); the draft only changes how many
+tokens each target pass yields. ``greedy=True`` equals greedy decoding. Rows accept different
+numbers of tokens, each with its own buffers and cache length, in a few jitted
+``lax.while_loop`` segments; a row's noise depends only on the user key, its row id and its own
+history. Requests that do not fit the model window ``T`` are refused. The steps in full:
+``docs/python.md`` (Speculative sampling).
 
 The package, by job: :mod:`.acceptance` (the acceptance test and its noise), :mod:`.loop` (the
 jitted loop, its statistics and results), :mod:`.drafts` (the :class:`Draft` interface and the
@@ -39,7 +22,10 @@ registry of drafts: :mod:`.drafts.ngram`, :mod:`.drafts.distilled`, :mod:`.draft
 
 from __future__ import annotations
 
-from jaxdecode.speculative.acceptance import Noise, _draw, _pick, accept, iteration_noise, row_keys  # noqa: F401 - _draw, _pick: tests
+from jaxdecode.speculative.acceptance import Noise, iteration_noise, row_keys
+# the acceptance test on arrays and the token-level engine: reachable here, not in __all__ (their
+# arguments are the loop's own; a request's settings are speculative_generate's DecodeParams)
+from jaxdecode.speculative.acceptance import accept  # noqa: F401
 from jaxdecode.speculative.drafts import DRAFTS, Draft, DraftSpec, make_draft, register_draft
 from jaxdecode.speculative.drafts.distilled import (
     DISTILLED_BACKOFF,
@@ -57,7 +43,7 @@ from jaxdecode.speculative.loop import (
     check_request,
     predicted_chars_per_pass,
     speculative_generate,
-    speculative_tokens,
+    speculative_tokens,  # noqa: F401
 )
 
 __all__ = [
@@ -76,7 +62,6 @@ __all__ = [
     "SpeculativeGeneration",
     "SpeculativeResult",
     "SpeculativeStats",
-    "accept",
     "check_request",
     "distilled_draft",
     "iteration_noise",
@@ -85,6 +70,5 @@ __all__ = [
     "register_draft",
     "row_keys",
     "speculative_generate",
-    "speculative_tokens",
     "target_predictions",
 ]

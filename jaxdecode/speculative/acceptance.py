@@ -17,14 +17,14 @@ import jax.numpy as jnp
 from jaxdecode.decoding.common import row_keys  # noqa: F401 (re-exported)
 
 
-def _take(x, idx):
+def take_at(x, idx):
     """``x[b, j, idx[b, j]]`` for ``x`` ``[B, S, V]`` and ``idx`` ``[B, S]``."""
     return jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
 
 
 class Noise(NamedTuple):
     """The randomness of one iteration, for every row (one uniform draw per row and iteration).
-    Every entry is uniform in (0, 1); tokens are drawn by inverting the CDF (:func:`_draw`)."""
+    Every entry is uniform in (0, 1); tokens are drawn by inverting the CDF (:func:`draw_token`)."""
 
     accept: jax.Array  # [B, gamma] the acceptance tests
     final: jax.Array  # [B] the corrected (or extra) token
@@ -44,7 +44,7 @@ def iteration_noise(keys, iteration, gamma: int, draft: bool = True) -> Noise:
     return Noise(u[:, :gamma], u[:, gamma], u[:, gamma + 1:] if draft else None)
 
 
-def _draw(weights, u):
+def draw_token(weights, u):
     """Token ``[B]`` drawn from unnormalized non-negative ``weights`` ``[B, V]`` by inverting the
     CDF with ``u`` ``[B]`` uniform in (0, 1): the first token whose cumulative weight reaches
     ``u`` times the total. That token always has positive weight (the cumulative weight before it
@@ -54,15 +54,15 @@ def _draw(weights, u):
     return jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
 
 
-def _pick(processed, u):
+def pick_token(processed, u):
     """One token per row from processed logits ``[B, V]``: a draw from ``softmax(logits)`` with
-    uniforms ``u`` ``[B]`` (:func:`_draw`), or the argmax if ``u`` is ``None``."""
+    uniforms ``u`` ``[B]`` (:func:`draw_token`), or the argmax if ``u`` is ``None``."""
     if u is None:
         return jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    return _draw(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), u)
+    return draw_token(jnp.exp(processed - jnp.max(processed, axis=-1, keepdims=True)), u)
 
 
-def _accept(p, q, draft, noise: Noise | None, greedy: bool):
+def accept_with_noise(p, q, draft, noise: Noise | None, greedy: bool):
     """:func:`accept` with the iteration's ``noise`` (unused when ``greedy``)."""
     B, G = draft.shape
     rows = jnp.arange(B)
@@ -71,7 +71,7 @@ def _accept(p, q, draft, noise: Noise | None, greedy: bool):
         ok = draft == jnp.argmax(p_draft, axis=-1)
     else:
         # accept with probability min(1, p/q): u < p/q, written without the division
-        ok = noise.accept * _take(q, draft) < _take(p_draft, draft)
+        ok = noise.accept * take_at(q, draft) < take_at(p_draft, draft)
     n_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
     p_next = p[rows, n_accepted]  # [B, V] the target where the row stops
     if greedy:
@@ -80,9 +80,9 @@ def _accept(p, q, draft, noise: Noise | None, greedy: bool):
     residual = jnp.maximum(p_next - q_next, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     # after a rejection the normalized residual (its mass is positive whenever a rejection can
-    # happen); after all accepted, the target's own next distribution (_draw normalizes)
+    # happen); after all accepted, the target's own next distribution (draw_token normalizes)
     rejected = (n_accepted < G)[:, None] & (mass > 0)
-    return n_accepted, _draw(jnp.where(rejected, residual, p_next), noise.final)
+    return n_accepted, draw_token(jnp.where(rejected, residual, p_next), noise.final)
 
 
 def accept(p, q, draft, key, *, row_ids=None, iteration=0, greedy: bool = False):
@@ -117,4 +117,4 @@ def _accept_keys(p, q, draft, key, row_ids, iteration, greedy):
     noise = None
     if not greedy:
         noise = iteration_noise(row_keys(key, row_ids), iteration, draft.shape[1], draft=False)
-    return _accept(p, q, draft, noise, greedy)
+    return accept_with_noise(p, q, draft, noise, greedy)

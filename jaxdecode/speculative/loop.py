@@ -39,7 +39,7 @@ from jaxdecode.decoding.stops import as_automaton
 from jaxdecode.io.vocab import same_vocabulary
 from jaxdecode.models.base import DecodingModel
 from jaxdecode.rules import processed_logprobs
-from jaxdecode.speculative.acceptance import _accept, _take, iteration_noise, row_keys
+from jaxdecode.speculative.acceptance import accept_with_noise, iteration_noise, row_keys, take_at
 
 if TYPE_CHECKING:
     from jaxdecode.speculative.drafts.base import Draft
@@ -74,7 +74,9 @@ class SpecState(NamedTuple):
 NOISE_TABLE_MAX = 1 << 20  # uniforms: a segment draws its noise up front when it needs at most this many
 
 
-def _stateless(rule, V: int) -> None:
+def check_stateless(rule, V: int) -> None:
+    """A ValueError unless ``rule`` (None, a rule or a chain) keeps no state: speculative sampling
+    takes stateless rules only."""
     if rule is None:
         return
     state = jax.eval_shape(lambda r: r.init(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
@@ -150,12 +152,12 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
             left = n - st.count[:, None] - jnp.arange(gamma + 1)[None, :]
             target, sample_lp = C.extended_target(con, states, left, logits, process_all, greedy)
         if greedy:
-            n_acc, nxt = _accept(target, None, drafts, None, True)
+            n_acc, nxt = accept_with_noise(target, None, drafts, None, True)
         else:  # a deterministic draft: q is a point mass on each proposal
             q = jax.nn.one_hot(drafts, V) if q_logits is None else jnp.exp(_logprobs(q_logits))
             if con is not None:  # the draft never proposes the stop choice
                 q = jnp.concatenate([q, jnp.zeros(q.shape[:2] + (1,), q.dtype)], axis=-1)
-            n_acc, nxt = _accept(target, q, drafts, noise, False)
+            n_acc, nxt = accept_with_noise(target, q, drafts, noise, False)
         if con is None:
             return n_acc, nxt, None, sample_lp, None
         stop = nxt == V
@@ -176,8 +178,8 @@ def _segment(params, draft: Draft, state: SpecState, rule, key, row_ids, n, iter
         write = jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x, (at,)))
         # finished rows write past n only (the buffer has room), and are cut off on the host
         tokens = write(st.tokens, new, st.count)
-        mlp = write(st.model_logprobs, _take(_logprobs(logits), new), st.count)
-        slp = write(st.sample_logprobs, _take(sample_lp, new), st.count)
+        mlp = write(st.model_logprobs, take_at(_logprobs(logits), new), st.count)
+        slp = write(st.sample_logprobs, take_at(sample_lp, new), st.count)
         # roll back: keep the pending token and the accepted proposals
         cache = model.truncate(cache, jnp.where(active, st.context + n_acc, model.lengths(st.cache)))
         dstate = draft.commit(dstate, drafts, n_acc, nxt, active)
@@ -327,6 +329,10 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     speculative sampling from the target ``model`` (a :class:`jaxdecode.models.DecodingModel`,
     e.g. ``lm.decoder``) with ``params``, proposed by ``draft``.
 
+    The token-level engine that :func:`speculative_generate` runs, not in ``__all__``: its
+    arguments are the loop's own and change with it; a request's settings belong in
+    :func:`speculative_generate`'s :class:`~jaxdecode.decoding.params.DecodeParams`.
+
     ``rule`` (stateless) processes both the target's and the draft's logits; the output has the
     processed target's distribution. ``row_ids`` (default ``0..B-1``) name the rows for the PRNG.
     ``stops``: token sequences that end a row once generated, or a
@@ -343,7 +349,7 @@ def speculative_tokens(model: DecodingModel, params, prompts, n: int, key: jax.A
     gamma = check_int("gamma", gamma, 1)
     batch = make_batch(prompts, n, model.V, model.T, row_ids)
     B, Pmax, T = batch.B, batch.Pmax, model.T
-    _stateless(rule, model.V)
+    check_stateless(rule, model.V)
     check_request(model, Pmax, n, gamma)
     draft.check(model, Pmax + n + gamma + 1)
     stops = as_automaton(stops, model.V)
@@ -491,5 +497,4 @@ __all__ = [
     "check_request",
     "predicted_chars_per_pass",
     "speculative_generate",
-    "speculative_tokens",
 ]

@@ -214,3 +214,91 @@ def test_no_private_name_crosses_a_layer():
     assert caught == ["decoding.steps._prefill", "native.kernels._x"]
     same_layer = "from jaxdecode.decoding.steps import _prefill"
     assert _private_uses("decoding.sampling", ast.parse(same_layer)) == []
+
+
+# ----------------------------------------------------------------------------- the library's habits
+
+
+def _private_imports(module: str, tree) -> list[str]:
+    """The single-underscore names ``module`` imports by name from another module of the package."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxdecode"):
+            source = node.module.removeprefix("jaxdecode").removeprefix(".")
+            found += [f"{source}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and source != module]
+    return found
+
+
+MAX_PRIVATE_IMPORTS = 10
+
+
+@pytest.mark.quick
+def test_few_private_names_cross_modules():
+    """A helper that another module needs is public (a docstring line, no underscore) or lives
+    where it is used: at most a few underscore names are imported across modules."""
+    used = {m: found for m, p in MODULES.items() if (found := _private_imports(m, ast.parse(p.read_text())))}
+    count = sum(len(v) for v in used.values())
+    assert count <= MAX_PRIVATE_IMPORTS, (count, used)
+    probe = "from jaxdecode.decoding.steps import _prefill, grow\nfrom jaxdecode.rules.base import __all__, _col"
+    assert _private_imports("decoding.sampling", ast.parse(probe)) == ["decoding.steps._prefill", "rules.base._col"]
+    assert _private_imports("decoding.steps", ast.parse("from jaxdecode.decoding.steps import _prefill")) == []
+
+
+# The modules that export the decoding loops: every function they export from decoding/ or
+# speculative/ takes a request's settings as one DecodeParams (``params``, keywords overriding it)
+# and at most this many other parameters.
+LOOP_MODULES = ("jaxdecode", "jaxdecode.decoding.sampling", "jaxdecode.speculative")
+MAX_OTHER_PARAMETERS = 6
+
+
+def _other_parameters(fn) -> list[str]:
+    import inspect
+
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if name != "params" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+@pytest.mark.quick
+def test_public_decoding_functions_take_few_parameters():
+    import importlib
+    import inspect
+
+    over = {}
+    for name in LOOP_MODULES:
+        module = importlib.import_module(name)
+        for export in module.__all__:
+            fn = getattr(module, export)
+            if inspect.isfunction(fn) and fn.__module__.startswith(("jaxdecode.decoding", "jaxdecode.speculative")):
+                if len(others := _other_parameters(fn)) > MAX_OTHER_PARAMETERS:
+                    over[f"{name}.{export}"] = others
+    assert not over, over
+
+    def wide(model, params, prompts, a, b, c, d, e, *, f=None, **overrides):
+        pass
+
+    def narrow(lm, prompts, params=None, *, key=None, on_text=None, progress=False, mesh=None, **overrides):
+        pass
+
+    assert len(_other_parameters(wide)) == 8 and len(_other_parameters(narrow)) == 6
+
+
+MAX_DOCSTRING_LINES = 25
+# modules whose docstring may be longer, each with its reason (none: derivations live in docs/)
+LONG_DOCSTRINGS: dict[str, str] = {}
+
+
+def _docstring_lines(tree) -> int:
+    doc = ast.get_docstring(tree, clean=False)
+    return len(doc.splitlines()) if doc else 0
+
+
+@pytest.mark.quick
+def test_module_docstrings_say_what_and_why_briefly():
+    """A module's docstring says what it does and why in about 20 lines; derivations, tables and
+    measurements go to the matching page of docs/, which the docstring names."""
+    long = {m: n for m, p in MODULES.items()
+            if (n := _docstring_lines(ast.parse(p.read_text()))) > MAX_DOCSTRING_LINES and m not in LONG_DOCSTRINGS}
+    assert not long, long
+    assert set(LONG_DOCSTRINGS) <= set(MODULES), "an exception names a module that is gone"
+    assert _docstring_lines(ast.parse('"""one\n\ntwo\nthree"""\nx = 1')) == 4

@@ -184,7 +184,7 @@ def test_a_broken_acceptance_fails(exact, monkeypatch):
     """The distribution test rejects an engine whose acceptance test keeps a proposal with
     probability min(1, q/p) instead of min(1, p/q) (the test's power against that bug)."""
     lm, want, draft = exact
-    right = SS._accept
+    right = SS.accept_with_noise
 
     def broken(p, q, draft_tokens, noise, greedy):
         if greedy:
@@ -194,7 +194,7 @@ def test_a_broken_acceptance_fails(exact, monkeypatch):
     def q_padded(q, p):  # q as a [B, gamma+1, V] "target": the roles of p and q swapped
         return jnp.concatenate([q, p[:, -1:]], axis=1)
 
-    monkeypatch.setattr(SS, "_accept", broken)
+    monkeypatch.setattr(SS, "accept_with_noise", broken)
     jax.clear_caches()
     try:
         counts, _ = first_two_tokens(lm, draft, SWITCHES["speculative"])

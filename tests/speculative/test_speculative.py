@@ -12,6 +12,7 @@ from jaxdecode.models.charlm import transformer as M
 from jaxdecode import rules
 from jaxdecode.decoding import sampling as S
 from jaxdecode import speculative as SP
+from jaxdecode.speculative import acceptance as SA
 from jaxdecode.speculative import loop as SPL
 from jaxdecode.eval.exact import chisquare_pvalue, exact_distribution, model_next_logits
 from jaxdecode.models.charlm.transformer import ModelConfig, init_params
@@ -128,22 +129,22 @@ def test_toy_acceptance_and_frequencies():
 
 @pytest.mark.quick
 def test_inverse_cdf_draws():
-    """_draw follows the normalized weights, never picks a zero weight (also at the extreme
-    uniforms), and _pick draws from softmax(logits) with -inf entries removed."""
+    """draw_token follows the normalized weights, never picks a zero weight (also at the extreme
+    uniforms), and pick_token draws from softmax(logits) with -inf entries removed."""
     w = jnp.asarray([[0.0, 3.0, 0.0, 1.0, 0.0, 4.0, 0.0]])
     edges = jnp.asarray([jnp.finfo(jnp.float32).tiny, 0.375, 0.3751, 0.5, 0.5001, 1 - 2**-24])
-    got = SP._draw(jnp.broadcast_to(w, (6, 7)), edges).tolist()
+    got = SA.draw_token(jnp.broadcast_to(w, (6, 7)), edges).tolist()
     assert got == [1, 1, 3, 3, 5, 5]  # cumulative weights 3, 4, 8 of 8: 0.375, 0.5, 1
     n = 200_000
     u = jax.random.uniform(jax.random.PRNGKey(3), (n,), minval=jnp.finfo(jnp.float32).tiny)
-    counts = np.bincount(np.asarray(SP._draw(jnp.broadcast_to(w, (n, 7)), u)), minlength=7)
+    counts = np.bincount(np.asarray(SA.draw_token(jnp.broadcast_to(w, (n, 7)), u)), minlength=7)
     assert counts[[0, 2, 4, 6]].sum() == 0
     assert stats.chisquare(counts[[1, 3, 5]], np.array([3, 1, 4]) / 8 * n).pvalue > P_MIN
     logits = jnp.log(jnp.broadcast_to(w, (n, 7)))  # -inf where the weight is 0
-    counts = np.bincount(np.asarray(SP._pick(logits, u)), minlength=7)
+    counts = np.bincount(np.asarray(SA.pick_token(logits, u)), minlength=7)
     assert counts[[0, 2, 4, 6]].sum() == 0
     assert stats.chisquare(counts[[1, 3, 5]], np.array([3, 1, 4]) / 8 * n).pvalue > P_MIN
-    assert SP._pick(logits[:2], None).tolist() == [5, 5]
+    assert SA.pick_token(logits[:2], None).tolist() == [5, 5]
 
 
 @pytest.mark.quick

@@ -2,7 +2,7 @@
 (:func:`make_draft`, :data:`DRAFTS`, a :class:`~jaxdecode.io.registry.Registry` of
 :class:`DraftSpec`).
 
-A draft module defines its draft class (a pytree made with :func:`_draft`) and a builder,
+A draft module defines its draft class (a pytree made with :func:`draft_class`) and a builder,
 ``build(lm, data_path=None, *, n=None, backoff=None, progress=False) -> Draft``, that makes the
 draft for target ``lm``, reading the corpus (``data_path``, default ``$JAXDECODE_DATA``) or
 loading checkpoints as it needs; :data:`DRAFTS` names it (``"ngram:build"``), and the module is
@@ -21,7 +21,7 @@ import jax
 from jaxdecode.io.registry import Registry
 
 
-def _draft(cls):
+def draft_class(cls):
     """Make ``cls`` a frozen dataclass and a pytree whose fields marked ``static`` are metadata."""
     cls = dataclasses.dataclass(frozen=True)(cls)
     fields = dataclasses.fields(cls)
@@ -30,7 +30,7 @@ def _draft(cls):
     return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
 
 
-def _static(**kwargs):
+def static_field(**kwargs):
     """A dataclass field that is pytree metadata (static under jit): a setting, not an array."""
     return dataclasses.field(metadata={"static": True}, **kwargs)
 
@@ -46,7 +46,7 @@ class Draft:
         ``gamma`` proposals after each row's accepted context, with the processed logits ``q``
         they were drawn from (``process`` maps raw logits ``[B, V]`` to processed ones). Proposal
         ``j`` is drawn from ``softmax(q_j)`` with the uniform ``noise[:, j]`` (see
-        :func:`jaxdecode.speculative.accept._pick`), or is ``argmax(q_j)`` when ``noise`` is
+        :func:`jaxdecode.speculative.acceptance.pick_token`), or is ``argmax(q_j)`` when ``noise`` is
         ``None`` (greedy decoding). A deterministic draft returns ``q = None`` (a point mass on
         each proposal). ``span`` is the static attended cache span of the segment.
     ``commit(state, tokens [B, gamma], n_accepted [B], token [B], active [B]) -> state``
@@ -131,7 +131,7 @@ def make_draft(kind: str, lm, data_path=None, *, n: int | None = None,
     return DRAFTS.lookup(kind).build(lm, data_path, n=n, backoff=backoff, progress=progress)
 
 
-def _no_backoff(backoff) -> None:
+def no_backoff(backoff) -> None:
     """For the builders of drafts that are not n-gram tables."""
     if backoff is not None:
         raise ValueError("backoff applies to the n-gram drafts only")

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static
+from jaxdecode.speculative.drafts.base import Draft, draft_class, no_backoff, static_field
 
 
 class LookupState(NamedTuple):
@@ -15,7 +15,7 @@ class LookupState(NamedTuple):
     length: jax.Array  # [B] int32
 
 
-@_draft
+@draft_class
 class PromptLookupDraft(Draft):
     """Continue the most recent earlier occurrence of the context's last ``n`` tokens.
 
@@ -25,7 +25,7 @@ class PromptLookupDraft(Draft):
     last token again.
     """
 
-    n: int = _static()
+    n: int = static_field()
 
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
@@ -77,7 +77,7 @@ class PromptLookupDraft(Draft):
 
 def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> PromptLookupDraft:
-    _no_backoff(backoff)
+    no_backoff(backoff)
     return PromptLookupDraft(3 if n is None else n)
 
 

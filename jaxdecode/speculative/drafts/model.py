@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from jaxdecode.models.checkpoint import DRAFT_NAME, load
 from jaxdecode.models.base import DecodingModel
-from jaxdecode.speculative.acceptance import _pick
-from jaxdecode.speculative.drafts.base import Draft, _draft, _no_backoff, _static
+from jaxdecode.speculative.acceptance import pick_token
+from jaxdecode.speculative.drafts.base import Draft, draft_class, no_backoff, static_field
 
 
 class ModelDraftState(NamedTuple):
@@ -20,7 +20,7 @@ class ModelDraftState(NamedTuple):
     base: jax.Array  # [B] int32 the cache length before the last propose
 
 
-@_draft
+@draft_class
 class ModelDraft(Draft):
     """A small model with its own parameters and cache (same vocabulary as the target): any
     :class:`jaxdecode.models.DecodingModel`, reached only through that interface.
@@ -31,7 +31,7 @@ class ModelDraft(Draft):
     """
 
     params: Any
-    model: DecodingModel = _static()
+    model: DecodingModel = static_field()
 
     @classmethod
     def from_lm(cls, lm) -> ModelDraft:
@@ -65,14 +65,14 @@ class ModelDraft(Draft):
         logits = jnp.take_along_axis(logits2, (state.npend - 1)[:, None, None], axis=1)[:, 0]
         cache = model.truncate(cache, base + state.npend)
         first = process(logits)
-        tok = _pick(first, None if noise is None else noise[:, 0])
+        tok = pick_token(first, None if noise is None else noise[:, 0])
 
         def body(carry, u):
             cache, tok = carry
             logits, _, cache = model.extend(self.params, cache, tok[:, None], span)
             logits = logits[:, 0]
             processed = process(logits)
-            nxt = _pick(processed, u)
+            nxt = pick_token(processed, u)
             return (cache, nxt), (nxt, processed)
 
         xs = None if noise is None else jnp.transpose(noise[:, 1:])
@@ -122,7 +122,7 @@ def load_draft(lm, folder=None) -> ModelDraft:
 
 def build(lm, data_path=None, *, n: int | None = None, backoff: float | None = None,
            progress: bool = False) -> ModelDraft:
-    _no_backoff(backoff)
+    no_backoff(backoff)
     small = load(draft_folder(lm))
     if small.vocab.chars != lm.vocab.chars:
         raise ValueError("the draft model's vocabulary differs from the target's")

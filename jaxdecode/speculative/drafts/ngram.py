@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.io.data import read_corpus
-from jaxdecode.speculative.acceptance import _pick
-from jaxdecode.speculative.drafts.base import Draft, _draft, _static
+from jaxdecode.speculative.acceptance import pick_token
+from jaxdecode.speculative.drafts.base import Draft, draft_class, static_field
 
 
 class NGramState(NamedTuple):
@@ -24,7 +24,7 @@ class NGramState(NamedTuple):
     row: jax.Array  # [B] int32 with backoff: the table row of the context's longest seen suffix
 
 
-@_draft
+@draft_class
 class NGramDraft(Draft):
     """A character n-gram model (the chapter's add-0.01 trigram for ``n = 3``).
 
@@ -53,13 +53,13 @@ class NGramDraft(Draft):
     keys: jax.Array
     logits: jax.Array
     index: jax.Array | None
-    n: int = _static()
-    V: int = _static()
+    n: int = static_field()
+    V: int = static_field()
     slots: jax.Array | None = None
     slot_rows: jax.Array | None = None
-    probes: int = _static(default=0)
-    hash_bits: int = _static(default=0)
-    backoff: bool = _static(default=False)
+    probes: int = static_field(default=0)
+    hash_bits: int = static_field(default=0)
+    backoff: bool = static_field(default=False)
     goto: jax.Array | None = None
 
     MAX_INDEX = 1 << 22
@@ -291,7 +291,7 @@ class NGramDraft(Draft):
                 processed = process(self.logits[row])
             else:
                 processed = process(self._next_logits(context))
-            tok = _pick(processed, None if noise is None else noise[:, j])
+            tok = pick_token(processed, None if noise is None else noise[:, j])
             if self.goto is not None:
                 row = self.goto[row, tok]
             else:
