@@ -7,8 +7,12 @@ For each concurrency ``c`` (``--concurrency``, default 1, 2, 4, 8, 16, 32), ``c`
 - ``plain``: the engine at its defaults (``EngineConfig(c)``);
 - ``speculative``: the engine with the draft model (``speculative="model"``, ``--gamma``), every
   step a speculative pass (``speculative_max_rows`` = ``c``);
+- ``speculative-off``: the same engine turned down at every step (``speculative_max_rows=0``): its
+  plain passes, against which its speculative passes set the crossover;
 - ``speculative-default``: the same at its default ``speculative_max_rows``, which turns it to plain
   passes above that many decoding rows.
+
+Each engine runs ``k`` decode steps (passes) per device call for each ``k`` of ``--decode-steps``.
 
 At one request the loops alone are timed too (:func:`jaxdecode.decoding.sampling.sample_tokens`
 and :func:`jaxdecode.speculative.speculative_tokens` with the same draft and gamma), so that the
@@ -65,6 +69,9 @@ def main(argv=None) -> int:
             engines[c, f"plain k{k}"] = Engine(lm, config=EngineConfig(c, decode_steps=k))
             engines[c, f"speculative k{k}"] = Engine(lm, config=EngineConfig(
                 c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=c))
+            if k == max(steps):  # the same engine turned down at every step: its plain passes
+                engines[c, f"speculative-off k{k}"] = Engine(lm, config=EngineConfig(
+                    c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=0))
             if c > SPECULATIVE_MAX_ROWS:
                 engines[c, f"speculative-default k{k}"] = Engine(lm, config=EngineConfig(
                     c, decode_steps=k, speculative=draft, gamma=args.gamma))
@@ -107,22 +114,28 @@ def main(argv=None) -> int:
         tps = [counts[c, name] / r["seconds"] for r in arms.runs[c, name]]
         rows.append({"concurrency": c, "arm": name, "tokens_per_second": statistics.median(tps),
                      "tokens_per_second_runs": tps, **{k: v for k, v in arms.record((c, name)).items()}})
-    by = {(r["concurrency"], r["arm"]): r["tokens_per_second"] for r in rows}
-    for r in rows:
-        plain = by.get((r["concurrency"], "loop-plain" if r["arm"].startswith("loop")
-                        else "plain " + r["arm"].split()[-1]))
-        r["speedup"] = r["tokens_per_second"] / plain
+    by = {(r["concurrency"], r["arm"]): r for r in rows}
+    for r in rows:  # against plain, within each round (a slow phase of the machine hits both), median
+        base = (r["concurrency"], "loop-plain" if r["arm"].startswith("loop") else "plain " + r["arm"].split()[-1])
+        ratios = [p["seconds"] / m["seconds"] for p, m in zip(arms.runs[base], arms.runs[r["concurrency"], r["arm"]])]
+        r["speedup"], r["speedup_runs"] = statistics.median(ratios), ratios
     for (c, name), engine in engines.items():
-        if name != "plain":
+        if not name.startswith("plain"):
             next(r for r in rows if (r["concurrency"], r["arm"]) == (c, name)).update(engine.speculative_stats())
     summary = {"tokens_equal_speculative_tokens": exact}
     for k in steps:
         if 1 in conc:
-            loop = by[1, "loop-speculative"] / by[1, "loop-plain"]
-            eng = by[1, f"speculative k{k}"] / by[1, f"plain k{k}"]
+            loop = by[1, "loop-speculative"]["speedup"]
+            eng = by[1, f"speculative k{k}"]["speedup"]
             summary[f"k{k}"] = {"loop_speedup_1": loop, "engine_speedup_1": eng, "engine_over_loop_speedup_1": eng / loop}
-        paying = [c for c in conc if by[c, f"speculative k{k}"] > by[c, f"plain k{k}"]]
+        paying = [c for c in conc if by[c, f"speculative k{k}"]["speedup"] > 1]
         summary.setdefault(f"k{k}", {})["largest_concurrency_where_speculation_pays"] = max(paying) if paying else 0
+        if (conc[0], f"speculative-off k{k}") in by:  # speculative passes against the same engine's plain ones
+            ratio = {c: statistics.median(o["seconds"] / m["seconds"] for o, m in zip(
+                arms.runs[c, f"speculative-off k{k}"], arms.runs[c, f"speculative k{k}"])) for c in conc}
+            summary[f"k{k}"]["speculative_over_plain_passes"] = ratio
+            ahead = [c for c in conc if ratio[c] > 1]
+            summary[f"k{k}"]["largest_concurrency_where_speculative_passes_pay"] = max(ahead) if ahead else 0
 
     lines = ["| requests | arm | tokens/s | vs plain | acceptance |", "|---:|---|---:|---:|---:|"]
     for r in rows:

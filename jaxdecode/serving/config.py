@@ -26,6 +26,7 @@ SPECULATIVE_KINDS = ("ngram", "distilled", "draft", "lookup", "model")
 # decoding slots above which a speculative engine runs plain passes (docs/serving.md: measured on
 # shakespeare-bpe with its draft model)
 SPECULATIVE_MAX_ROWS = 8
+SPECULATIVE_PASSES = 8  # a speculative engine's passes per device call by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ class EngineConfig:
     block_size: int = 16
     prefix_caching: bool = True
     attention: str | None = None
-    decode_steps: int = 1
+    decode_steps: int | None = None  # None: 1, or SPECULATIVE_PASSES for a speculative engine (steps_per_call)
     kv_dtype: str = "float32"
     prefill_budget: int | None = None
     overlap: bool = True
@@ -70,7 +71,8 @@ class EngineConfig:
         if self.admit_batch > self.slots:
             raise ValueError(f"{n('admit_batch')} must be at most the {n('slots')} ({self.slots}), "
                              f"got {self.admit_batch}")
-        check_int(n("decode_steps"), self.decode_steps, 1)
+        if self.decode_steps is not None:
+            check_int(n("decode_steps"), self.decode_steps, 1)
         if self.prefill_budget is not None:
             check_int(n("prefill_budget"), self.prefill_budget, 1)
         if self.policy not in POLICIES:
@@ -115,6 +117,15 @@ class EngineConfig:
                 raise ValueError(f"speculative decoding in the engine runs on the dense float32 cache: "
                                  f"drop {n(field)} {getattr(self, field)!r}")
 
+    @property
+    def steps_per_call(self) -> int:
+        """``decode_steps``, or its default: 1, or :data:`SPECULATIVE_PASSES` passes for a
+        speculative engine (whose calls are waited for: several passes a call save host round
+        trips, which overlap hides for the plain engine)."""
+        if self.decode_steps is not None:
+            return self.decode_steps
+        return 1 if self.speculative is None else SPECULATIVE_PASSES
+
     # ------------------------------------------------------------------ the command line
 
     @classmethod
@@ -145,8 +156,9 @@ class EngineConfig:
                        help=f"prompt tokens a row reads per engine step (default {DEFAULT_PREFILL_CHUNK})")
         g.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                        help="the most prompt tokens all rows read in one engine step (default: no limit)")
-        g.add_argument("--decode-steps", type=int, default=1, metavar="K",
-                       help="up to K decode steps per device call while no request waits (default 1)")
+        g.add_argument("--decode-steps", type=int, default=None, metavar="K",
+                       help=f"up to K decode steps (passes) per device call while no request waits (default 1; "
+                            f"{SPECULATIVE_PASSES} with --speculative)")
         g.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="read each device call's tokens before the next call is sent (default: the "
                             "host's work for a step runs while the device computes the previous one)")

@@ -113,7 +113,7 @@ class Engine(PagedRows):
         self.config = config
         self.S = config.slots
         self.admit_batch = config.admit_batch
-        self.decode_steps = config.decode_steps
+        self.decode_steps = config.steps_per_call
         self.prefill_budget = config.prefill_budget
         self.policy = config.policy
         self.chunk = config.prefill_chunk

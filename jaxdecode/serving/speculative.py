@@ -54,8 +54,8 @@ def _processor(rule, rule_state):
     return lambda logits: rule.apply(logits, rule_state)
 
 
-def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending,
-               decoding, *, model, gamma, span):
+def _spec_pass(params, cache, draft, dstate, rule, rule_state, noise, greedy, lengths, pending, decoding, *, model,
+               gamma, span):
     """One speculative pass for every ``decoding`` slot (:mod:`jaxdecode.speculative.loop`'s loop
     body with a greedy flag and a pass number per slot). ``lengths``: each slot's cache length
     (a decoding slot's context less its pending token ``pending``; a slot that is not decoding
@@ -66,7 +66,6 @@ def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, pa
     rows = jnp.arange(S)
     process = _processor(rule, rule_state)
     process_all = jax.vmap(process, in_axes=1, out_axes=1)
-    noise = _pass_noise(keys, row_ids, passes, gamma)
 
     def draft_process(logits):
         # a greedy row's draft proposes the argmax of its processed logits (a point mass), as
@@ -94,13 +93,12 @@ def _spec_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, pa
     return new, mlp, slp, n_acc + 1, n_acc, cache, dnew
 
 
-def _plain_pass(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, decoding, *,
-                model, gamma, span):
+def _plain_pass(params, cache, draft, dstate, rule, rule_state, noise, greedy, lengths, pending, decoding, *, model,
+                gamma, span):
     """One plain pass for every ``decoding`` slot: the pending token read, one token drawn from
     the processed target with the pass's corrected-token uniform (greedy: the argmax). Returns
     :func:`_spec_pass`'s outputs for one token a slot (``[S, 1]``) and the cache."""
     process = _processor(rule, rule_state)
-    noise = _pass_noise(keys, row_ids, passes, gamma)
     cache = model.truncate(cache, lengths)
     logits, _, cache = model.extend(params, cache, pending[:, None], span)
     logits = logits[:, 0]
@@ -124,21 +122,24 @@ def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passe
     ``[k, S, m]``, log-probabilities, tokens made ``[k, S]`` (0 where a slot took no part) and
     accepted proposals ``[k, S]``, the cache and the draft state."""
     one = _spec_pass if speculative else _plain_pass
+    # a slot takes part in consecutive passes from the first: its j-th pass here is its pass
+    # passes + j. Every pass's noise drawn up front, in one vectorized call (the generator is a few
+    # dozen tiny operations, which cost more per pass than the numbers themselves)
+    table = jax.vmap(lambda j: _pass_noise(keys, row_ids, passes + j, gamma))(jnp.arange(k, dtype=jnp.int32))
 
-    def body(carry, _):
-        cache, dstate, passes, lengths, pending, made_so_far = carry
+    def body(carry, noise):
+        cache, dstate, lengths, pending, made_so_far = carry
         live = decoding & (made_so_far < left)
         tokens, mlp, slp, made, acc, cache, dstate = one(
-            params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending, live,
+            params, cache, draft, dstate, rule, rule_state, noise, greedy, lengths, pending, live,
             model=model, gamma=gamma, span=span)
         made = jnp.where(live, made, 0)
         last = jnp.take_along_axis(tokens, jnp.maximum(made - 1, 0)[:, None], axis=1)[:, 0]
-        carry = (cache, dstate, passes + live.astype(jnp.int32), lengths + made, jnp.where(live, last, pending),
-                 made_so_far + made)
+        carry = (cache, dstate, lengths + made, jnp.where(live, last, pending), made_so_far + made)
         return carry, (tokens, mlp, slp, made, jnp.where(live, acc, 0))
 
-    carry = (cache, dstate, passes, lengths, pending, jnp.zeros_like(lengths))
-    (cache, dstate, *_), out = jax.lax.scan(body, carry, None, length=k)
+    carry = (cache, dstate, lengths, pending, jnp.zeros_like(lengths))
+    (cache, dstate, *_), out = jax.lax.scan(body, carry, table, length=k)
     return (*out, cache, dstate)
 
 
