@@ -24,8 +24,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from jaxdecode.server.metrics import Metrics
-from jaxdecode.server.protocol import (APIError, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk,
-                                       ErrorResponse, Health, ModelList, refuse_unsupported)
+from jaxdecode.server.protocol import (COMPONENTS, APIError, ChatCompletion, ChatCompletionChunk, Completion,
+                                       CompletionChunk, Health, ModelList, documented, refuse_unsupported)
 from jaxdecode.server.runner import EngineRunner
 
 log = logging.getLogger("jaxdecode.server")
@@ -158,40 +158,6 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-ERRORS = {400: "the request is invalid: one line names the problem", 401: "missing or wrong API key",
-          404: "no such model", 413: f"the body is larger than {MAX_BODY} bytes", 429: "the queue is full",
-          500: "an internal error", 501: "not offered by this server",
-          503: "the server is shutting down, or its engine is not running"}
-
-
-_COMPONENTS: set = {ErrorResponse}  # the models the document names by reference, not through a route's model
-
-
-def _ref(model) -> dict:
-    _COMPONENTS.add(model)
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-
-def documented(ok, *errors: int, stream=None) -> dict:
-    """A route's answers for the OpenAPI document: 200 with the model ``ok`` (None: the route's own
-    response class says), and each error status of ``errors`` with OpenAI's error JSON. Every
-    route may answer 500 (an unexpected error, caught) and 503 (while the server drains).
-    ``stream``: the model of a chunk, where ``stream: true`` answers with server-sent events (each
-    event's data a chunk's JSON, or an error's where the engine failed mid-stream, then [DONE])."""
-    out: dict = {200: {"description": "the answer"}}
-    if ok is not None:
-        out[200]["model"] = ok
-    if stream is not None:
-        out[200]["content"] = {"text/event-stream": {"schema": {
-            "type": "object", "required": ["data"], "description": "one server-sent event",
-            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, {
-                "type": "string", "contentMediaType": "application/json",
-                "contentSchema": {"anyOf": [_ref(stream), _ref(ErrorResponse)]}}]}}}}}
-    for status in sorted({*errors, 500, 503}):  # (JSON whatever the route's own response class: /metrics')
-        out[status] = {"description": ERRORS[status], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
-    return out
-
-
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's OpenAPI document without its 422 answers: a request that fails validation is
     answered 400 with OpenAI's error JSON (the handler of RequestValidationError), never 422."""
@@ -203,7 +169,7 @@ def _openapi(app: FastAPI) -> dict:
         models = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             models.pop(name, None)
-        for model in sorted(_COMPONENTS, key=lambda m: m.__name__):
+        for model in sorted(COMPONENTS, key=lambda m: m.__name__):
             published = model.model_json_schema(ref_template="#/components/schemas/{model}")
             models.update(published.pop("$defs", {}), **{model.__name__: published})
         app.openapi_schema = schema

@@ -39,7 +39,7 @@ from jaxdecode.decoding.search import SearchBudgetExceeded, mode_search
 from jaxdecode.decoding.stops import stop_automaton
 from jaxdecode.rules import REGISTRY, RuleError, make_rule, processed_logprobs
 from jaxdecode.server.handlers import token_text
-from jaxdecode.server.protocol import APIError
+from jaxdecode.server.protocol import APIError, documented
 
 LIMITS = {"top": 200, "n": 64, "k": 8, "seeds": 8, "tree_steps": 16, "exact_n": 16, "exact_budget": 20_000,
           "gamma": 8}
@@ -422,8 +422,6 @@ class SpeculativeBody(_Drawn):
 
 def _documented(body: type[BaseModel] | None, *errors: int) -> dict:
     """A route's ``responses`` and its ``openapi_extra`` (the request body it reads by hand)."""
-    from jaxdecode.server.app import documented
-
     kw = {"responses": documented(None, 401, *errors)}
     if body is not None:
         schema = body.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -439,3 +439,39 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ----------------------------------------------------------------------------- the routes' answers, documented
+
+ERRORS = {400: "the request is invalid: one line names the problem", 401: "missing or wrong API key",
+          404: "no such model", 413: "the body is larger than the server's limit", 429: "the queue is full",
+          500: "an internal error", 501: "not offered by this server",
+          503: "the server is shutting down, or its engine is not running"}
+
+
+COMPONENTS: set = {ErrorResponse}  # the models the document names by reference, not through a route's model
+
+
+def _ref(model) -> dict:
+    COMPONENTS.add(model)
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def documented(ok, *errors: int, stream=None) -> dict:
+    """A route's answers for the OpenAPI document: 200 with the model ``ok`` (None: the route's own
+    response class says), and each error status of ``errors`` with OpenAI's error JSON. Every
+    route may answer 500 (an unexpected error, caught) and 503 (while the server drains).
+    ``stream``: the model of a chunk, where ``stream: true`` answers with server-sent events (each
+    event's data a chunk's JSON, or an error's where the engine failed mid-stream, then [DONE])."""
+    out: dict = {200: {"description": "the answer"}}
+    if ok is not None:
+        out[200]["model"] = ok
+    if stream is not None:
+        out[200]["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "description": "one server-sent event",
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(stream), _ref(ErrorResponse)]}}]}}}}}
+    for status in sorted({*errors, 500, 503}):  # (JSON whatever the route's own response class: /metrics')
+        out[status] = {"description": ERRORS[status], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+    return out
