@@ -196,7 +196,7 @@ def test_every_public_loop_takes_at_most_six_other_parameters():
     from jaxdecode.speculative import speculative_generate
 
     for fn in (jaxdecode.generate, jaxdecode.beam_generate, jaxdecode.contrastive_generate, jaxdecode.score,
-               speculative_generate):
+               jaxdecode.mode_search, speculative_generate):
         sig = inspect.signature(fn).parameters
         assert "params" in sig and "overrides" in sig, fn.__name__
         others = [n for n in sig if n not in ("params", "overrides")]
