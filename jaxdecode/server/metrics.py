@@ -11,7 +11,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75
 
 class Metrics:
     """Requests running and waiting, KV blocks in use and free, prompt and generated token
-    counters, the prefix cache's lookups, hits and evictions (paged cache), and histograms of time to first token and time per output token."""
+    counters, the prefix cache's lookups, hits and evictions, and histograms of time to first token and time per output token."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -22,7 +22,7 @@ class Metrics:
         self.blocks_free = Gauge(p + "kv_blocks_free", "KV cache blocks free", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens read", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        # the paged cache's prefix cache (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens)
+        # the prefix cache (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens; evictions: paged blocks or dense slots)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)

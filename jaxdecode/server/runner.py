@@ -63,7 +63,7 @@ class Stats:
     running: int = 0  # requests with a row in a slot
     queued: int = 0  # the engine's rows waiting for a slot
     blocks: tuple = (0, 0)  # KV blocks used, free
-    prefix: tuple = (0, 0, 0)  # the paged cache's prefix cache so far: tokens looked up, found; evictions
+    prefix: tuple = (0, 0, 0)  # the prefix cache so far: tokens looked up, found; evictions
 
 
 class _Active:
@@ -152,9 +152,9 @@ class EngineLoop:
         stats.running = len({r.req for r in self.engine.rows_in_slots()})
         stats.queued = self.engine.queued
         stats.blocks = self.engine.kv_blocks()
-        a = getattr(self.engine, "allocator", None)
-        if a is not None:
-            stats.prefix = (a.queried, a.hits, a.evictions)
+        counts = self.engine.prefix_counts()  # the paged pool's or the dense slots' (None: off)
+        if counts is not None:
+            stats.prefix = counts
         return out
 
     def fail_all(self, error: Exception) -> list:

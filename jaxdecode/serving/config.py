@@ -25,17 +25,19 @@ DEFAULT_PREFILL_CHUNK = 128
 SPECULATIVE_KINDS = ("ngram", "distilled", "draft", "lookup", "model")
 # decoding slots above which a speculative engine runs plain passes (docs/serving.md: measured on
 # shakespeare-bpe with its draft model)
-SPECULATIVE_MAX_ROWS = 8
+SPECULATIVE_MAX_ROWS = 2
 SPECULATIVE_PASSES = 8  # a speculative engine's passes per device call by default
+SPECULATIVE_GAMMA = 2  # its draft tokens per pass by default (docs/serving.md: measured with the draft model)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """``slots``: decode slots. ``policy``: ``"continuous"`` or ``"static"``. ``prefill_chunk``:
     the most prompt tokens a row reads per step. ``cache``: ``"dense"`` or ``"paged"``, with
-    ``num_blocks`` (default: ``slots`` rows of the window), ``block_size``, ``prefix_caching`` and
-    ``attention`` (the paged attention implementation; default native on the native backend,
-    else portable). ``kv_dtype``: the cache's storage. ``decode_steps``: decode steps per device
+    ``num_blocks`` (default: ``slots`` rows of the window), ``block_size`` and ``attention`` (the
+    paged attention implementation; default native on the native backend, else portable).
+    ``prefix_caching``: a prompt's start already computed is reused (paged: cached full blocks;
+    dense float32: what a slot holds, :mod:`jaxdecode.serving.reuse`). ``kv_dtype``: the cache's storage. ``decode_steps``: decode steps per device
     call while no row reads its prompt. ``prefill_budget``: the most prompt tokens of one step
     (default: no limit beyond ``prefill_chunk`` per row). ``overlap``: send each device call
     before reading the previous one's tokens. ``admit_batch``: rows in line join once that many
@@ -61,7 +63,7 @@ class EngineConfig:
     admit_batch: int = 1
     speculative: object = None
     draft: str | None = None
-    gamma: int = 4
+    gamma: int | None = None  # None: SPECULATIVE_GAMMA
     speculative_max_rows: int | None = None
 
     def __post_init__(self):
@@ -94,11 +96,9 @@ class EngineConfig:
 
         spec = self.speculative
         if spec is None:
-            for field in ("draft", "speculative_max_rows"):
+            for field in ("draft", "gamma", "speculative_max_rows"):
                 if getattr(self, field) is not None:
                     raise ValueError(f"{n(field)} is a setting of speculative decoding ({n('speculative')})")
-            if self.gamma != 4:
-                raise ValueError(f"{n('gamma')} is a setting of speculative decoding ({n('speculative')})")
             return
         if isinstance(spec, str):
             if spec not in SPECULATIVE_KINDS:
@@ -109,7 +109,8 @@ class EngineConfig:
                              f"jaxdecode.speculative.Draft, got {type(spec).__name__}")
         if self.draft is not None and spec != "model":
             raise ValueError(f"{n('draft')} names the draft model's folder: it goes with {n('speculative')} model")
-        check_int(n("gamma"), self.gamma, 1)
+        if self.gamma is not None:
+            check_int(n("gamma"), self.gamma, 1)
         if self.speculative_max_rows is not None:
             check_int(n("speculative_max_rows"), self.speculative_max_rows, 0)
         for field, plain in (("cache", "dense"), ("kv_dtype", "float32")):
@@ -145,7 +146,8 @@ class EngineConfig:
         g.add_argument("--block-size", type=int, default=16, metavar="P",
                        help="--cache paged: positions per block (default 16)")
         g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                       help="--cache paged: never share a prompt's cached leading blocks")
+                       help="compute every prompt from its start (default: a prompt's start that a slot or "
+                            "the paged pool already holds is reused)")
         g.add_argument("--attention", default=None, metavar="IMPL",
                        help="--cache paged: the paged attention implementation (default: native on the "
                             "native backend, else portable)")
@@ -171,8 +173,8 @@ class EngineConfig:
                             "folder '<model>-draft' beside the model's); exact: the same distribution")
         g.add_argument("--draft", default=None, metavar="FOLDER",
                        help="--speculative model: the draft model's folder (same tokenizer as the model)")
-        g.add_argument("--gamma", type=int, default=4, metavar="G",
-                       help="--speculative: draft tokens per pass (default 4)")
+        g.add_argument("--gamma", type=int, default=None, metavar="G",
+                       help=f"--speculative: draft tokens per pass (default {SPECULATIVE_GAMMA})")
         g.add_argument("--speculative-max-rows", type=int, default=None, metavar="R",
                        help=f"--speculative: above R decoding rows a step runs a plain pass (default "
                             f"{SPECULATIVE_MAX_ROWS}, where speculation stopped paying on CPU)")

@@ -31,9 +31,11 @@ import numpy as np
 from jaxdecode.decoding.common import Generation, finish_text, stop_string_list
 from jaxdecode.serving.blocks import BlockAllocator
 from jaxdecode.serving.paging import PagedRows, admission_order
+from jaxdecode.serving.reuse import DenseReuse, next_piece, piece_width
 from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
-from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, SPECULATIVE_MAX_ROWS, EngineConfig
+from jaxdecode.serving.config import (
+    CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, SPECULATIVE_GAMMA, SPECULATIVE_MAX_ROWS, EngineConfig)
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
     TOP_LOGPROBS, Request, best_layout, embed_in_layout, make_rows, neutral_rule, part_kind, rule_parts)
@@ -71,7 +73,7 @@ def _cut_stop(text: str, stops: list[str]) -> str:
     return text
 
 
-class Engine(PagedRows):
+class Engine(PagedRows, DenseReuse):
     """Serve a stream of :class:`Request` objects with ``slots`` decode slots.
 
     The settings are one :class:`~jaxdecode.serving.config.EngineConfig`: ``config=``, or
@@ -138,8 +140,11 @@ class Engine(PagedRows):
             if executor is None:
                 executor = PagedExecutor(lm, self.S, num_blocks, block_size, attention, kv_dtype)
         self.kv_dtype = kv_dtype
+        # prefix reuse on the dense float32 cache (serving/reuse.py); the int8 dense cache runs as a pool
+        self.reuse = bool(prefix_caching) and not self.paged
         self.speculative = config.speculative is not None
-        self.gamma, self.draft = config.gamma, None
+        self.gamma = SPECULATIVE_GAMMA if config.gamma is None else config.gamma
+        self.draft = None
         if self.speculative:
             self.draft = _build_draft(lm, config)
             self.speculative_max_rows = (SPECULATIVE_MAX_ROWS if config.speculative_max_rows is None
@@ -150,6 +155,7 @@ class Engine(PagedRows):
                                    "accepted": 0}
         self.executor = ModelExecutor(lm, self.S) if executor is None else executor
         self._reset_cache_stats()
+        self._init_reuse()
         self.clock = RealClock() if clock is None else clock
         # overlap on a real clock, with an executor whose calls can return before they finish
         self.overlap = bool(config.overlap) and getattr(self.executor, "asynchronous", False) \
@@ -242,9 +248,11 @@ class Engine(PagedRows):
             if self.paged and not self._place(row, group):
                 self.block_waits += 1
                 break  # too few free blocks: it waits, and the rows behind it too (first in, first out)
+            slot = self._seat(row, free, group) if self.reuse else free.pop(0)
+            if slot is None:
+                break  # every free slot holds what a waiting prompt piece reads (first in, first out)
             self._waiting.popleft()
-            row.slot = free.pop(0)
-            self._slots[row.slot] = row
+            row.slot, self._slots[slot] = slot, row
             entries.append((row.slot, row, rules))
         if entries:
             self.executor.admit(entries)
@@ -267,15 +275,18 @@ class Engine(PagedRows):
                 groups.setdefault((row.prompt.tobytes(), row.prefilled), []).append(row)
         first, more, tokens = [], [], 0
         for (_, start), rows in sorted(groups.items(), key=lambda item: admission_order(item[1][0])):
-            P, C = len(rows[0].prompt), self.chunk
-            size = P - C * ((P - 1) // C) if start == 0 else C
+            size = next_piece(len(rows[0].prompt), start, self.chunk)
             if self._over_budget(tokens, size):
                 break  # the rest wait for the next step
             piece = rows[0].prompt[start:start + size]
-            (first if start == 0 else more).append(([r.slot for r in rows], piece))
+            if start == 0:
+                first.append(([r.slot for r in rows], piece))
+            else:  # continued from a slot that holds the prompt up to start (its own, or a reused prefix's)
+                more.append(([r.slot for r in rows], self._reads_from(rows[0]), start, piece,
+                             piece_width(size, self.chunk)))
             tokens += size
             for r in rows:
-                r.prefilled = start + size
+                r.prefilled, r.source = start + size, None
         if first or more:
             self.executor.prefill(first, more)
         return tokens
@@ -316,6 +327,7 @@ class Engine(PagedRows):
                 if r is not None:
                     lengths[s] = r.length + r.pending
                     steps[s] = len(r.tokens) + r.pending if decoding[s] else 0
+            self._free_lengths(lengths)
             if self.paged:  # one call for the k steps (k = 1 too): token choice and pass in one program
                 out = self._decode_many_paged(decoding, steps, lengths, k)
             elif k > 1:
@@ -326,7 +338,7 @@ class Engine(PagedRows):
             for s, row in rows:
                 row.pending += k
                 if len(row.tokens) + row.pending >= row.n:  # this call chooses its last token
-                    self._slots[s] = None
+                    self._vacate(s)
                     if self.paged:
                         self.allocator.free(row.seq)
         return DeviceCall(start, k, rows, out, single, prefill_tokens, active, top)
@@ -357,6 +369,7 @@ class Engine(PagedRows):
                 passes[s], left[s] = r.passes, r.n - len(r.tokens)
                 if speculative and r.draft_at != r.length:
                     stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
+            self._free_lengths(lengths)
             if speculative:
                 self.executor.sync_drafts(stale)
             out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)
@@ -413,7 +426,7 @@ class Engine(PagedRows):
                 if hit or len(row.tokens) == row.n:
                     row.finish, row.slot = ("stop" if hit else "length"), -1
                     if self._slots[s] is row:
-                        self._slots[s] = None
+                        self._vacate(s)
                     if self.paged and row.seq in self.allocator:
                         self.allocator.free(row.seq)
                     done.append(row)
@@ -485,7 +498,7 @@ class Engine(PagedRows):
         self._queue(rows, requests)
         self.clock.start()
         self.step_records = []
-        if self.paged:
+        if self.paged or self.reuse:
             self._reset_cache_stats()
         while not self.idle:
             # nothing to run until the next arrival (or nothing left: requests with n = 0 only)
@@ -534,7 +547,7 @@ class Engine(PagedRows):
             if row in self._waiting:
                 self._waiting.remove(row)
             if row.slot >= 0 and self._slots[row.slot] is row:
-                self._slots[row.slot] = None
+                self._vacate(row.slot)
             row.slot = -1
             if self.paged and row.seq in self.allocator:
                 self.allocator.free(row.seq)

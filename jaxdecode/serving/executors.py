@@ -145,14 +145,17 @@ def _prefill_insert(params, cache, logits, tokens, lengths, src, dst, *, model):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "span"), donate_argnames=("cache", "logits"))
-def _extend_insert(params, cache, logits, rows, real, tokens, src, dst, *, model, span):
-    """Append the next prompt piece ``tokens`` ``[G, C]`` to the cache rows of slots ``rows``
-    (``real`` marks the rows that are not padding) and write result ``src[i]`` into slot
-    ``dst[i]``."""
+def _extend_insert(params, cache, logits, rows, starts, counts, tokens, src, dst, *, model, span):
+    """Append the next prompt piece ``tokens`` ``[G, W]`` (``counts[g]`` real tokens, the rest
+    padding) to the first ``starts[g]`` positions of the cache row of slot ``rows[g]``, and write
+    result ``src[i]`` (its row and its logits after its last real token) into slot ``dst[i]``.
+    Padding rows have ``starts`` and ``counts`` 0."""
     sub = model.reorder(cache, rows)
-    sub = model.truncate(sub, jnp.where(real, model.lengths(sub), 0))
+    sub = model.truncate(sub, starts)
     out, _, sub = model.extend(params, sub, tokens, span, in_place=False)
-    return scatter_rows(cache, sub, src, dst), scatter_rows(logits, out[:, -1], src, dst)
+    sub = model.truncate(sub, starts + counts)
+    last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    return scatter_rows(cache, sub, src, dst), scatter_rows(logits, last, src, dst)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -290,9 +293,11 @@ class ModelExecutor:
             self.rule_state = self.rule_state if state is None else state
 
     def prefill(self, first, more):
-        """Run prompt pieces: ``first`` and ``more`` list ``(slots, tokens)``, a piece for the rows in
-        ``slots`` (one prompt, at the same point); ``first`` pieces start their prompts, ``more``
-        pieces (all of one length) continue them."""
+        """Run prompt pieces for the rows in ``slots`` (one prompt, at the same point): ``first``
+        lists ``(slots, tokens)``, pieces that start their prompts; ``more`` lists ``(slots,
+        source, start, tokens, width)``, pieces that continue the first ``start`` positions of
+        slot ``source``'s cache row (its own slot's, or a reused prefix's), padded to ``width``
+        (one call per width)."""
         if first:
             U, K = batch_bucket(len(first)), self._rows_bucket
             W = min(round_up(max(len(t) for _, t in first), PROMPT_BUCKET), self.T)
@@ -308,20 +313,22 @@ class ModelExecutor:
             out = self._call(_prefill_insert, self.params, self.cache, self.logits, tokens, lengths, src, dst,
                              model=self.model)
             self._store(out, "cache", "logits")
-        if more:
-            G, K = batch_bucket(len(more)), self._rows_bucket
-            C = len(more[0][1])
-            rows, real = np.zeros((G,), np.int32), np.zeros((G,), bool)
-            tokens = np.zeros((G, C), np.int32)
+        widths: dict = {}
+        for item in more:
+            widths.setdefault(item[4], []).append(item)
+        for W, items in sorted(widths.items(), reverse=True):
+            G, K = batch_bucket(len(items)), self._rows_bucket
+            rows, starts, counts = (np.zeros((G,), np.int32) for _ in range(3))
+            tokens = np.zeros((G, W), np.int32)
             src, dst = np.zeros((K,), np.int32), np.full((K,), self.S, np.int32)
             i = 0
-            for g, (slots, piece) in enumerate(more):
-                rows[g], real[g], tokens[g] = slots[0], True, piece
+            for g, (slots, source, start, piece, _) in enumerate(items):
+                rows[g], starts[g], counts[g], tokens[g, :len(piece)] = source, start, len(piece), piece
                 for s in slots:
                     src[i], dst[i] = g, s
                     i += 1
-            out = self._call(_extend_insert, self.params, self.cache, self.logits, rows, real, tokens, src,
-                             dst, model=self.model, span=self.capacity)
+            out = self._call(_extend_insert, self.params, self.cache, self.logits, rows, starts, counts, tokens,
+                             src, dst, model=self.model, span=self.capacity)
             self._store(out, "cache", "logits")
 
     def top_logprobs(self, k: int):

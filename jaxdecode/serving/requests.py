@@ -99,6 +99,7 @@ class _Row:
     slot: int = -1
     prefilled: int = 0  # prompt tokens in the cache
     leader: tuple | None = None  # paged cache: the sequence whose blocks its prompt is written into
+    source: int | None = None  # dense cache: the slot its first piece continues (a reused prefix), until it runs
     tokens: list = dataclasses.field(default_factory=list)
     pending: int = 0  # tokens chosen in device calls whose results the engine has not read yet
     mlp: list = dataclasses.field(default_factory=list)

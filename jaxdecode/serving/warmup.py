@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, batch_bucket, round_up
 from jaxdecode.serving.requests import embed_in_layout, make_rows, part_kind
+from jaxdecode.serving.reuse import REUSE_MIN, next_piece, piece_width
 
 
 @contextlib.contextmanager
@@ -49,11 +50,12 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(max(1, limit).bit_length()) if 1 << i <= limit]
 
 
-def _piece_widths(engine, prompts) -> tuple[set, bool]:
-    """The padded widths of the prompt pieces that start a prefill, and whether any prompt needs
-    later pieces of a full chunk (the dense cache's ``extend``). A paged prompt may start after
-    any number of cached full blocks (a prefix hit), and every piece goes through one program."""
-    C, T, widths, more = engine.chunk, engine.T, set(), False
+def _piece_widths(engine, prompts) -> tuple[set, set]:
+    """The padded widths of the prompt pieces that start a prefill, and those of the pieces that
+    continue one (the dense cache's ``extend``: full chunks, and with prefix reuse the first piece
+    after a reused prefix). A paged prompt may start after any number of cached full blocks (a
+    prefix hit), and every piece goes through one program."""
+    C, T, widths, more = engine.chunk, engine.T, set(), set()
     for P in prompts:
         if engine.paged:
             bs = engine.allocator.block_size
@@ -63,7 +65,10 @@ def _piece_widths(engine, prompts) -> tuple[set, bool]:
                     widths.add(min(round_up(min(C, P - s), PROMPT_BUCKET), T))
         else:
             widths.add(min(round_up(P - C * ((P - 1) // C), PROMPT_BUCKET), T))
-            more = more or P > C
+            if P > C:
+                more.add(C)
+            if getattr(engine, "reuse", False) and P > REUSE_MIN:  # resumed after REUSE_MIN.. P - 1 tokens
+                more |= {piece_width(next_piece(P, start, C), C) for start in range(REUSE_MIN, P)}
     return widths, more
 
 
@@ -137,8 +142,9 @@ def _prefills(engine, widths, more, groups):
                 ex.prefill_pieces([(s, 0, t) for s, t in zip(pieces, tokens)], tables)
             else:
                 ex.prefill(list(zip(pieces, tokens)), [])
-        if more and not engine.paged:
-            ex.prefill([], [(s, np.zeros((engine.chunk,), np.int32)) for s in pieces])
+        if not engine.paged:
+            for W in sorted(more):
+                ex.prefill([], [(s, 0, 0, np.zeros((W,), np.int32), W) for s in pieces])
 
 
 def _passes(engine, steps, shortest, longest):
