@@ -32,21 +32,21 @@ SPECULATIVE_GAMMA = 2  # its draft tokens per pass by default (docs/serving.md: 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """``slots``: decode slots. ``policy``: ``"continuous"`` or ``"static"``. ``prefill_chunk``:
-    the most prompt tokens a row reads per step. ``cache``: ``"dense"`` or ``"paged"``, with
+    """``slots``: decode slots. ``policy``: ``"continuous"`` or ``"static"``. ``prefill_chunk``: the
+    most prompt tokens a row reads per step. ``cache``: ``"dense"`` or ``"paged"``, with
     ``num_blocks`` (default: ``slots`` rows of the window), ``block_size`` and ``attention`` (the
     paged attention implementation; default native on the native backend, else portable).
     ``prefix_caching``: a prompt's start already computed is reused (paged: cached full blocks;
     dense float32: what a slot holds, :mod:`jaxdecode.serving.reuse`). ``kv_dtype``: the cache's
     storage. ``decode_steps``: decode steps per device call while no row reads its prompt.
     ``prefill_budget``: the most prompt tokens of one step (default: no limit beyond
-    ``prefill_chunk`` per row). ``overlap``: send each device call before reading the previous
-    one's tokens. ``admit_batch``: rows in line join once that many slots are free. ``speculative``: a draft kind (:data:`SPECULATIVE_KINDS`) or a ready
-    :class:`~jaxdecode.speculative.Draft`: every step is a speculative pass (see
-    :mod:`jaxdecode.serving.speculative`), with ``gamma`` proposals, while at most
-    ``speculative_max_rows`` slots decode (default :data:`SPECULATIVE_MAX_ROWS`, measured), a plain
-    pass above; ``draft``: the draft model's folder for ``speculative="model"``. The engine's
-    docstring says what each changes; only ``speculative`` changes a text."""
+    ``prefill_chunk`` per row). ``overlap``: send each device call before reading the previous one's
+    tokens. ``admit_batch``: rows in line join once that many slots are free. ``speculative``: a
+    draft kind (:data:`SPECULATIVE_KINDS`) or a ready :class:`~jaxdecode.speculative.Draft`: every
+    step is a speculative pass (see :mod:`jaxdecode.serving.speculative`), with ``gamma`` proposals,
+    while at most ``speculative_max_rows`` slots decode (default :data:`SPECULATIVE_MAX_ROWS`,
+    measured), a plain pass above; ``draft``: the draft model's folder for ``speculative="model"``.
+    The engine's docstring says what each changes; only ``speculative`` changes a text."""
 
     slots: int
     policy: str = "continuous"
