@@ -85,10 +85,11 @@ def assert_speculative_generate(lm, draft, requests, report):
 @pytest.mark.parametrize("kind, steps", [("model", 1), pytest.param("ngram", 4, marks=pytest.mark.slow)])
 def test_seeded_texts_equal_speculative_generate(lm, drafts, kind, steps):
     """Requests arriving at different steps, in 3 slots: each sample's tokens, text, finish reason
-    and log-probabilities are speculative_generate's for its seed (one pass a call, and up to 4)."""
+    and log-probabilities are speculative_generate's for its seed (one pass a call, and up to 4),
+    while the engine never turns itself down."""
     reqs = mixed_requests()
     engine = Engine(lm, 3, speculative=drafts[kind], gamma=GAMMA, prefill_chunk=4, decode_steps=steps,
-                    clock=StepClock())
+                    speculative_max_rows=3, clock=StepClock())
     report = engine.run(reqs)
     assert_speculative_generate(lm, drafts[kind], reqs, report)
     stats = engine.speculative_stats()
@@ -102,7 +103,7 @@ def test_prompt_lookup_and_every_slot_count(lm, drafts):
     for slots in (1, 8):
         reqs = mixed_requests()
         report = Engine(lm, slots, speculative=drafts["lookup"], gamma=GAMMA, prefill_chunk=4,
-                        clock=StepClock()).run(reqs)
+                        speculative_max_rows=slots, clock=StepClock()).run(reqs)
         assert_speculative_generate(lm, drafts["lookup"], reqs, report)
 
 
