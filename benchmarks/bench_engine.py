@@ -18,12 +18,14 @@ Generated tokens per second (each request's tokens up to its stop or its ``n``),
 against the loop and against static batching are taken within each pass and their median given.
 
 **Multi-turn chat** (``--chat``): a conversation of five turns, each turn's prompt the whole history
-so far (``--history`` tokens by the fifth), served one turn at a time on the paged cache with prefix
-caching on and off; the time to first token of each turn, median of ``--repeats`` conversations.
+so far (``--history`` tokens by the fifth), served one turn at a time on the ``--cache`` (default
+the dense one) with prefix caching on and off, their conversations in turn; the time to first
+token of each turn, median of ``--repeats`` conversations.
 
     python -m benchmarks.bench_engine                                  # the shipped character model
     python -m benchmarks.bench_engine --ckpt checkpoints/shakespeare-bpe --n 48
     python -m benchmarks.bench_engine --chat --ckpt checkpoints/shakespeare-bpe
+    python -m benchmarks.bench_engine --extra no-prefix=prefix_caching:false   # reuse off, as an arm
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ def parse_extra(text: str) -> tuple[str, dict]:
     fields = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
-        fields[key] = int(value) if value.lstrip("-").isdigit() else value
+        if value.lower() in ("true", "false"):
+            fields[key] = value.lower() == "true"
+        else:
+            fields[key] = int(value) if value.lstrip("-").isdigit() else value
     return name, fields
 
 
@@ -140,12 +145,10 @@ def chat(lm, args) -> dict:
     turns = 5
     per_turn = args.history // (turns - 1)
     texts = [lm.vocab.decode(ids[:per_turn * t + 16]) for t in range(turns)]
-    results = {}
-    for caching in (True, False):
-        config = EngineConfig(1, cache="paged", prefix_caching=caching)
-        ttft = [[] for _ in range(turns)]
-        for rep in range(args.repeats + 1):
-            engine = Engine(lm, config=config)
+    ttft = {True: [[] for _ in range(turns)], False: [[] for _ in range(turns)]}
+    for rep in range(args.repeats + 1):
+        for caching in (True, False):  # in turn, so that a change of load falls on both
+            engine = Engine(lm, config=EngineConfig(1, cache=args.cache, prefix_caching=caching))
             for t, prompt in enumerate(texts):
                 engine.submit(Request(prompt, 8, seed=rep, greedy=True))
                 t0 = time.perf_counter()
@@ -156,8 +159,9 @@ def chat(lm, args) -> dict:
                     if first is None and row.tokens:
                         first = time.perf_counter() - t0
                 if rep:  # the first conversation compiles
-                    ttft[t].append(first)
-        results["on" if caching else "off"] = [round(statistics.median(x), 5) for x in ttft]
+                    ttft[caching][t].append(first)
+    results = {"on" if caching else "off": [round(statistics.median(x), 5) for x in ttft[caching]]
+               for caching in (True, False)}
     prompt_tokens = [len(lm.vocab.encode(t)) for t in texts]
     on, off = results["on"][-1], results["off"][-1]
     return {"prompt_tokens": prompt_tokens, "ttft_s": results, "fifth_turn_on_vs_off": round(on / off, 3)}
@@ -175,6 +179,9 @@ def main(argv=None) -> int:
                     help="another engine arm: EngineConfig fields over the defaults")
     ap.add_argument("--chat", action="store_true", help="the multi-turn chat instead of saturation")
     ap.add_argument("--history", type=int, default=200, help="--chat: tokens of history by the fifth turn")
+    ap.add_argument("--cache", choices=("dense", "paged"), default="dense", help="--chat: the KV cache")
+    ap.add_argument("--name", default=None, help="the run's name in the result file (default: the workload and "
+                                                  "model, as saturation_bpe or chat_paged_char)")
     ap.add_argument("--out", default=None, help="the result file, to which this run is added under its workload and "
                                                 "model (default benchmarks/results/bench_engine.json; '' for none)")
     args = ap.parse_args(argv)
@@ -183,14 +190,15 @@ def main(argv=None) -> int:
     doc = {**H.result("benchmarks.bench_engine", argv), "backend": lm.decoder.backend, "settings": vars(args)}
     doc |= chat(lm, args) if args.chat else saturation(lm, args)
     print(json.dumps(H.clean(doc), indent=1))
-    # one result file, a run per workload and model ("saturation_char", "chat_bpe", ...)
+    # one result file, a run per workload and model ("saturation_char", "chat_bpe", "chat_paged_bpe", ...)
     out = H.default_out("bench_engine") if args.out is None else args.out
     if out:
         try:
             runs = json.loads(Path(out).read_text())
         except (OSError, ValueError):
             runs = {}
-        runs[f"{'chat' if args.chat else 'saturation'}_{name}"] = doc
+        workload = ("chat" if args.cache == "dense" else f"chat_{args.cache}") if args.chat else "saturation"
+        runs[args.name or f"{workload}_{name}"] = doc
         H.write_json(out, dict(sorted(runs.items())))
     return 0
 

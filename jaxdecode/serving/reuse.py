@@ -183,8 +183,8 @@ class DenseReuse:
         last = self.T - self._write_reach()
         for s in range(self.S):
             row = self._kept[s] if self._slots[s] is None else None
-            if row is not None:
-                front = row.prefilled + len(row.tokens) + row.pending
+            if row is not None:  # (at most prompt + n - 1: a length a running row reaches, whose span is warm)
+                front = min(row.prefilled + len(row.tokens) + row.pending, len(row.prompt) + row.n - 1)
                 lengths[s] = self._kept_len[s] = min(front, self._kept_len[s], last)
 
     def prefix_counts(self) -> tuple[int, int, int] | None:

@@ -14,6 +14,7 @@ from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.reuse import REUSE_MIN, next_piece, piece_width, resume_at
 from jaxdecode.serving.simulator import StepTimeModel, VirtualClock
+from jaxdecode.serving.warmup import count_compiles
 
 from support.engine import assert_same
 
@@ -157,6 +158,22 @@ def test_a_history_that_reached_the_window_is_cut_where_it_is_valid(lm):
     history = (first.prompt + report.results[0].outputs[0].text)[:56]
     _, hit = _served(engine, lm, [Request(history, 8, seed=3, rule=CHAIN)])
     assert hit == 48
+
+
+def test_warm_up_covers_the_pieces_after_a_reused_start(lm):
+    """After a warm-up, requests that reuse a start (one at a time, then all at once) compile
+    nothing: the widths of the first piece after a reused start, and the decode spans of free slots
+    that keep a history."""
+    reqs = [Request(HEAD + "a", 6, seed=1, rule=CHAIN), Request(HEAD + "a bad cab", 6, seed=2, rule=CHAIN),
+            Request(HEAD + "a bad cab gig hide", 5, greedy=True)]
+    refs = generated_alone(lm, reqs)
+    engine = Engine(lm, 2, prefill_chunk=32, decode_steps=2)  # pieces after a reused start: 16 and 32 wide
+    assert engine.warm_up(reqs) > 0
+    with count_compiles() as counted:
+        reports = [engine.run([r]) for r in reqs] + [engine.run(reqs)]
+    assert counted[0] == 0 and engine.prefix_counts()[1] > 0
+    for report, want in zip(reports, [[ref] for ref in refs] + [refs]):
+        assert_same(report, want)
 
 
 def test_prefix_counters_reach_the_metrics(lm):
