@@ -21,12 +21,14 @@ stop (after the requests in flight) or when the server's side of the pipe closes
 
 A request's constraint crosses the pipe as the pattern it was compiled from (``("regex",
 pattern)``, ...) and is compiled again, once, on the engine's side: a compiled automaton over a
-subword vocabulary can take megabytes.
+subword vocabulary can take megabytes. A pattern not compiled before compiles in a worker thread
+there, and the engine keeps stepping its other requests meanwhile (a large JSON schema takes seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
@@ -34,6 +36,7 @@ import os
 import signal
 import threading
 
+from jaxdecode.server.handlers import cached, compiled
 from jaxdecode.server.runner import FINISHED, EngineLoop, Handle
 
 log = logging.getLogger("jaxdecode.server")
@@ -234,50 +237,77 @@ def core_main(conn, build):
         return
     conn.send(("ready", engine.T, engine.V, vocab, defaults, getattr(engine, "compiled_at_start", (0, 0.0))))
     loop, stopping = EngineLoop(engine), False
+    # requests whose constraint compiles in a worker thread (key -> [future, request, include_stop,
+    # aborted]): a JSON schema can take seconds, and the engine keeps stepping its other requests
+    compiling: dict = {}
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdecode-compile")
     while True:
         try:
-            if not loop.busy and not stopping:
+            if not loop.busy and not stopping and not compiling:
                 commands = [conn.recv()]  # idle: sleep until the server sends something
+            elif not loop.busy and compiling:  # idle but for compiles: look at them every 10 ms
+                commands = [conn.recv()] if conn.poll(0.01) else []
             else:
                 commands = []
             while conn.poll():
                 commands.append(conn.recv())
         except (EOFError, OSError):
+            pool.shutdown(wait=False, cancel_futures=True)
             return  # the server is gone
         out = []
         for command in commands:
             if command[0] == "submit":
                 _, key, request, include_stop = command
-                request = _with_constraint(request, vocab)
-                out += loop.submit(key, request, include_stop)
+                c = request.constraint
+                if isinstance(c, ConstraintSpec) and cached(c.kind, c.key, vocab) is None:
+                    compiling[key] = [pool.submit(compiled, c.kind, c.key, vocab), request, include_stop, False]
+                else:
+                    out += _submit(loop, key, request, include_stop, vocab)
             elif command[0] == "score":
                 out += loop.score(command[1], command[2], command[3])
             elif command[0] == "abort":
+                if command[1] in compiling:
+                    compiling[command[1]][3] = True  # (aborted once it is taken)
                 loop.abort(command[1])
             else:
                 stopping = True
+        for key, (future, request, include_stop, aborted) in list(compiling.items()):
+            if future.done():
+                del compiling[key]
+                out += _submit(loop, key, request, include_stop, vocab, future)
+                if aborted:
+                    loop.abort(key)
+        was_busy = loop.busy
         try:
             out += loop.turn()
         except Exception as e:  # noqa: BLE001 (a failed step ends its requests; the engine serves on)
             log.exception("engine step failed")
             out += loop.fail_all(RuntimeError(f"{type(e).__name__}: {e}"))
+        if not out and not was_busy and compiling:
+            continue  # (nothing to tell the server while it waits for a compile)
         out = [(key, _portable(item)) for key, item in out]
         try:
             conn.send(("step", out, loop.take_stats()))
-            if stopping and not loop.busy:
+            if stopping and not loop.busy and not compiling:
                 conn.send(("stopped",))
+                pool.shutdown(wait=False)
                 return
         except (EOFError, OSError):
+            pool.shutdown(wait=False, cancel_futures=True)
             return
 
 
-def _with_constraint(request, vocab):
+def _submit(loop, key, request, include_stop: bool, vocab, future=None) -> list:
+    """``request`` submitted to the engine with its constraint compiled (by ``future``, or here:
+    one found in the cache); a constraint that fails to compile is the request's error."""
     c = request.constraint
     if isinstance(c, ConstraintSpec):
-        from jaxdecode.server.handlers import compiled
-
-        request = dataclasses.replace(request, constraint=compiled(c.kind, c.key, vocab))
-    return request
+        try:
+            c = future.result() if future is not None else compiled(c.kind, c.key, vocab)
+        except Exception as e:  # noqa: BLE001 (the server compiled it first: not expected, but that request's)
+            return [(key, ("error", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))]
+        request = dataclasses.replace(request, constraint=c)
+    return loop.submit(key, request, include_stop)
 
 
 def _portable(item):

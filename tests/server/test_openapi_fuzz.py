@@ -29,8 +29,9 @@ no schema for a stream's events; an unknown field was allowed by the schema and 
 server. Two 500s (:data:`FOUND`): an explorer setting given as a list reached the rule as an
 array (a ``lax.cond`` of mismatched shapes), and one past float32's range made every logit NaN,
 which the JSON encoder refused. And, not a finding of the fuzzer: a JSON schema that takes
-seconds to compile was compiled on the event loop, so ``/health`` waited for it
-(:func:`test_health_answers_while_a_large_schema_compiles`).
+seconds to compile was compiled on the event loop, so ``/health`` waited for it, and again in the
+engine's loop, so every other request waited for it
+(:func:`test_health_and_other_requests_answer_while_a_large_schema_compiles`).
 """
 
 from __future__ import annotations
@@ -289,10 +290,11 @@ def test_fuzzed_at_length_every_operation_both_modes(api, llama, label):
         _fuzz(api, llama, label, mode, SLOW_EXAMPLES)
 
 
-def test_health_answers_while_a_large_schema_compiles(llama):
+def test_health_and_other_requests_answer_while_a_large_schema_compiles(llama):
     """A JSON schema that takes seconds to compile is compiled off the event loop: /health answers
     at once meanwhile. (The request is then refused, after its compile, for asking past the window:
-    its time is the compile's.) Compiled on the event loop, as it once was, /health waited for it."""
+    its time is the compile's.) Compiled on the event loop, as it once was, /health waited for it.
+    Then the engine's process compiles it off its loop: other requests are served meanwhile."""
     import httpx
 
     schema = {"type": "string", "maxLength": 2000}  # (seconds to compile; not compiled before in this server)
@@ -320,3 +322,22 @@ def test_health_answers_while_a_large_schema_compiles(llama):
     assert took > 1.0, f"the compile took {took:.1f} s: too fast to show anything"
     # (on the event loop, /health waited for the compile: about the request's whole time)
     assert waits and max(waits) < max(0.5, took / 3), (waits, took)
+
+    # the same schema again, within the window: the server has it compiled, the engine's process
+    # compiles it now, in a worker thread; a plain request sent meanwhile is answered without waiting
+    out.clear()
+    body["max_tokens"] = 2
+    thread = threading.Thread(target=slow)
+    start = time.monotonic()
+    thread.start()
+    time.sleep(0.3)
+    asked = time.monotonic()
+    plain = httpx.post(llama.root + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=REQUEST_S)
+    answered = time.monotonic() - asked
+    assert plain.status_code == 200, plain.text
+    thread.join(REQUEST_S * 2)
+    assert out["response"].status_code == 200, out["response"].text
+    took = out["done"] - start
+    assert took > 1.0, f"the engine's compile took {took:.1f} s: too fast to show anything"
+    # (compiled in the engine's loop, as it once was, the plain request waited for it)
+    assert answered < max(0.5, took / 3), (answered, took)
