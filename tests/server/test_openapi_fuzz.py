@@ -69,7 +69,7 @@ EXAMPLES = {POSITIVE: 25, NEGATIVE: 12}  # per operation in CI (the explorer's: 
 SLOW_EXAMPLES = int(os.environ.get("OPENAPI_FUZZ_EXAMPLES", "100"))
 REQUEST_S = 60  # one request's deadline
 # CI's run of every operation at most, the server's start apart, on a busy 2-core machine: a guard
-# against a run that hangs (measured: about 25 s at a load of 5, 40 s at 10; most of it is
+# against a run that hangs (measured: 11 s at a load of 7, about 40 s at 10; most of it is
 # Hypothesis drawing bodies from the two large request schemas)
 BUDGET_S = 150
 CAP = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8, "top_logprobs": 5, "logprobs": 5,
