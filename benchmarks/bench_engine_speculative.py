@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import jax
 
@@ -37,11 +38,25 @@ from benchmarks import harness as H
 from jaxdecode import speculative as SP
 from jaxdecode.decoding import sampling
 from jaxdecode.models import checkpoint
-from jaxdecode.serving.config import SPECULATIVE_MAX_ROWS, EngineConfig
+from jaxdecode.serving.config import SPECULATIVE_GAMMA, SPECULATIVE_MAX_ROWS, SPECULATIVE_PASSES, EngineConfig
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.speculative.drafts.model import load_draft
 
 PROMPT = "KATHARINA:\nMoved! in good time: "
+
+
+def add(arms, name, fn, clock: str) -> None:
+    """``fn`` as an arm timed by the wall clock, or by this process's CPU time."""
+    if clock == "wall":
+        arms.add(name, fn)
+        return
+
+    def cpu():
+        t = time.process_time()
+        fn()
+        return time.process_time() - t
+
+    arms.add(name, cpu, timed_by_itself=True)
 
 
 def main(argv=None) -> int:
@@ -49,10 +64,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", default="checkpoints/shakespeare-bpe", help="target checkpoint folder")
     ap.add_argument("--draft", default=None, help="draft model folder (default: '<ckpt>-draft')")
     ap.add_argument("--n", type=int, default=200, help="tokens per request")
-    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--gamma", type=int, default=SPECULATIVE_GAMMA)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
-    ap.add_argument("--decode-steps", default="1,8", help="the engines' decode steps (passes) per device call")
+    ap.add_argument("--decode-steps", default="1,8", help="the plain engines' decode steps per device call")
+    ap.add_argument("--passes", default=str(SPECULATIVE_PASSES),
+                    help="the speculative engines' passes per device call (each also against a plain engine "
+                         "with as many decode steps a call)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time each run by the wall clock, or by this process's CPU time (all its threads: a "
+                         "steadier figure while other processes load the machine)")
     ap.add_argument("--out", default=H.default_out("bench_engine_speculative"), help="the result file ('' for none)")
     args = ap.parse_args(argv)
 
@@ -62,16 +83,18 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     requests = lambda c: [Request(PROMPT, args.n, seed=i, ignore_eos=True) for i in range(c)]
 
-    steps = [int(k) for k in args.decode_steps.split(",")]
+    passes = [int(k) for k in args.passes.split(",")]
+    steps = sorted({int(k) for k in args.decode_steps.split(",")} | set(passes))
     arms, engines, counts = H.Arms(), {}, {}
     for c in conc:
         for k in steps:
             engines[c, f"plain k{k}"] = Engine(lm, config=EngineConfig(c, decode_steps=k))
+        for k in passes:
             engines[c, f"speculative k{k}"] = Engine(lm, config=EngineConfig(
                 c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=c))
-            if k == max(steps):  # the same engine turned down at every step: its plain passes
-                engines[c, f"speculative-off k{k}"] = Engine(lm, config=EngineConfig(
-                    c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=0))
+            # the same engine turned down at every step: its plain passes
+            engines[c, f"speculative-off k{k}"] = Engine(lm, config=EngineConfig(
+                c, decode_steps=k, speculative=draft, gamma=args.gamma, speculative_max_rows=0))
             if c > SPECULATIVE_MAX_ROWS:
                 engines[c, f"speculative-default k{k}"] = Engine(lm, config=EngineConfig(
                     c, decode_steps=k, speculative=draft, gamma=args.gamma))
@@ -82,12 +105,13 @@ def main(argv=None) -> int:
             counts[c, name] = sum(len(row.tokens) for i in range(first, len(engine.requests))
                                   for row in engine.rows(i))
             return None
-        arms.add((c, name), run)
+        add(arms, (c, name), run, args.clock)
     if 1 in conc:
         key = jax.random.PRNGKey(0)
-        arms.add((1, "loop-plain"), lambda: sampling.sample_tokens(lm.decoder, lm.params, [prompt], args.n, key).tokens)
-        arms.add((1, "loop-speculative"), lambda: SP.speculative_tokens(
-            lm.decoder, lm.params, [prompt], args.n, key, draft=draft, gamma=args.gamma).tokens)
+        add(arms, (1, "loop-plain"), lambda: jax.block_until_ready(
+            sampling.sample_tokens(lm.decoder, lm.params, [prompt], args.n, key).tokens), args.clock)
+        add(arms, (1, "loop-speculative"), lambda: jax.block_until_ready(SP.speculative_tokens(
+            lm.decoder, lm.params, [prompt], args.n, key, draft=draft, gamma=args.gamma).tokens), args.clock)
         counts[1, "loop-plain"] = counts[1, "loop-speculative"] = args.n
 
     print("# compiling (one untimed round)", file=sys.stderr)
@@ -100,7 +124,7 @@ def main(argv=None) -> int:
 
     exact = None
     if 1 in conc:  # the engine's seeded tokens against speculative_tokens' for the same key and row
-        engine = engines[1, f"speculative k{steps[0]}"]
+        engine = engines[1, f"speculative k{passes[0]}"]
         got = []
         for r in requests(3):
             engine.run([r])
@@ -123,7 +147,13 @@ def main(argv=None) -> int:
         if not name.startswith("plain"):
             next(r for r in rows if (r["concurrency"], r["arm"]) == (c, name)).update(engine.speculative_stats())
     summary = {"tokens_equal_speculative_tokens": exact}
-    for k in steps:
+    # each default against the other's: the speculative engine at its passes against the plain one at one step
+    if 1 in steps:
+        k = passes[-1]
+        summary["defaults"] = {c: statistics.median(p["seconds"] / m["seconds"] for p, m in zip(
+            arms.runs[c, "plain k1"], arms.runs[c, f"speculative{'-default' if c > SPECULATIVE_MAX_ROWS else ''} k{k}"]))
+            for c in conc}
+    for k in passes:
         if 1 in conc:
             loop = by[1, "loop-speculative"]["speedup"]
             eng = by[1, f"speculative k{k}"]["speedup"]
@@ -145,7 +175,7 @@ def main(argv=None) -> int:
     print(summary)
     if args.out:
         meta = {"checkpoint": str(lm.path), "draft": args.draft or "<ckpt>-draft", "n": args.n, "gamma": args.gamma,
-                "prompt": PROMPT, "repeats": args.repeats, "speculative_max_rows_default": SPECULATIVE_MAX_ROWS,
+                "prompt": PROMPT, "repeats": args.repeats, "clock": args.clock, "speculative_max_rows_default": SPECULATIVE_MAX_ROWS,
                 "load_before": load_before, "load_after": load_after}
         H.write_json(args.out, H.result("benchmarks.bench_engine_speculative", argv, meta=meta, summary=summary,
                                         rows=rows))

@@ -370,6 +370,9 @@ class Engine(PagedRows, DenseReuse):
                 if speculative and r.draft_at != r.length:
                     stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
             self._free_lengths(lengths)
+            # fewer passes rather than a wider span: the attention over the span is paid every pass
+            while k > 1 and self.executor.span(lengths, k, speculative) > self.executor.span(lengths, 1, speculative):
+                k //= 2
             if speculative:
                 self.executor.sync_drafts(stale)
             out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)

@@ -197,9 +197,7 @@ class SpeculativeExecutor(ModelExecutor):
         it has made ``left`` ``[S]`` tokens: ``passes`` ``[S]`` each slot's pass number, ``lengths``
         its cache length, ``pending`` its pending token. Returns numpy ``(tokens [k, S, m],
         model_logprobs, sample_logprobs, made [k, S], accepted [k, S])``."""
-        # a pass writes gamma + 1 positions; a call's later passes start further on
-        reach = int(lengths.max()) + (self.gamma + 1) * k if speculative else int(lengths.max()) + k
-        span = min(self.T, round_up(reach, SPAN_BUCKET))
+        span = self.span(lengths, k, speculative)
         rule, keys, row_ids, greedy, _ = self._slot_inputs()
         out = self._call(_passes, self.params, self.cache, self.draft, self.dstate, rule, self.rule_state, keys,
                          row_ids, passes.astype(np.int32), greedy, lengths.astype(np.int32), pending.astype(np.int32),
@@ -209,6 +207,12 @@ class SpeculativeExecutor(ModelExecutor):
             return None
         *back, self.cache, self.dstate = out
         return tuple(np.asarray(a) for a in jax.device_get(tuple(back)))
+
+    def span(self, lengths, k: int, speculative: bool) -> int:
+        """The attended span of ``k`` passes from cache lengths ``lengths``: a pass writes
+        ``gamma + 1`` positions (a plain one, 1), and a call's later passes start further on."""
+        reach = int(lengths.max()) + ((self.gamma + 1) * k if speculative else k)
+        return min(self.T, round_up(reach, SPAN_BUCKET))
 
     def decode(self, *args, **kwargs):
         raise NotImplementedError("a speculative engine decodes through passes()")
