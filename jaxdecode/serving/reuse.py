@@ -9,11 +9,13 @@ row's first piece extends the source slot's row from there into the row's own sl
 source is taken by the row; a busy one (a concurrent request, another sample) is only read. A
 row that reuses nothing takes an empty free slot, else the one left longest ago (an eviction).
 
-Decode calls write a position in every slot; a free slot gets the one past what it keeps. Rows
-whose first piece has not run are no source, and their source is given to no other row until it
-has. The texts do not change (the reused keys and values are a prefill's of the same tokens, up
-to float32 rounding, as chunked prefill). The int8 dense cache recomputes every prompt; the paged
-cache shares prompt blocks itself. docs/serving.md, "Prefix caching on the dense cache", says more.
+Decode calls write a position in every slot: a free slot keeps length 0 (nothing to attend
+over), and the first positions it keeps are written again before it is read. Rows whose first
+piece has not run are no source, and their source is given to no other row until it has. The
+texts do not change (the reused keys and values are a prefill's of the same tokens, up to
+float32 rounding, as chunked prefill). The int8 dense cache recomputes every prompt; the paged
+cache shares prompt blocks itself. docs/serving.md, "Prefix caching on the dense cache", says
+more.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import itertools
 
 import numpy as np
 
-from jaxdecode.decoding.common import PROMPT_BUCKET
+from jaxdecode.decoding.common import PROMPT_BUCKET, round_up
 
 REUSE_MIN = 16  # the fewest prompt tokens worth reusing (fewer: the prompt is read from its start)
 _NOTHING = np.zeros((0,), np.int32)
@@ -60,14 +62,14 @@ class DenseReuse:
 
     def _init_reuse(self):
         self._kept: list = [None] * self.S  # per free slot: the row whose keys and values it holds
-        self._kept_len = [0] * self.S  # ... valid below this position (later writes cut it)
+        self._dirty = [0] * self.S  # ... but for its first positions, written by decode calls while free
         self._used = [0] * self.S  # when the slot was last left (least recently used goes first)
         self._ticks = itertools.count(1)
         # since the engine started: prompt tokens looked up, found; slots whose history was evicted
         self.prefix_queried = self.prefix_hits = self.prefix_evictions = 0
 
-    def _write_reach(self) -> int:
-        """Positions a decode call writes past a slot's length (a speculative pass: ``gamma + 1``)."""
+    def write_reach(self) -> int:
+        """Positions a decode call writes from a slot's length (a speculative pass: ``gamma + 1``)."""
         return self.gamma + 1 if self.speculative else 1
 
     @staticmethod
@@ -80,10 +82,17 @@ class DenseReuse:
             return row.prompt[:row.prefilled]
         return np.concatenate([row.prompt, np.asarray(row.tokens[:-1], np.int32)])
 
-    @staticmethod
-    def _reads_from(row) -> int:
-        """The slot ``row``'s next prompt piece continues: its source until its first piece runs."""
-        return row.slot if row.source is None else row.source
+    def _reads_from(self, row) -> int:
+        """The slot ``row``'s next prompt piece continues: its source until its first piece runs.
+        A source whose first positions decode calls wrote while it was free (a free slot's decode
+        position is 0) gets them written again first: a prefill of its first tokens, which the
+        prompt shares."""
+        source = row.slot if row.source is None else row.source
+        if self._dirty[source]:
+            width = round_up(self._dirty[source], PROMPT_BUCKET)
+            self.executor.prefill([([source], row.prompt[:width])], [])
+            self._dirty[source] = 0
+        return source
 
     @staticmethod
     def _held_length(row) -> int:
@@ -99,21 +108,21 @@ class DenseReuse:
         if row is not None:
             return self._held_length(row)
         kept = self._kept[s]
-        return 0 if kept is None else min(self._held_length(kept), self._kept_len[s])
+        return 0 if kept is None else self._held_length(kept)
 
     def _slot_tokens(self, s: int) -> np.ndarray:
         row = self._slots[s]
         if row is not None:
             return self._held(row)
         kept = self._kept[s]
-        return _NOTHING if kept is None else self._held(kept)[:self._kept_len[s]]
+        return _NOTHING if kept is None else self._held(kept)
 
     def _vacate(self, s: int) -> None:
         """Row ``self._slots[s]`` leaves slot ``s``; the slot keeps its keys and values."""
         row, self._slots[s] = self._slots[s], None
         if self.reuse and row is not None:
             self._kept[s] = None if row.source is not None else row
-            self._kept_len[s] = self.T
+            self._dirty[s] = 0
             self._used[s] = next(self._ticks)
 
     def _seat(self, row, free: list, group: dict):
@@ -144,7 +153,10 @@ class DenseReuse:
                 if m > match or (m == match and best is not None and self._slots[best] is not None
                                  and self._slots[s] is None):
                     best, match = s, m
-        start = resume_at(P, match, self.chunk, self.T - self._write_reach() + 1) if match else 0
+        reach = self.write_reach()
+        start = resume_at(P, match, self.chunk, self.T - reach + 1) if match else 0
+        if start and start < max(round_up(reach, PROMPT_BUCKET), self._dirty[best]):
+            start = 0  # (a source's first positions written again must lie within the reused start)
         if start and self._slots[best] is None:
             free.remove(best)
             slot = best
@@ -172,20 +184,20 @@ class DenseReuse:
         if not empty:
             self.prefix_evictions += 1
         free.remove(slot)
-        self._kept[slot] = None
+        self._kept[slot], self._dirty[slot] = None, 0
         return slot
 
     def _free_lengths(self, lengths: np.ndarray) -> None:
-        """Each free slot's length for a decode call (``lengths`` ``[S]``, filled in): the position
-        past what it holds, so the call's write there spoils nothing it keeps."""
+        """Before a decode call (``lengths`` ``[S]``): a free slot keeps length 0, so that the call
+        attends over nothing there; its write there spoils the first positions of the history it
+        keeps, which are written again if it is reused (:meth:`_reads_from`)."""
         if not self.reuse:
             return
-        last = self.T - self._write_reach()
+        reach = self.write_reach()
         for s in range(self.S):
-            row = self._kept[s] if self._slots[s] is None else None
-            if row is not None:  # (at most prompt + n - 1: a length a running row reaches, whose span is warm)
-                front = min(row.prefilled + len(row.tokens) + row.pending, len(row.prompt) + row.n - 1)
-                lengths[s] = self._kept_len[s] = min(front, self._kept_len[s], last)
+            if self._slots[s] is None and self._kept[s] is not None:
+                lengths[s] = 0
+                self._dirty[s] = max(self._dirty[s], reach)
 
     def prefix_counts(self) -> tuple[int, int, int] | None:
         """The prefix cache's counts since the engine started: prompt tokens looked up, prompt

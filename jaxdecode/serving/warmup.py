@@ -69,6 +69,7 @@ def _piece_widths(engine, prompts) -> tuple[set, set]:
                 more.add(C)
             if getattr(engine, "reuse", False) and P > REUSE_MIN:  # resumed after REUSE_MIN.. P - 1 tokens
                 more |= {piece_width(next_piece(P, start, C), C) for start in range(REUSE_MIN, P)}
+                widths.add(min(round_up(engine.write_reach(), PROMPT_BUCKET), T))  # a source's first positions
     return widths, more
 
 
