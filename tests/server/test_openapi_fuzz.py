@@ -45,6 +45,7 @@ import time
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
+httpx = pytest.importorskip("httpx")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
@@ -84,15 +85,9 @@ def llama():
         for path, body in (("/v1/completions", {"prompt": "The", "max_tokens": 2, "n": 2, "logprobs": 1}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                      "max_tokens": 2, "stream": True})):
-            r = httpx_post(server.root + path, body)
+            r = httpx.post(server.root + path, json=body, timeout=REQUEST_S * 3)
             assert r.status_code == 200, r.text
         yield server
-
-
-def httpx_post(url, body):
-    import httpx
-
-    return httpx.post(url, json=body, timeout=REQUEST_S * 3)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +99,6 @@ def api(llama):
 
 @functools.cache
 def _vocab_size(server) -> int:
-    import httpx
-
     return httpx.get(server.root + "/explore/info", timeout=REQUEST_S).json()["vocab_size"]
 
 
@@ -185,8 +178,6 @@ def _fuzz(api, llama, label: str, mode: GenerationMode, examples: int) -> dict:
 
 
 def test_the_document_lists_every_operation_and_documents_errors_as_openai_json(api, llama):
-    import httpx
-
     listed = sorted(op.ok().label for op in api.get_all_operations())
     assert listed == sorted(OPERATIONS)
     doc = httpx.get(llama.root + "/openapi.json").json()
@@ -219,8 +210,6 @@ FOUND = [  # (path, body, the status, what the answer says)
 
 @pytest.mark.parametrize("path, body, status, says", FOUND, ids=[f"{p}-{k}" for k, (p, *_) in enumerate(FOUND)])
 def test_what_the_fuzzer_found(api, llama, path, body, status, says):
-    import httpx
-
     r = httpx.post(llama.root + path, json=body, timeout=REQUEST_S)
     assert r.status_code == status, r.text
     json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} in {r.text[:300]}"))  # JSON, not Python's
@@ -295,8 +284,6 @@ def test_health_and_other_requests_answer_while_a_large_schema_compiles(llama):
     at once meanwhile. (The request is then refused, after its compile, for asking past the window:
     its time is the compile's.) Compiled on the event loop, as it once was, /health waited for it.
     Then the engine's process compiles it off its loop: other requests are served meanwhile."""
-    import httpx
-
     schema = {"type": "string", "maxLength": 2000}  # (seconds to compile; not compiled before in this server)
     body = {"prompt": "a", "max_tokens": 100_000, "structured_outputs": {"json": schema}}
     out = {}
