@@ -2,27 +2,28 @@
 requests, and where speculation stops paying.
 
 For each concurrency ``c`` (``--concurrency``, default 1, 2, 4, 8, 16, 32), ``c`` sampled requests
-(the prompt, ``--n`` tokens, no stop, seeds 0..c-1) arrive at once at an engine of ``c`` slots:
+(the prompt, ``--n`` tokens, no stop, the end token ignored, seeds 0..c-1) arrive at once at an
+engine of ``c`` slots:
 
-- ``plain``: the engine at its defaults (``EngineConfig(c)``);
-- ``speculative``: the engine with the draft model (``speculative="model"``, ``--gamma``), every
-  step a speculative pass (``speculative_max_rows`` = ``c``);
-- ``speculative-off``: the same engine turned down at every step (``speculative_max_rows=0``): its
-  plain passes, against which its speculative passes set the crossover;
-- ``speculative-default``: the same at its default ``speculative_max_rows``, which turns it to plain
-  passes above that many decoding rows.
-
-Each engine runs ``k`` decode steps (passes) per device call for each ``k`` of ``--decode-steps``.
+- ``plain kK``: the plain engine with ``K`` decode steps a call, for each ``K`` of ``--decode-steps``
+  and ``--passes`` (``plain k1`` is its default);
+- ``speculative kK``: the engine with the draft model (``speculative=`` the draft, ``--gamma``),
+  ``K`` passes a call for each ``K`` of ``--passes`` (default 8, its default), every step a
+  speculative pass (``speculative_max_rows`` = ``c``);
+- ``speculative-off kK``: the same engine turned down at every step (``speculative_max_rows=0``):
+  its plain passes, against which its speculative passes set the crossover;
+- ``speculative-default kK`` (``c`` above ``SPECULATIVE_MAX_ROWS``): the same at its default
+  ``speculative_max_rows``, which turns it to plain passes above that many decoding rows.
 
 At one request the loops alone are timed too (:func:`jaxdecode.decoding.sampling.sample_tokens`
 and :func:`jaxdecode.speculative.speculative_tokens` with the same draft and gamma), so that the
 engine's speedup can be set against the loop's in the same run; and the engine's speculative
 tokens are checked against :func:`jaxdecode.speculative.speculative_tokens`' for the same seeds.
 Tokens per second, median of ``--repeats`` rounds (every arm once per round, in turn) after one
-untimed round that compiles.
+untimed round that compiles; each ratio is taken within a round, then its median given.
 
     python -m benchmarks.bench_engine_speculative
-    python -m benchmarks.bench_engine_speculative --concurrency 1,4,32 --repeats 3
+    python -m benchmarks.bench_engine_speculative --concurrency 1,2,4,8,32 --decode-steps 1 --repeats 5
 """
 
 from __future__ import annotations
