@@ -95,7 +95,10 @@ class Engine(PagedRows, DenseReuse):
     ``admit_batch`` (continuous policy): while rows run, the rows in line join only once that many
     slots are free (or as many as there are rows in line), so that their prompts are read together
     and the calls between admissions can take several decode steps; 1 (default): as soon as a slot
-    is free.
+    is free. ``speculative`` (a draft kind or a :class:`~jaxdecode.speculative.Draft`; with
+    ``draft``, ``gamma``, ``speculative_max_rows``): every step is a speculative pass per slot, or
+    a plain pass above ``speculative_max_rows`` decoding slots (:mod:`jaxdecode.serving.speculative`,
+    ``docs/serving.md``); :meth:`speculative_stats` counts them.
 
     :meth:`run` serves a list of requests arriving at their ``arrival`` times and returns a
     :class:`Report`; :meth:`submit` and :meth:`step` drive the engine one step at a time.
