@@ -34,16 +34,13 @@ from jaxdecode.serving.paging import PagedRows, admission_order
 from jaxdecode.serving.reuse import DenseReuse, next_piece, piece_width
 from jaxdecode.serving.records import (  # noqa: F401
     DeviceCall, RealClock, Report, RequestResult, StepRecord, percentiles)
-from jaxdecode.serving.config import (
-    CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, SPECULATIVE_GAMMA, SPECULATIVE_MAX_ROWS, EngineConfig)
+from jaxdecode.serving.config import CACHES, DEFAULT_PREFILL_CHUNK, POLICIES, EngineConfig
 from jaxdecode.serving.executors import ModelExecutor, PagedExecutor
 from jaxdecode.serving.requests import (
     TOP_LOGPROBS, Request, best_layout, embed_in_layout, make_rows, neutral_rule, part_kind, rule_parts)
 from jaxdecode.serving.stream import RequestStream
-from jaxdecode.serving.speculative import SpeculativeExecutor
+from jaxdecode.serving.speculative import SpeculativeRows
 from jaxdecode.serving.warmup import warm_up
-from jaxdecode.speculative import make_draft
-from jaxdecode.speculative.drafts.model import load_draft
 
 __all__ = ["CACHES", "POLICIES", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineConfig", "ModelExecutor", "PagedExecutor",
            "RealClock", "Report", "Request", "RequestResult", "StepRecord", "neutral_rule", "rule_parts",
@@ -55,16 +52,6 @@ LAYOUT_LOOKAHEAD = 64  # rows in line an empty engine looks at to choose its rul
 # ----------------------------------------------------------------------------- the engine
 
 
-def _build_draft(lm, config: EngineConfig):
-    """The draft ``config.speculative`` names (built for ``lm``), or the ready draft it holds."""
-    kind = config.speculative
-    if not isinstance(kind, str):
-        return kind
-    if kind == "model":
-        return load_draft(lm, config.draft)
-    return make_draft(kind, lm)
-
-
 def _cut_stop(text: str, stops: list[str]) -> str:
     """``text``, which ends with one of ``stops``, without it (the longest that fits)."""
     for s in sorted(stops, key=len, reverse=True):
@@ -73,7 +60,7 @@ def _cut_stop(text: str, stops: list[str]) -> str:
     return text
 
 
-class Engine(PagedRows, DenseReuse):
+class Engine(PagedRows, DenseReuse, SpeculativeRows):
     """Serve a stream of :class:`Request` objects with ``slots`` decode slots.
 
     The settings are one :class:`~jaxdecode.serving.config.EngineConfig`: ``config=``, or
@@ -145,17 +132,7 @@ class Engine(PagedRows, DenseReuse):
         self.kv_dtype = kv_dtype
         # prefix reuse on the dense float32 cache (serving/reuse.py); the int8 dense cache runs as a pool
         self.reuse = bool(prefix_caching) and not self.paged
-        self.speculative = config.speculative is not None
-        self.gamma = SPECULATIVE_GAMMA if config.gamma is None else config.gamma
-        self.draft = None
-        if self.speculative:
-            self.draft = _build_draft(lm, config)
-            self.speculative_max_rows = (SPECULATIVE_MAX_ROWS if config.speculative_max_rows is None
-                                         else config.speculative_max_rows)
-            if executor is None:
-                executor = SpeculativeExecutor(lm, self.S, self.draft, self.gamma)
-        self.speculative_counts = {"speculative_passes": 0, "plain_passes": 0, "proposed": 0, "examined": 0,
-                                   "accepted": 0}
+        executor = self._init_speculative(lm, config, executor)
         self.executor = ModelExecutor(lm, self.S) if executor is None else executor
         self._reset_cache_stats()
         self._init_reuse()
@@ -346,52 +323,6 @@ class Engine(PagedRows, DenseReuse):
                         self.allocator.free(row.seq)
         return DeviceCall(start, k, rows, out, single, prefill_tokens, active, top)
 
-    def _launch_passes(self, start: float) -> DeviceCall:
-        """A speculative engine's step: this step's prompt pieces, then one pass for every slot
-        whose prompt is read: speculative while at most ``speculative_max_rows`` slots decode, else
-        plain (:mod:`jaxdecode.serving.speculative`). Its tokens come back at once: each row's
-        count of new tokens decides the next pass."""
-        prefill_tokens = self._prefill()
-        decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
-        active = int(decoding.sum())
-        rows, out = [], None
-        if active:
-            speculative = active <= self.speculative_max_rows
-            k = self._steps_now(decoding, prefill_tokens)
-            rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
-            passes, lengths, pending, left = (np.zeros((self.S,), np.int32) for _ in range(4))
-            stale = []
-            for s, r in enumerate(self._slots):
-                if r is None:
-                    continue
-                if not decoding[s]:
-                    lengths[s] = r.length  # a prompt still being read keeps its cache
-                    continue
-                lengths[s] = r.length - 1  # the context but its last token, which is fed now
-                pending[s] = r.tokens[-1] if r.tokens else r.prompt[-1]
-                passes[s], left[s] = r.passes, r.n - len(r.tokens)
-                if speculative and r.draft_at != r.length:
-                    stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
-            self._free_lengths(lengths)
-            # fewer passes rather than a wider span: the attention over the span is paid every pass
-            while k > 1 and self.executor.span(lengths, k, speculative) > self.executor.span(lengths, 1, speculative):
-                k //= 2
-            if speculative:
-                self.executor.sync_drafts(stale)
-            out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)
-            made, accepted = out[3], out[4]  # [k, S]
-            counts = self.speculative_counts
-            counts["speculative_passes" if speculative else "plain_passes"] += k
-            for s, r in rows:
-                r.passes += int(np.count_nonzero(made[:, s]))
-                if speculative:
-                    took = int(np.count_nonzero(made[:, s]))
-                    counts["proposed"] += self.gamma * took
-                    counts["examined"] += int(np.minimum(accepted[:, s] + 1, self.gamma)[made[:, s] > 0].sum())
-                    counts["accepted"] += int(accepted[:, s].sum())
-                    r.draft_at = r.length + int(made[:, s].sum())
-        return DeviceCall(start, 1, rows, out, False, prefill_tokens, active)
-
     def _collect(self, call: DeviceCall) -> StepRecord:
         """Read a call's tokens (waiting for it), add them to their rows, end the rows that met a
         stop string or their ``n``, and record the call's steps."""
@@ -456,13 +387,6 @@ class Engine(PagedRows, DenseReuse):
         for row in done:
             row.t_done = end
         return record
-
-    def speculative_stats(self) -> dict:
-        """A speculative engine's passes since it started: speculative and plain, draft tokens
-        proposed and accepted, and the acceptance share of the proposals."""
-        c = dict(self.speculative_counts)
-        c["acceptance"] = c["accepted"] / c["examined"] if c["examined"] else float("nan")
-        return c
 
     def _admits_now(self, free: int) -> bool:
         """Whether rows in line may join with ``free`` slots free (continuous: see ``admit_batch``)."""

@@ -33,7 +33,11 @@ import numpy as np
 
 from jaxdecode.decoding.common import PROMPT_BUCKET, SPAN_BUCKET, round_up
 from jaxdecode.rules import processed_logprobs
+from jaxdecode.serving.config import SPECULATIVE_GAMMA, SPECULATIVE_MAX_ROWS
 from jaxdecode.serving.executors import ModelExecutor, scatter_rows
+from jaxdecode.serving.records import DeviceCall
+from jaxdecode.speculative import make_draft
+from jaxdecode.speculative.drafts.model import load_draft
 from jaxdecode.speculative.acceptance import Noise, accept_with_noise, draw_token, row_keys, take_at
 
 
@@ -221,4 +225,88 @@ class SpeculativeExecutor(ModelExecutor):
         raise NotImplementedError("a speculative engine decodes through passes()")
 
 
-__all__ = ["SpeculativeExecutor"]
+def build_draft(lm, config):
+    """The draft ``config.speculative`` names (built for ``lm``), or the ready draft it holds."""
+    kind = config.speculative
+    if not isinstance(kind, str):
+        return kind
+    if kind == "model":
+        return load_draft(lm, config.draft)
+    return make_draft(kind, lm)
+
+
+class SpeculativeRows:
+    """The :class:`~jaxdecode.serving.engine.Engine`'s speculative side: its settings, its step of
+    passes and their counts."""
+
+    def _init_speculative(self, lm, config, executor):
+        """Read the speculative settings of ``config``; returns the executor to use (a
+        :class:`SpeculativeExecutor` unless one is given)."""
+        self.speculative = config.speculative is not None
+        self.gamma = SPECULATIVE_GAMMA if config.gamma is None else config.gamma
+        self.draft = None
+        self.speculative_counts = {"speculative_passes": 0, "plain_passes": 0, "proposed": 0, "examined": 0,
+                                   "accepted": 0}
+        if self.speculative:
+            self.draft = build_draft(lm, config)
+            self.speculative_max_rows = (SPECULATIVE_MAX_ROWS if config.speculative_max_rows is None
+                                         else config.speculative_max_rows)
+            if executor is None:
+                executor = SpeculativeExecutor(lm, self.S, self.draft, self.gamma)
+        return executor
+
+    def _launch_passes(self, start: float) -> DeviceCall:
+        """A speculative engine's step: this step's prompt pieces, then one pass for every slot
+        whose prompt is read: speculative while at most ``speculative_max_rows`` slots decode, else
+        plain (:mod:`jaxdecode.serving.speculative`). Its tokens come back at once: each row's
+        count of new tokens decides the next pass."""
+        prefill_tokens = self._prefill()
+        decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
+        active = int(decoding.sum())
+        rows, out = [], None
+        if active:
+            speculative = active <= self.speculative_max_rows
+            k = self._steps_now(decoding, prefill_tokens)
+            rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
+            passes, lengths, pending, left = (np.zeros((self.S,), np.int32) for _ in range(4))
+            stale = []
+            for s, r in enumerate(self._slots):
+                if r is None:
+                    continue
+                if not decoding[s]:
+                    lengths[s] = r.length  # a prompt still being read keeps its cache
+                    continue
+                lengths[s] = r.length - 1  # the context but its last token, which is fed now
+                pending[s] = r.tokens[-1] if r.tokens else r.prompt[-1]
+                passes[s], left[s] = r.passes, r.n - len(r.tokens)
+                if speculative and r.draft_at != r.length:
+                    stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
+            self._free_lengths(lengths)
+            # fewer passes rather than a wider span: the attention over the span is paid every pass
+            while k > 1 and self.executor.span(lengths, k, speculative) > self.executor.span(lengths, 1, speculative):
+                k //= 2
+            if speculative:
+                self.executor.sync_drafts(stale)
+            out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)
+            made, accepted = out[3], out[4]  # [k, S]
+            counts = self.speculative_counts
+            counts["speculative_passes" if speculative else "plain_passes"] += k
+            for s, r in rows:
+                r.passes += int(np.count_nonzero(made[:, s]))
+                if speculative:
+                    took = int(np.count_nonzero(made[:, s]))
+                    counts["proposed"] += self.gamma * took
+                    counts["examined"] += int(np.minimum(accepted[:, s] + 1, self.gamma)[made[:, s] > 0].sum())
+                    counts["accepted"] += int(accepted[:, s].sum())
+                    r.draft_at = r.length + int(made[:, s].sum())
+        return DeviceCall(start, 1, rows, out, False, prefill_tokens, active)
+
+    def speculative_stats(self) -> dict:
+        """A speculative engine's passes since it started: speculative and plain, draft tokens
+        proposed and accepted, and the acceptance share of the proposals."""
+        c = dict(self.speculative_counts)
+        c["acceptance"] = c["accepted"] / c["examined"] if c["examined"] else float("nan")
+        return c
+
+
+__all__ = ["SpeculativeExecutor", "SpeculativeRows", "build_draft"]
