@@ -142,9 +142,11 @@ def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passe
         carry = (cache, dstate, lengths + made, jnp.where(live, last, pending), made_so_far + made)
         return carry, (tokens, mlp, slp, made, jnp.where(live, acc, 0))
 
+    if not speculative:  # a plain pass leaves the draft's state as it is: keep it out of the loop
+        kept, dstate = dstate, None
     carry = (cache, dstate, lengths, pending, jnp.zeros_like(lengths))
     (cache, dstate, *_), out = jax.lax.scan(body, carry, table, length=k)
-    return (*out, cache, dstate)
+    return (*out, cache, dstate if speculative else kept)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("dstate",))
