@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from jaxdecode.server.metrics import Metrics
 from jaxdecode.server.protocol import (COMPONENTS, APIError, ChatCompletion, ChatCompletionChunk, Completion,
                                        CompletionChunk, Health, ModelList, documented, refuse_unsupported)
-from jaxdecode.server.runner import EngineRunner
+from jaxdecode.server.runner import EngineRunner, Stats
 
 log = logging.getLogger("jaxdecode.server")
 MAX_BODY = 4 << 20  # bytes
@@ -54,6 +54,8 @@ class Server:
         if runner is None:
             runner = EngineRunner(engine, self.metrics)
         runner.metrics = self.metrics
+        # the pool as the engine starts: /metrics shows it before the engine's first turn reports it
+        self.metrics.add(Stats(blocks=getattr(runner, "blocks_at_start", (0, 0))), 0)
         self.runner = runner
         self.draining = False
         self.T, self.V = (engine.T, engine.V) if engine is not None else (runner.T, runner.V)

@@ -81,6 +81,7 @@ class ProcessRunner:
         self.running = 0
         # the engine's window and vocabulary, the model's generation defaults, once launched
         self.T = self.V = self.vocab = self.defaults = None
+        self.blocks_at_start = (0, 0)  # KV blocks used and free, as the engine starts
 
     def launch(self, timeout: float = STARTUP_S):
         """Start the process and wait until its engine is built (before the server listens)."""
@@ -98,7 +99,7 @@ class ProcessRunner:
         if message[0] == "failed":
             self._proc.join(30)
             raise EngineStartError(message[1])
-        _, self.T, self.V, self.vocab, self.defaults, self.compiled_at_start = message
+        _, self.T, self.V, self.vocab, self.defaults, self.compiled_at_start, self.blocks_at_start = message
 
     def start(self):
         """Begin reading the engine's answers (for the running event loop)."""
@@ -235,7 +236,8 @@ def core_main(conn, build):
             log.debug("building the engine failed", exc_info=True)
         conn.send(("failed", str(e) if known else f"the engine could not be built: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.T, engine.V, vocab, defaults, getattr(engine, "compiled_at_start", (0, 0.0))))
+    conn.send(("ready", engine.T, engine.V, vocab, defaults, getattr(engine, "compiled_at_start", (0, 0.0)),
+               engine.kv_blocks()))
     loop, stopping = EngineLoop(engine), False
     # requests whose constraint compiles in a worker thread (key -> [future, request, include_stop,
     # aborted]): a JSON schema can take seconds, and the engine keeps stepping its other requests

@@ -197,6 +197,7 @@ class EngineRunner:
         self.queued = 0  # the engine's rows waiting for a slot (Engine.queued), as of the thread's last turn
         self.running = 0  # requests with a row in a slot
         self._thread = threading.Thread(target=self._loop, name="jaxdecode-engine", daemon=True)
+        self.blocks_at_start = engine.kv_blocks()  # KV blocks used and free, as the engine starts
 
     def start(self):
         self._thread.start()
