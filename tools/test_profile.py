@@ -68,7 +68,8 @@ def main():
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--write-units", action="store_true",
                     help="write tests/support/unit_seconds.json, the work units' CPU seconds that order a run "
-                         "(every file group; other units of 3 s or more)")
+                         "(every file group; other units of 3 s or more; units the run did not measure keep "
+                         "their figures)")
     a = ap.parse_args()
     rows = load(a.folder)
     s = summary(rows)
@@ -98,6 +99,9 @@ def main():
         table = {u: max(1, round(sec)) for u, sec in sorted(units.items(), key=lambda kv: (-round(kv[1]), kv[0]))
                  if sec >= 3 or u.startswith("file:")}  # every file's group: a cheap one with many tests too
         out = Path(__file__).resolve().parents[1] / "tests" / "support" / "unit_seconds.json"
+        # units this run did not measure (the slow tests, after a run without them) keep their figures
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        table = dict(sorted(({**kept, **table}).items(), key=lambda kv: (-kv[1], kv[0])))
         out.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {out} ({len(table)} units)")
     if a.json:

@@ -196,7 +196,7 @@ def test_ignore_eos_with_an_end_token_constraint_is_refused():
         Engine(lm, 1).submit(Request("Is it?", 4, constraint=c, ignore_eos=True))
 
 
-@pytest.mark.parametrize("cache", ["dense", "paged"])
+@pytest.mark.parametrize("cache", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
 def test_warm_up_covers_the_constrained_programs(tiny, cache):
     """After a warm-up on constrained and free requests no arrival pattern compiles anything, and
     a pattern of the same table size compiled anew does not either (the table is an argument)."""
