@@ -47,13 +47,13 @@ from support.servers import (  # noqa: E402
     LOGPROB_ATOL,
     METRIC_SAMPLES,
     REQUEST_S,
-    ServerProcess,
     check_error,
     client,
     completion_texts,
     expect,
     metrics,
     post,
+    serving,
     settle,
     sse_events,
     still_serving,
@@ -77,24 +77,13 @@ def processes(templates):
     """The servers, started together (their starts overlap), stopped together at the end (the
     SIGTERM test stops "drain" itself)."""
     llama_template = [] if _llama_has_template() else ["--chat-template", str(templates / "chatml.jinja")]
-    procs = {
-        "char": ServerProcess("--chat-template", str(templates / "char.jinja"), "--slots", "8"),
-        "llama": ServerProcess("--ckpt", str(HF), "--slots", "8", *llama_template),
-        "small": ServerProcess("--slots", "1", "--max-waiting", "1", "--api-key", KEY, "--served-model-name",
-                               "small", "--engine-thread"),
-        "doomed": ServerProcess("--slots", "1", "--served-model-name", "doomed"),
-        "drain": ServerProcess("--slots", "1", "--log-level", "info", "--served-model-name", "drain"),
-    }
-    yield procs
-    for p in procs.values():
-        p.signal()
-    failures = []
-    for name, p in procs.items():
-        try:
-            p.stop()
-        except BaseException as e:  # stop them all, then report
-            failures.append(f"{name}: {e}")
-    assert not failures, "\n".join(failures)
+    with serving(char=("--chat-template", str(templates / "char.jinja"), "--slots", "8"),
+                 llama=("--ckpt", str(HF), "--slots", "8", *llama_template),
+                 small=("--slots", "1", "--max-waiting", "1", "--api-key", KEY, "--served-model-name", "small",
+                        "--engine-thread"),
+                 doomed=("--slots", "1", "--served-model-name", "doomed"),
+                 drain=("--slots", "1", "--log-level", "info", "--served-model-name", "drain")) as procs:
+        yield procs
 
 
 @pytest.fixture(scope="module")
