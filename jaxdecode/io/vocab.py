@@ -10,6 +10,16 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def checked_ids(ids, size: int) -> list[int]:
+    """``ids`` (a list of ints, or an array of any shape, flattened) as a list of Python ints, each
+    checked to lie in ``[0, size)``. A list skips numpy: a stream decodes a few tokens at a time."""
+    if not isinstance(ids, list):
+        ids = np.asarray(ids).reshape(-1).tolist()
+    if ids and (min(ids) < 0 or max(ids) >= size):
+        raise ValueError(f"token ids must lie in [0, {size}), got min {min(ids)} max {max(ids)}")
+    return ids
+
+
 class UnknownCharacterError(ValueError):
     """Raised when text contains characters outside the vocabulary."""
 
@@ -47,10 +57,7 @@ class Vocab:
         return np.fromiter((self.stoi[c] for c in text), dtype=np.int32, count=len(text))
 
     def decode(self, ids) -> str:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
-            raise ValueError(f"token ids must lie in [0, {len(self)}), got min {ids.min()} max {ids.max()}")
-        return "".join(self.chars[i] for i in ids.tolist())
+        return "".join([self.chars[i] for i in checked_ids(ids, len(self))])
 
 
 class UncoveredTextError(UnknownCharacterError):
@@ -135,10 +142,7 @@ class TokenVocab:
         return np.asarray(ids, np.int32)
 
     def decode(self, ids) -> str:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
-            raise ValueError(f"token ids must lie in [0, {len(self)}), got min {ids.min()} max {ids.max()}")
-        return "".join(self.tokens[i] for i in ids.tolist())
+        return "".join([self.tokens[i] for i in checked_ids(ids, len(self))])
 
 
 def same_vocabulary(a, b) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import json
 import math
@@ -324,9 +323,9 @@ def _merge(a, b):
     """Two deltas of one sample, in order, as one."""
     top = None if a.top_logprobs is None and b.top_logprobs is None else \
         (a.top_logprobs or []) + (b.top_logprobs or [])
-    return dataclasses.replace(a, text=a.text + b.text, tokens=a.tokens + b.tokens,
-                               logprobs=a.logprobs + b.logprobs, top_logprobs=top,
-                               finish_reason=b.finish_reason, generated=b.generated)
+    return a._replace(text=a.text + b.text, tokens=a.tokens + b.tokens,
+                      logprobs=a.logprobs + b.logprobs, top_logprobs=top,
+                      finish_reason=b.finish_reason, generated=b.generated)
 
 
 class _Tagged(Handle):

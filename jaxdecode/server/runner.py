@@ -133,7 +133,10 @@ class EngineLoop:
 
     def hand_out(self) -> list:
         now, out, stats = time.perf_counter(), [], self.stats
-        for index, entry in list(self._active.items()):
+        for index in self.engine.touched():  # (the others have nothing new)
+            entry = self._active.get(index)
+            if entry is None:
+                continue
             deltas = entry.stream.poll()
             if deltas:
                 new = sum(len(d.tokens) for d in deltas)

@@ -154,6 +154,7 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
             self._layout = rule_parts(layout)
             self.executor.set_layout(self._layout)
         self.step_records: list[StepRecord] = []
+        self._touched: set[int] = set()  # requests whose rows changed since touched() was last called
         self._reported = 0  # requests before this one were returned by an earlier run
 
     # --- requests
@@ -204,6 +205,7 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
                     continue  # aborted before it arrived
                 if row.n == 0:
                     row.finish, row.t_done = "length", t
+                    self._touched.add(i)
                 else:
                     self._waiting.append(row)
 
@@ -384,6 +386,7 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
         for row in stepped:
             if row.t_first is None:
                 row.t_first = end
+            self._touched.add(row.req)
         for row in done:
             row.t_done = end
         return record
@@ -470,6 +473,7 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
         their blocks) before the next step; their finish reason is ``"abort"``."""
         self._pending = [(t, i) for t, i in self._pending if i != index]
         heapq.heapify(self._pending)
+        self._touched.add(index)
         for row in self._rows[index]:
             if row.finish is not None:
                 continue
@@ -488,6 +492,13 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
         if any(r.finish is None for r in self._rows[index]):
             raise ValueError(f"request {index} has not finished")
         self._rows[index], self.requests[index] = [], None
+        self._touched.discard(index)
+
+    def touched(self) -> list[int]:
+        """The requests whose rows gained tokens or finished since the last call (in order); a
+        stream of any other request has nothing new to hand out."""
+        out, self._touched = sorted(self._touched), set()
+        return out
 
     def rows_in_slots(self) -> list:
         """The rows in the slots now (read-only)."""

@@ -10,7 +10,7 @@ concatenate to exactly that text.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,8 +51,7 @@ def stop_watch(lm, stops: list[str]) -> StopWatch | None:
     return StopWatch(lm.vocab, stops) if stops and is_subword(lm.vocab) else None
 
 
-@dataclasses.dataclass
-class Delta:
+class Delta(NamedTuple):
     """What one sample of a request added since the last :meth:`RequestStream.poll`.
 
     ``tokens``, ``logprobs`` (the model's log-probability of each, before any rule) and
@@ -104,6 +103,8 @@ class RequestStream:
             if self.done[j]:
                 continue
             if row.finish is None:
+                if len(row.tokens) == self.sent_tokens[j]:
+                    continue  # nothing new (a row in line, or one whose tokens are still on their way)
                 tokens = row.tokens[:]
                 text = self._text_of(j, tokens)
                 end = max(self.sent_text[j], _whole(text) - self.hold)
@@ -120,7 +121,7 @@ class RequestStream:
         """The text of a running sample's tokens (end tokens are not text), decoding only the tokens
         after the last point where its text ended on a whole character."""
         tail = [t for t in tokens[self.settled[j]:] if t not in self.eos]
-        text = self.vocab.decode(np.asarray(tail, np.int32)) if tail else ""
+        text = self.vocab.decode(tail) if tail else ""
         if _whole(text) == len(text):
             self.settled_text[j] += text
             self.settled[j] = len(tokens)
@@ -130,8 +131,10 @@ class RequestStream:
     def _delta(self, j, row, tokens, text, finish) -> Delta | None:
         new_text = text[self.sent_text[j]:]
         self.sent_text[j] = max(self.sent_text[j], len(text))
-        idx = [i for i in range(self.sent_tokens[j], len(tokens)) if tokens[i] not in self.eos]
-        self.sent_tokens[j] = max(self.sent_tokens[j], len(tokens))
+        sent = self.sent_tokens[j]
+        idx = [i for i in range(sent, len(tokens)) if tokens[i] not in self.eos] if self.eos \
+            else range(sent, len(tokens))
+        self.sent_tokens[j] = max(sent, len(tokens))
         if not new_text and not idx and finish is None:
             return None
         top = None

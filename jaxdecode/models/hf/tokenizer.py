@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdecode.io.vocab import checked_ids
+
 
 class TokenizerError(ValueError):
     """A folder's tokenizer is missing or cannot be read."""
@@ -76,10 +78,9 @@ class HFTokenizer:
         """The text of ``ids`` as a continuation: a tokenizer whose decoder strips the first
         token's leading space (sentencepiece-style "▁" vocabularies) keeps it here, because the
         ids follow a prompt (decoded after an anchor token, then the anchor's text cut off)."""
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.V):
-            raise ValueError(f"token ids must lie in [0, {self.V}), got min {ids.min()} max {ids.max()}")
-        ids = [int(i) for i in ids if i < self.size]
+        ids = checked_ids(ids, self.V)
+        if ids and max(ids) >= self.size:  # the model's padding ids past the tokenizer's are not text
+            ids = [i for i in ids if i < self.size]
         if not ids:
             return ""
         anchor, anchor_text = self._anchor()
