@@ -33,8 +33,10 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
+from multiprocessing.reduction import ForkingPickler
 
 from jaxdecode.server.handlers import cached, compiled
 from jaxdecode.server.runner import FINISHED, EngineLoop, Handle
@@ -42,6 +44,7 @@ from jaxdecode.server.runner import FINISHED, EngineLoop, Handle
 log = logging.getLogger("jaxdecode.server")
 
 STARTUP_S = 600.0  # loading the model (and compiling, with warm-up) in the engine's process
+SEND_QUEUE = 256  # the engine's answers written to the pipe by a thread: at most this many queued
 
 
 class EngineStartError(RuntimeError):
@@ -239,6 +242,7 @@ def core_main(conn, build):
     conn.send(("ready", engine.T, engine.V, vocab, defaults, getattr(engine, "compiled_at_start", (0, 0.0)),
                engine.kv_blocks()))
     loop, stopping = EngineLoop(engine), False
+    sender = _Sender(conn)
     # requests whose constraint compiles in a worker thread (key -> [future, request, include_stop,
     # aborted]): a JSON schema can take seconds, and the engine keeps stepping its other requests
     compiling: dict = {}
@@ -256,6 +260,9 @@ def core_main(conn, build):
         except (EOFError, OSError):
             pool.shutdown(wait=False, cancel_futures=True)
             return  # the server is gone
+        if sender.failed:
+            pool.shutdown(wait=False, cancel_futures=True)
+            return  # (likewise: its side of the pipe closed)
         out = []
         for command in commands:
             if command[0] == "submit":
@@ -288,15 +295,39 @@ def core_main(conn, build):
         if not out and not was_busy and compiling:
             continue  # (nothing to tell the server while it waits for a compile)
         out = [(key, _portable(item)) for key, item in out]
-        try:
-            conn.send(("step", out, loop.take_stats()))
-            if stopping and not loop.busy and not compiling:
-                conn.send(("stopped",))
-                pool.shutdown(wait=False)
-                return
-        except (EOFError, OSError):
-            pool.shutdown(wait=False, cancel_futures=True)
+        sender.send(("step", out, loop.take_stats()))
+        if stopping and not loop.busy and not compiling:
+            sender.send(("stopped",))
+            sender.close()
+            pool.shutdown(wait=False)
             return
+
+
+class _Sender:
+    """The engine process's answers, written to the pipe by a thread of their own, in order: the
+    engine's next step does not wait for the write (nor for the server's side to read it)."""
+
+    def __init__(self, conn):
+        self.conn, self.failed = conn, False
+        self._queue: queue.Queue = queue.Queue(SEND_QUEUE)  # (full: the engine waits for the server)
+        self._thread = threading.Thread(target=self._run, name="jaxdecode-engine-send", daemon=True)
+        self._thread.start()
+
+    def send(self, message):
+        self._queue.put(ForkingPickler.dumps(message))  # pickled here: what the step handed out may change
+
+    def close(self, timeout: float = 30.0):
+        """Write what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self):
+        while (data := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (EOFError, OSError):
+                self.failed = True
+                return
 
 
 def _submit(loop, key, request, include_stop: bool, vocab, future=None) -> list:
