@@ -164,6 +164,13 @@ def _top_logprobs(logits, *, k):
     return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
 
 
+@jax.jit
+def _set_slot_rows(inputs, dst, rows):
+    """The slots' inputs (a pytree of ``[S, ...]`` device arrays) with rows ``rows[i]`` written at
+    slots ``dst[i]``; a ``dst`` past the end is dropped (padding)."""
+    return jax.tree_util.tree_map(lambda a, r: a.at[dst].set(r.astype(a.dtype), mode="drop"), inputs, rows)
+
+
 @functools.partial(jax.jit, static_argnames=("V",), donate_argnames=("rule_state",))
 def _init_rule_rows(rule, rule_state, prompt, lengths, dst, *, V):
     """The rule state of new rows (prompts ``[K, T]``) written into slots ``dst``."""
@@ -209,7 +216,8 @@ class ModelExecutor:
         self._treedefs: list = []
         self._settings: list = []  # per layout part: one [slots] array per leaf
         self.rule_state = None
-        self._on_device = None  # _slot_inputs() as device arrays, until a row is admitted
+        self._on_device = None  # _slot_inputs() as device arrays (None: to be sent whole)
+        self._changed: set[int] = set()  # slots whose host inputs changed since they were sent
         # constraints: the stacked automaton (None: no row in the slots has one), each constraint's
         # offset in it (by id; the object kept so that its id stays its own), each slot's offset and
         # n (host), and each slot's state relative to its offset (device; reset at the row's step 0)
@@ -235,22 +243,45 @@ class ModelExecutor:
             prompt = jnp.zeros((self.S, self.T), jnp.int32)
             self.rule_state = _init_state(self._rule(), prompt, jnp.ones((self.S,), jnp.int32), V=self.V)
 
-    def _rule(self):
-        """The layout with every slot's settings (copies: the host arrays change as rows come)."""
+    def _rule(self, rows=slice(None)):
+        """The layout with every slot's settings, or those of slots ``rows`` (copies: the host
+        arrays change as rows come)."""
         if not self._treedefs:
             return None
-        return Chain(tuple(jax.tree_util.tree_unflatten(td, [a.copy() for a in leaves])
+        return Chain(tuple(jax.tree_util.tree_unflatten(td, [a[rows].copy() for a in leaves])
                            for td, leaves in zip(self._treedefs, self._settings)))
 
     def _slot_inputs(self):
         """Every slot's rule settings, key, row id, greedy flag and constraint inputs (:func:`_select`'s
-        ``cons``) as device arrays: sent once after the rows change, not with every decode call
-        (each host array a call takes is a transfer; the automaton is on the device already)."""
-        if self._on_device is None:
-            cons = None if self._auto is None else (self._auto, self.coffset.copy(), self.budget.copy())
+        ``cons``) as device arrays, not sent with every decode call (each host array a call takes is
+        a transfer; the automaton is on the device already). After an admission only the new rows
+        are sent and written into them (a rule layout's logit controls hold ``[S, V]`` settings)."""
+        if self._on_device is not None and self._changed:
+            slots = sorted(self._changed)
+            dst = np.full((batch_bucket(len(slots)),), self.S, np.int32)  # padded (one program per size)
+            dst[:len(slots)] = slots
+            rows = np.minimum(dst, self.S - 1)  # (the padding's values are dropped)
+            new = self._call(_set_slot_rows, self._on_device[:4],
+                             dst, (self._rule(rows), self.keys[rows], self.row_ids[rows], self.greedy[rows]))
+            if new is None:  # compiled only (warm-up)
+                return self._on_device
+            self._on_device = new + (self._cons(),)
+        elif self._on_device is None:
             self._on_device = jax.device_put((self._rule(), self.keys.copy(), self.row_ids.copy(),
-                                              self.greedy.copy(), cons))
+                                              self.greedy.copy(), self._cons()))
+        self._changed.clear()
         return self._on_device
+
+    def _cons(self):
+        return None if self._auto is None else (self._auto, jnp.asarray(self.coffset), jnp.asarray(self.budget))
+
+    def warm_slot_updates(self, counts):
+        """Compile (inside :meth:`compiling`) the updates of ``counts`` admitted rows each."""
+        self._slot_inputs()
+        for count in counts:
+            self._changed = set(range(min(count, self.S)))
+            self._slot_inputs()
+        self._changed.clear()
 
     def constrain(self, constraints, rows: int = 0):
         """After an admission: ``constraints`` ``[S]``, the constraint of the row in each slot (None:
@@ -267,15 +298,16 @@ class ModelExecutor:
                     [np.asarray(a), np.full((rows - len(a),) + a.shape[1:], v, a.dtype)])
                 auto = auto._replace(table=pad(auto.table, -1), final=pad(auto.final, False),
                                      dist=pad(auto.dist, C.INF), leftover=pad(auto.leftover, True))
-                auto = C.Automaton(*(jnp.asarray(a) for a in auto))
+            auto = C.Automaton(*(jnp.asarray(a) for a in auto))  # (sent once)
             self._auto, self._offset_of = auto, {id(c): (c, int(o)) for c, o in zip(live, starts)}
         self.coffset[:] = [0 if c is None else self._offset_of[id(c)][1] for c in constraints]
-        self._on_device = None
+        if self._on_device is not None:
+            self._on_device = self._on_device[:4] + (self._cons(),)
 
     def admit(self, entries):
         """``entries``: ``(slot, row, rules)`` with ``rules`` the row's rule for each layout part."""
-        self._on_device = None
         for slot, row, rules in entries:
+            self._changed.add(slot)
             self.keys[slot], self.row_ids[slot], self.greedy[slot] = row.key, row.j, row.greedy
             self.budget[slot] = row.n
             for store, rule in zip(self._settings, rules):
@@ -289,7 +321,8 @@ class ModelExecutor:
             for i, (slot, row, _) in enumerate(entries):
                 prompt[i, :len(row.prompt)] = row.prompt
                 lengths[i], dst[i] = len(row.prompt), slot
-            state = self._call(_init_rule_rows, self._rule(), self.rule_state, prompt, lengths, dst, V=self.V)
+            state = self._call(_init_rule_rows, self._slot_inputs()[0], self.rule_state, prompt, lengths, dst,
+                               V=self.V)
             self.rule_state = self.rule_state if state is None else state
 
     def prefill(self, first, more):

@@ -106,6 +106,8 @@ def warm_up(engine, requests) -> int:
             row = next((r for r in rows if embed_in_layout(r.parts, layout, engine.V) is not None), rows[0])
             with ex.compiling():
                 ex.admit([(0, row, embed_in_layout(row.parts, layout, engine.V))])
+                if hasattr(ex, "warm_slot_updates"):
+                    ex.warm_slot_updates(groups)  # the rows one admission sends
                 _prefills(engine, widths, more, groups)
                 for size in sizes:
                     if cons:
