@@ -282,10 +282,8 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
         start = self.clock.now()
         self._release(start)
         self._admit()
-        if self.speculative:
-            call = self._launch_passes(start) if self.occupied else None
-            return None if call is None else self._collect(call)
-        call = self._launch(start) if self.occupied else None
+        launch = self._launch_passes if self.speculative else self._launch
+        call = launch(start) if self.occupied else None
         if self.overlap:
             call, self._inflight = self._inflight, call
         return None if call is None else self._collect(call)

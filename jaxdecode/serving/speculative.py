@@ -119,34 +119,59 @@ def _plain_pass(params, cache, draft, dstate, rule, rule_state, noise, greedy, l
 
 @functools.partial(jax.jit, static_argnames=("model", "gamma", "span", "k", "speculative"),
                    donate_argnames=("cache", "dstate"))
-def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, passes, greedy, lengths, pending,
-            decoding, left, *, model, gamma, span, k, speculative):
-    """``k`` passes (speculative or plain) in one call: a ``decoding`` slot takes part in a pass
-    while it has made fewer than ``left`` ``[S]`` tokens in the call. Returns the passes' tokens
-    ``[k, S, m]``, log-probabilities, tokens made ``[k, S]`` (0 where a slot took no part) and
-    accepted proposals ``[k, S]``, the cache and the draft state."""
+def _passes(params, cache, draft, dstate, rule, rule_state, keys, row_ids, greedy, slots, carried, *, model, gamma,
+            span, k, speculative):
+    """Up to ``k`` passes (speculative or plain) in one call. ``slots`` ``[6, S]`` int32, one array
+    (one transfer): each slot's pass number, cache length, pending token and the tokens it may
+    still make (``left``), whether it decodes, and whether it goes on from the call before
+    (``carried``: then its first four come from that call's ``carried`` output instead, which the
+    host has not read yet). A decoding slot takes part in a pass while it has made fewer than
+    ``left`` tokens in the call (a *live* slot). The call stops early, as the loop's segment
+    does, once no slot is live or a live slot's next pass would write past ``span``.
+    Returns the passes' tokens ``[k, S, m + 2]`` int32 (each pass's tokens, then the tokens made
+    and the proposals accepted; zeros where a slot took no part or the pass did not run), their
+    log-probabilities ``[2, k, S, m]`` (model, sample), each slot's four values after the call
+    (``carried`` for the next), the cache and the draft state."""
+    state = jnp.where(slots[5] > 0, carried, slots[:4])
+    passes, lengths, pending, left = state
+    decoding = slots[4] > 0
     one = _spec_pass if speculative else _plain_pass
+    m = gamma + 1 if speculative else 1
+    S = lengths.shape[0]
     # a slot takes part in consecutive passes from the first: its j-th pass here is its pass
     # passes + j. Every pass's noise drawn up front, in one vectorized call (the generator is a few
     # dozen tiny operations, which cost more per pass than the numbers themselves)
     table = jax.vmap(lambda j: _pass_noise(keys, row_ids, passes + j, gamma))(jnp.arange(k, dtype=jnp.int32))
 
-    def body(carry, noise):
-        cache, dstate, lengths, pending, made_so_far = carry
-        live = decoding & (made_so_far < left)
+    def cond(carry):
+        j, _, _, lengths, _, made_so_far, _, _, _ = carry
+        on = decoding & (made_so_far < left)
+        fits = jnp.all(~on | (lengths + m <= span))
+        return (j < k) & jnp.any(on) & fits
+
+    def body(carry):
+        j, cache, dstate, lengths, pending, made_so_far, took, ints, floats = carry
+        on = decoding & (made_so_far < left)
+        noise = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False), table)
         tokens, mlp, slp, made, acc, cache, dstate = one(
-            params, cache, draft, dstate, rule, rule_state, noise, greedy, lengths, pending, live,
+            params, cache, draft, dstate, rule, rule_state, noise, greedy, lengths, pending, on,
             model=model, gamma=gamma, span=span)
-        made = jnp.where(live, made, 0)
+        made = jnp.where(on, made, 0)
         last = jnp.take_along_axis(tokens, jnp.maximum(made - 1, 0)[:, None], axis=1)[:, 0]
-        carry = (cache, dstate, lengths + made, jnp.where(live, last, pending), made_so_far + made)
-        return carry, (tokens, mlp, slp, made, jnp.where(live, acc, 0))
+        row = jnp.concatenate([tokens, made[:, None], jnp.where(on, acc, 0)[:, None]], axis=1)
+        ints = jax.lax.dynamic_update_index_in_dim(ints, row, j, 0)
+        floats = jax.lax.dynamic_update_index_in_dim(floats, jnp.stack([mlp, slp]), j, 1)
+        return (j + 1, cache, dstate, lengths + made, jnp.where(on, last, pending), made_so_far + made,
+                took + on.astype(jnp.int32), ints, floats)
 
     if not speculative:  # a plain pass leaves the draft's state as it is: keep it out of the loop
         kept, dstate = dstate, None
-    carry = (cache, dstate, lengths, pending, jnp.zeros_like(lengths))
-    (cache, dstate, *_), out = jax.lax.scan(body, carry, table, length=k)
-    return (*out, cache, dstate if speculative else kept)
+    zeros = jnp.zeros_like(lengths)
+    carry = (jnp.int32(0), cache, dstate, lengths, pending, zeros, zeros,
+             jnp.zeros((k, S, m + 2), jnp.int32), jnp.zeros((2, k, S, m), jnp.float32))
+    _, cache, dstate, lengths, pending, made, took, ints, floats = jax.lax.while_loop(cond, body, carry)
+    after = jnp.stack([passes + took, lengths, pending, left - made])
+    return ints, floats, after, cache, dstate if speculative else kept
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("dstate",))
@@ -161,13 +186,40 @@ def _draft_empty(draft, *, capacity, slots):
     return draft.init(jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), capacity)
 
 
+class PassesOut:
+    """A call of passes' outputs as the engine reads them: ``(tokens [k, S, m], model_logprobs,
+    sample_logprobs, made [k, S], accepted [k, S])`` numpy, fetched (waiting for the call) when
+    first read; ``on_fetch`` then sees them first (the host's counts of the rows)."""
+
+    def __init__(self, ints, floats, speculative: bool, k: int, on_fetch=None):
+        self.speculative, self.k = speculative, k
+        self._device, self._host, self._on_fetch = (ints, floats), None, on_fetch
+
+    def fetch(self) -> tuple:
+        if self._host is None:
+            ints, floats = (np.asarray(a) for a in jax.device_get(self._device))
+            self._host, self._device = (ints[..., :-2], floats[0], floats[1], ints[..., -2], ints[..., -1]), None
+            on_fetch, self._on_fetch = self._on_fetch, None
+            if on_fetch is not None:
+                on_fetch(self._host)
+        return self._host
+
+    def __getitem__(self, i):
+        return self.fetch()[i]
+
+    def __len__(self) -> int:
+        return 5
+
+
 class SpeculativeExecutor(ModelExecutor):
     """A :class:`ModelExecutor` whose decode steps are speculative passes (:func:`_spec_pass`) or
     plain passes in the same layout (:func:`_plain_pass`), with ``draft``'s state for every slot.
-    Its calls return the tokens at once (the host needs each slot's count before the next pass)."""
+    A call's tokens are read when needed (:class:`PassesOut`): each slot's length, pending token,
+    pass number and tokens left after a call stay on the device (``carried``), where the next call
+    can take them before the host has read them."""
 
     multi_step = True  # several passes per call (decode_steps)
-    asynchronous = False
+    asynchronous = True  # the engine may send the next call before it reads this one's tokens
 
     def __init__(self, lm, slots: int, draft, gamma: int):
         super().__init__(lm, slots)
@@ -176,6 +228,7 @@ class SpeculativeExecutor(ModelExecutor):
         self.draft_capacity = self.T + 2 * gamma + 2
         self.dstate = jax.tree_util.tree_map(
             jnp.copy, _draft_empty(draft, capacity=self.draft_capacity, slots=slots))
+        self.carried = jnp.zeros((4, slots), jnp.int32)  # each slot's values after the last call (_passes)
         for leaf in jax.tree_util.tree_leaves(self.dstate):
             if leaf.ndim == 0 or leaf.shape[0] != slots:
                 raise ValueError(f"the engine needs a draft whose state is batch-first; {type(draft).__name__} "
@@ -198,26 +251,32 @@ class SpeculativeExecutor(ModelExecutor):
                              capacity=self.draft_capacity)
             self.dstate = self.dstate if out is None else out
 
-    def passes(self, decoding, passes, lengths, pending, left, k: int, speculative: bool):
-        """``k`` passes (speculative or plain) for every ``decoding`` slot, each slot stopping once
-        it has made ``left`` ``[S]`` tokens: ``passes`` ``[S]`` each slot's pass number, ``lengths``
-        its cache length, ``pending`` its pending token. Returns numpy ``(tokens [k, S, m],
-        model_logprobs, sample_logprobs, made [k, S], accepted [k, S])``."""
+    def passes(self, decoding, passes, lengths, pending, left, k: int, speculative: bool, carried=None,
+               on_fetch=None):
+        """Up to ``k`` passes (speculative or plain) for every ``decoding`` slot, each slot stopping
+        once it has made ``left`` ``[S]`` tokens: ``passes`` ``[S]`` each slot's pass number,
+        ``lengths`` its cache length, ``pending`` its pending token; a ``carried`` ``[S]`` slot goes
+        on from the last call instead (its values as that call left them, on the device), and
+        ``lengths`` holds at least its length. The call stops early once no slot takes part or a
+        slot's next pass would reach past the span of its first (:meth:`span`). Returns a
+        :class:`PassesOut` (``on_fetch``: its callback), zeros in the passes that did not run."""
         span = self.span(lengths, k, speculative)
         rule, keys, row_ids, greedy, _ = self._slot_inputs()
+        carried = np.zeros((self.S,), bool) if carried is None else carried
+        slots = np.stack([passes, lengths, pending, left, decoding, carried]).astype(np.int32)
         out = self._call(_passes, self.params, self.cache, self.draft, self.dstate, rule, self.rule_state, keys,
-                         row_ids, passes.astype(np.int32), greedy, lengths.astype(np.int32), pending.astype(np.int32),
-                         decoding, left.astype(np.int32), model=self.model, gamma=self.gamma, span=span, k=k,
+                         row_ids, greedy, slots, self.carried, model=self.model, gamma=self.gamma, span=span, k=k,
                          speculative=speculative)
         if out is None:
             return None
-        *back, self.cache, self.dstate = out
-        return tuple(np.asarray(a) for a in jax.device_get(tuple(back)))
+        ints, floats, self.carried, self.cache, self.dstate = out
+        return PassesOut(ints, floats, speculative, k, on_fetch)
 
     def span(self, lengths, k: int, speculative: bool) -> int:
-        """The attended span of ``k`` passes from cache lengths ``lengths``: a pass writes
-        ``gamma + 1`` positions (a plain one, 1), and a call's later passes start further on."""
-        reach = int(lengths.max()) + ((self.gamma + 1) * k if speculative else k)
+        """The attended span of a call's passes from cache lengths ``lengths``: that of its first
+        pass, which writes ``gamma + 1`` positions (a plain one, 1); the call stops before a pass
+        that would write past it (``k`` does not widen it: the span is paid every pass)."""
+        reach = int(lengths.max()) + (self.gamma + 1 if speculative else 1)
         return min(self.T, round_up(reach, SPAN_BUCKET))
 
     def decode(self, *args, **kwargs):
@@ -258,19 +317,33 @@ class SpeculativeRows:
         return executor
 
     def _launch_passes(self, start: float) -> DeviceCall:
-        """A speculative engine's step: this step's prompt pieces, then one pass for every slot
-        whose prompt is read: speculative while at most ``speculative_max_rows`` slots decode, else
-        plain (:mod:`jaxdecode.serving.speculative`). Its tokens come back at once: each row's
-        count of new tokens decides the next pass."""
+        """A speculative engine's step: this step's prompt pieces, then up to ``decode_steps``
+        passes for every slot whose prompt is read, in one call: speculative while at most
+        ``speculative_max_rows`` slots decode, else plain (:mod:`jaxdecode.serving.speculative`).
+        A row that decoded in the call still in flight (its tokens not read yet) goes on from where
+        that call leaves it, on the device; its length is known only up to what that call may add,
+        and the span is taken from that bound. A row whose draft state is behind (after plain
+        passes) is built again from its text, so the call in flight is read first then."""
         prefill_tokens = self._prefill()
-        decoding = np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
+        decoding = self._decoding_slots()
+        inflight = self._inflight
+        if inflight is not None and inflight.rows and self._needs_text(decoding, inflight):
+            self._collect(inflight)  # (its steps recorded now)
+            self._inflight = inflight = None
+            decoding = self._decoding_slots()
         active = int(decoding.sum())
         rows, out = [], None
         if active:
             speculative = active <= self.speculative_max_rows
             k = self._steps_now(decoding, prefill_tokens)
             rows = [(int(s), self._slots[s]) for s in np.flatnonzero(decoding)]
+            if k > 1:  # a call stops once its rows are done: as many passes as a row may take (a power
+                # of two up to its n, as warm_up compiles), not what its tokens left would need at one a pass
+                k = 1 << (min(self.decode_steps, max(r.n for _, r in rows)).bit_length() - 1)
+            flying = {} if inflight is None or not inflight.rows else dict(inflight.rows)
+            reach = 0 if not flying else inflight.out.k * (self.gamma + 1 if inflight.out.speculative else 1)
             passes, lengths, pending, left = (np.zeros((self.S,), np.int32) for _ in range(4))
+            carried = np.zeros((self.S,), bool)
             stale = []
             for s, r in enumerate(self._slots):
                 if r is None:
@@ -278,30 +351,48 @@ class SpeculativeRows:
                 if not decoding[s]:
                     lengths[s] = r.length  # a prompt still being read keeps its cache
                     continue
+                if flying.get(s) is r:  # it goes on from the call in flight: at most reach further
+                    carried[s] = True
+                    lengths[s] = min(r.length - 1 + reach, len(r.prompt) + r.n - 2)
+                    continue
                 lengths[s] = r.length - 1  # the context but its last token, which is fed now
                 pending[s] = r.tokens[-1] if r.tokens else r.prompt[-1]
                 passes[s], left[s] = r.passes, r.n - len(r.tokens)
                 if speculative and r.draft_at != r.length:
                     stale.append((s, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])))
             self._free_lengths(lengths)
-            # fewer passes rather than a wider span: the attention over the span is paid every pass
-            while k > 1 and self.executor.span(lengths, k, speculative) > self.executor.span(lengths, 1, speculative):
-                k //= 2
             if speculative:
                 self.executor.sync_drafts(stale)
-            out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative)
-            made, accepted = out[3], out[4]  # [k, S]
-            counts = self.speculative_counts
-            counts["speculative_passes" if speculative else "plain_passes"] += k
-            for s, r in rows:
-                r.passes += int(np.count_nonzero(made[:, s]))
-                if speculative:
-                    took = int(np.count_nonzero(made[:, s]))
-                    counts["proposed"] += self.gamma * took
-                    counts["examined"] += int(np.minimum(accepted[:, s] + 1, self.gamma)[made[:, s] > 0].sum())
-                    counts["accepted"] += int(accepted[:, s].sum())
-                    r.draft_at = r.length + int(made[:, s].sum())
+            out = self.executor.passes(decoding, passes, lengths, pending, left, k, speculative, carried,
+                                       functools.partial(self._passes_read, rows, speculative))
         return DeviceCall(start, 1, rows, out, False, prefill_tokens, active)
+
+    def _decoding_slots(self) -> np.ndarray:
+        return np.array([r is not None and r.prefilled == len(r.prompt) for r in self._slots])
+
+    def _needs_text(self, decoding, inflight) -> bool:
+        """Whether this step's call needs the tokens of the call in flight first: its passes are
+        speculative and a row that went on in plain passes there needs its draft state built again
+        from its text."""
+        if inflight.out.speculative or int(decoding.sum()) > self.speculative_max_rows:
+            return False
+        flying = dict(inflight.rows)
+        return any(flying.get(s) is r for s, r in enumerate(self._slots) if decoding[s])
+
+    def _passes_read(self, rows, speculative: bool, out) -> None:
+        """A call's counts, as its tokens are read (before they are added to their rows): each row's
+        passes (its next pass number), and where its draft state now stands."""
+        made, accepted = out[3], out[4]  # [k, S]
+        counts = self.speculative_counts
+        counts["speculative_passes" if speculative else "plain_passes"] += int(np.count_nonzero(made.any(axis=1)))
+        for s, r in rows:
+            took = int(np.count_nonzero(made[:, s]))
+            r.passes += took
+            if speculative:
+                counts["proposed"] += self.gamma * took
+                counts["examined"] += int(np.minimum(accepted[:, s] + 1, self.gamma)[made[:, s] > 0].sum())
+                counts["accepted"] += int(accepted[:, s].sum())
+                r.draft_at = r.length + int(made[:, s].sum())
 
     def speculative_stats(self) -> dict:
         """A speculative engine's passes since it started: speculative and plain, draft tokens

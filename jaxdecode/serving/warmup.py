@@ -160,7 +160,7 @@ def _passes(engine, steps, shortest, longest):
     kinds = [True] + ([False] if engine.speculative_max_rows < S else [])
     for speculative in kinds:
         for k in steps:
-            reach = (gamma + 1) * k if speculative else k
+            reach = gamma + 1 if speculative else 1  # a call's span is its first pass's (SpeculativeExecutor.span)
             for span in sorted({min(engine.T, round_up(L + reach, SPAN_BUCKET)) for L in range(shortest - 1, longest)}):
                 ex.passes(decoding, zeros, np.full((S,), max(span - reach, 0), np.int32), zeros, zeros, k, speculative)
     for W in sorted({min(round_up(L, PROMPT_BUCKET), engine.T) for L in range(shortest, longest + 1)}):

@@ -147,9 +147,9 @@ def exact():
 
 
 def first_two_tokens(lm, draft, switch):
-    """DRAWS samples of two tokens on a 512-slot engine; ``switch(step)`` gives the step's
-    speculative_max_rows (0: a plain pass, 512: a speculative one)."""
-    engine = Engine(lm, 512, speculative=draft, gamma=2, clock=StepClock())
+    """DRAWS samples of two tokens on a 512-slot engine, one pass a call; ``switch(step)`` gives
+    the step's speculative_max_rows (0: a plain pass, 512: a speculative one)."""
+    engine = Engine(lm, 512, speculative=draft, gamma=2, decode_steps=1, clock=StepClock())
     i = engine.submit(Request(EXACT_PROMPT, 2, seed=17, num_samples=DRAWS, rule=rules.top_p(0.9)))
     step = 0
     while not engine.idle:
