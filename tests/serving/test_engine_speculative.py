@@ -128,6 +128,43 @@ def test_turned_down_engine_runs_plain_passes(lm, drafts):
     assert [o.text for r in again.results for o in r.outputs] == [o.text for r in report.results for o in r.outputs]
 
 
+def test_calls_overlap_and_texts_stay_exact(lm, drafts):
+    """On a real clock the engine sends each call before it reads the tokens of the one before: a
+    row goes on from where the call in flight leaves it, on the device. Every request at once,
+    more rows than slots (rows join as others leave), one and 4 passes a call: every text is still
+    speculative_generate's. Turned down above one row, the row left alone after plain passes needs
+    its draft state built again from its text: the call in flight is read first then, and its
+    greedy text stays greedy decoding's."""
+    def watched(engine):
+        assert engine.overlap
+        sent, launch = [], engine._launch_passes
+        engine._launch_passes = lambda start: sent.append(engine._inflight is not None) or launch(start)
+        read_first, needs_text = [], engine._needs_text
+        engine._needs_text = lambda *a: read_first.append(needs_text(*a)) or read_first[-1]
+        return sent, read_first
+
+    reqs = [Request(r.prompt, r.n, seed=r.seed, num_samples=r.num_samples, rule=r.rule, greedy=r.greedy,
+                    stop=r.stop) for r in mixed_requests()]
+    for steps in (1, 4):
+        engine = Engine(lm, 3, speculative=drafts["model"], gamma=GAMMA, prefill_chunk=4, decode_steps=steps,
+                        speculative_max_rows=3)
+        sent, read_first = watched(engine)
+        assert_speculative_generate(lm, drafts["model"], reqs, engine.run(reqs))
+        assert sum(sent) >= len(sent) // 2  # most calls were sent while another was running
+        assert not any(read_first) and engine.idle and engine._inflight is None
+    engine = Engine(lm, 2, speculative=drafts["model"], gamma=GAMMA, decode_steps=4, speculative_max_rows=1)
+    sent, read_first = watched(engine)
+    rebuilt, sync = [], engine.executor.sync_drafts
+    engine.executor.sync_drafts = lambda texts: rebuilt.extend(len(t) for _, t in texts) or sync(texts)
+    report = engine.run([Request("hi", 25, greedy=True), Request("abc", 6, seed=1)])
+    stats = engine.speculative_stats()
+    assert max(rebuilt, default=0) > 3  # a draft state built again from a text longer than the prompts
+    assert any(read_first) and stats["plain_passes"] > 0 and stats["speculative_passes"] > 0
+    greedy = SP.speculative_generate(lm, "hi", 25, draft=drafts["model"], gamma=GAMMA, greedy=True)[0]
+    assert report.results[0].outputs[0].text == greedy.text
+    assert len(report.results[1].outputs[0].tokens) == 6
+
+
 # ----------------------------------------------------------------------------- the distribution
 
 EXACT_CFG = ModelConfig(V=8, T=12, d=8, L=1, heads=1)
