@@ -264,7 +264,7 @@ class Engine(PagedRows, DenseReuse, SpeculativeRows):
             if start == 0:
                 first.append(([r.slot for r in rows], piece))
             else:  # continued from a slot that holds the prompt up to start (its own, or a reused prefix's)
-                more.append(([r.slot for r in rows], self._reads_from(rows[0]), start, piece,
+                more.append(([r.slot for r in rows], self._reads_from(rows), start, piece,
                              piece_width(size, self.chunk)))
             tokens += size
             for r in rows:

@@ -82,16 +82,21 @@ class DenseReuse:
             return row.prompt[:row.prefilled]
         return np.concatenate([row.prompt, np.asarray(row.tokens[:-1], np.int32)])
 
-    def _reads_from(self, row) -> int:
-        """The slot ``row``'s next prompt piece continues: its source until its first piece runs.
-        A source whose first positions decode calls wrote while it was free (a free slot's decode
-        position is 0) gets them written again first: a prefill of its first tokens, which the
-        prompt shares."""
+    def _reads_from(self, rows) -> int:
+        """The slot that the next prompt piece of ``rows`` (one prompt, at one point) continues: the
+        first row's source until its first piece runs. A source whose first positions decode calls
+        wrote while it was free (a free slot's decode position is 0) gets them written again first:
+        a prefill of its first tokens, which the prompt shares. The piece then writes each row's
+        slot whole, so none of them is left marked: a mark left on a slot whose row then decodes
+        would have a later reader write that prefill into it, its next-token logits included."""
+        row = rows[0]
         source = row.slot if row.source is None else row.source
         if self._dirty[source]:
             width = round_up(self._dirty[source], PROMPT_BUCKET)
             self.executor.prefill([([source], row.prompt[:width])], [])
             self._dirty[source] = 0
+        for r in rows:
+            self._dirty[r.slot] = 0
         return source
 
     @staticmethod

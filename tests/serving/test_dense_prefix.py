@@ -135,6 +135,34 @@ def test_samples_concurrent_requests_and_constraints_share_a_prefix(lm):
     _served(wall, lm, at_once)  # again: now every prompt finds its start in a free slot
 
 
+@pytest.mark.quick
+def test_a_slot_whose_piece_read_another_source_is_not_written_again_while_it_decodes(lm):
+    """Four slots. V leaves its history in slot 3, whose first position decode calls then spoil.
+    W1 and W2 arrive together with V's prompt: W1 takes slot 3 (a free source wins a tie), W2 reads
+    from U's busy slot, and one piece serves both, read from U's slot (W2 sits in a lower slot), so
+    slot 3 is written whole. Z then continues W1's text and reads from slot 3 while W1 decodes: a
+    mark left on slot 3 would have Z write its first positions again there, W1's next-token logits
+    with them, and W1's text would leave generate's."""
+    prompt, w1 = HEAD + "a", dict(seed=21, greedy=True)
+    said = jaxdecode.generate(lm, prompt, 12, **w1)[0].text
+    reqs = [Request("bbc dabc.gig hhe f", 2, seed=1), Request(prompt, 40, seed=2),
+            Request("cbc dabc.gig hhe f", 2, seed=3), Request(prompt, 3, seed=4),
+            Request(prompt, 20, arrival=5.5, **w1), Request(prompt, 20, seed=5, arrival=5.5),
+            Request(prompt + said[:8], 6, seed=6, arrival=18.5)]
+    engine = Engine(lm, 4, prefill_chunk=8, clock=VirtualClock(UNIT))
+    sources, seat = {}, engine._seat
+
+    def spy(row, free, group):
+        slot = seat(row, free, group)
+        sources[row.req] = (slot, row.source)
+        return slot
+
+    engine._seat = spy
+    _served(engine, lm, reqs)
+    assert sources[4] == (3, 3) and sources[5][1] == 1 and sources[5][0] < 3  # W1 own slot 3, W2 from U's
+    assert sources[6][1] == 3  # Z reads W1's slot
+
+
 def test_least_recently_left_slot_is_evicted(lm):
     """Two slots: X and Y leave histories; X again reuses its slot; a miss Z evicts Y's (left
     longest ago), so a later Y-turn misses while an X-turn still hits."""
