@@ -2,37 +2,26 @@
 slot holds (an earlier turn's prompt and text, a concurrent request, another sample) reads only
 the rest, and every text stays what ``jaxdecode.generate`` gives the request alone."""
 
-import jax
 import pytest
 
 import jaxdecode
 from jaxdecode import constraints as C
 from jaxdecode import rules
-from jaxdecode.io.vocab import Vocab
-from jaxdecode.models.charlm.transformer import ModelConfig, init_params
-from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Engine, Request
 from jaxdecode.serving.reuse import REUSE_MIN, next_piece, piece_width, resume_at
 from jaxdecode.serving.simulator import StepTimeModel, VirtualClock
 from jaxdecode.serving.warmup import count_compiles
 
-from support.engine import assert_same
+from support.engine import HEAD, assert_same, long_window_lm
 
-HEAD = "abc dabc.gig hhe fa "  # 20 tokens: a shared instruction, longer than REUSE_MIN
 CHAIN = rules.chain(rules.repetition_penalty(1.4), rules.top_p(0.9))  # its state sees the whole prompt
 UNIT = StepTimeModel(1.0, 0.0, 0.0)
-
-
-def _lm(backend="portable"):
-    cfg = ModelConfig(V=12, T=64, d=32, L=2, heads=4)
-    params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(42)))
-    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={}, backend=backend)
 
 
 @pytest.fixture(scope="module")
 def lm():
     """A random model with a window of 64 (V=12) on the portable backend."""
-    return _lm()
+    return long_window_lm()
 
 
 def generated_alone(lm, reqs):
@@ -239,7 +228,7 @@ def test_native_backend_and_speculative_engine_reuse(backend):
     several positions in every slot): the texts are those with prefix caching off."""
     from jaxdecode import speculative as SP
 
-    lm = _lm(backend)
+    lm = long_window_lm(backend)
     engine = Engine(lm, 2, prefill_chunk=8, decode_steps=2)
     assert _chat(engine, lm)[-1][1] > 0
     prompts = [HEAD + "a", HEAD + "a bad", HEAD + "ccc", HEAD + "a bad cab"]

@@ -2,11 +2,25 @@
 what :func:`jaxdecode.generate` gives each alone, and the checks that an engine's report equals it
 (tests/serving/)."""
 
+import jax
 import numpy as np
 
 import jaxdecode
 from jaxdecode import rules
+from jaxdecode.io.vocab import Vocab
+from jaxdecode.models.charlm.transformer import ModelConfig, init_params
+from jaxdecode.models.checkpoint import LanguageModel
 from jaxdecode.serving.engine import Request
+
+HEAD = "abc dabc.gig hhe fa "  # 20 tokens of long_window_lm: a shared instruction, longer than REUSE_MIN
+
+
+def long_window_lm(backend="portable"):
+    """A random model with a window of 64 (V=12, the vocabulary `` abcdefghi.\\n``): room for prompts
+    past the dense cache's prefix reuse minimum."""
+    cfg = ModelConfig(V=12, T=64, d=32, L=2, heads=4)
+    params = jax.tree_util.tree_map(lambda a: a * 3.0, init_params(cfg, jax.random.PRNGKey(42)))
+    return LanguageModel(params=params, cfg=cfg, vocab=Vocab(" abcdefghi.\n"), meta={}, backend=backend)
 
 
 def mixed_requests():
