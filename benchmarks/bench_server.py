@@ -350,11 +350,14 @@ def main():
                 with CPUClock({"bench (clients)": me, "server http": proc.pid, "server engine": core}) as cs:
                     srv = server_run(base, reqs, client=args.client)
                 srv["load_before_and_after"] = [srv_load, H.load()[0]]
-                same = sum(srv["texts"].get(r["i"]) == t for r, t in zip(reqs, eng["texts"]))
+                differ = [r["i"] for r, t in zip(reqs, eng["texts"]) if srv["texts"].get(r["i"]) != t]
+                same = len(reqs) - len(differ)
+                if differ:  # the server's seeded texts must be the engine's: say so where it shows
+                    print(f"requests whose server text is not the engine's: {differ}", file=sys.stderr, flush=True)
                 eng.pop("texts"), srv.pop("texts")
                 srv["cpu_us_per_token"] = cs.per_token_us(srv["tokens"])
                 rows.append({"rate": rate, "pinned": pinned, "round": round_, "engine": eng, "server": srv,
-                             "same_texts": same, "requests": len(reqs),
+                             "same_texts": same, "texts_differ": differ, "requests": len(reqs),
                              "throughput_ratio": srv["throughput"] / eng["throughput"],
                              "ttft_p50_gap_ms": 1e3 * (srv["ttft"]["p50"] - eng["ttft"]["p50"]),
                              "load": H.load()[0]})
