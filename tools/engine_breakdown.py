@@ -64,15 +64,17 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", default="1,8")
     ap.add_argument("--cache", default="dense")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--policies", default="continuous", help="comma-separated: continuous, static")
     args = ap.parse_args(argv)
     lm = jaxdecode.load(args.ckpt)
     reqs = saturating(lm, args.requests, args.n, 0)
-    for k in (int(x) for x in args.decode_steps.split(",")):
-        b = breakdown(lm, reqs, EngineConfig(args.slots, decode_steps=k, cache=args.cache, overlap=False),
-                      args.repeats)
-        parts = ", ".join(f"{n} {v['seconds'] * 1e3:.0f} ms in {v['count']} calls" for n, v in b["calls"].items())
-        print(f"decode_steps {k}: {b['seconds'] * 1e3:.0f} ms for {b['tokens']} tokens in {b['steps']} steps: "
-              f"{parts}, host {b['host'] * 1e3:.0f} ms")
+    for policy in args.policies.split(","):
+        for k in (int(x) for x in args.decode_steps.split(",")):
+            config = EngineConfig(args.slots, policy=policy, decode_steps=k, cache=args.cache, overlap=False)
+            b = breakdown(lm, reqs, config, args.repeats)
+            parts = ", ".join(f"{n} {v['seconds'] * 1e3:.0f} ms in {v['count']} calls" for n, v in b["calls"].items())
+            print(f"{policy}, decode_steps {k}: {b['seconds'] * 1e3:.0f} ms for {b['tokens']} tokens in "
+                  f"{b['steps']} steps: {parts}, host {b['host'] * 1e3:.0f} ms")
     return 0
 
 
