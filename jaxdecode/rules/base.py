@@ -101,6 +101,11 @@ def check_setting(rule: str, name: str, value, ok, allowed: str, *, integer: boo
     if not good.all():
         bad = vals[~good][0]
         raise RuleError(f"{rule}: {name} must {allowed}, got {_fmt(bad)}")
+    limit = np.iinfo(np.int32).max if integer else float(np.finfo(np.float32).max)
+    over = np.isfinite(vals) & (np.abs(vals) > limit)  # (float32 would make it infinite: NaN logits)
+    if over.any():
+        raise RuleError(f"{rule}: {name} must lie within {'int32' if integer else 'float32'}'s range "
+                        f"(at most {_fmt(limit)} in size), got {_fmt(vals[over][0])}")
     return jnp.asarray(arr, dtype)
 
 

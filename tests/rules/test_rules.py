@@ -557,7 +557,7 @@ def test_settings_may_be_traced():
 
 INVALID = [
     (R.temperature, "t", [-0.1, math.nan]),
-    (R.top_k, "k", [0, -2, 2.5, math.nan, math.inf]),
+    (R.top_k, "k", [0, -2, 2.5, math.nan, math.inf, 1e10]),
     (R.top_p, "p", [0.0, 1.5, -0.1, math.nan]),
     (R.min_p, "ratio", [-0.1, 1.01, math.nan]),
     (R.typical, "mass", [0.0, 1.1, math.nan]),
@@ -565,8 +565,8 @@ INVALID = [
     (R.eta, "eta", [-1e-3, 1.0, math.nan]),
     (R.top_n_sigma, "n", [0.0, -1.0, math.nan]),
     (R.repetition_penalty, "theta", [0.0, -1.0, math.nan]),
-    (R.frequency_penalty, "f", [math.inf, -math.inf, math.nan]),
-    (R.presence_penalty, "p", [math.inf, math.nan]),
+    (R.frequency_penalty, "f", [math.inf, -math.inf, math.nan, 1e39]),  # (1e39: infinite in float32)
+    (R.presence_penalty, "p", [math.inf, math.nan, -1e39]),
     (R.no_repeat_ngram, "n", [0, 1.5, -3, math.nan]),
 ]
 
