@@ -121,8 +121,8 @@ class EngineConfig:
     @property
     def steps_per_call(self) -> int:
         """``decode_steps``, or its default: 1, or :data:`SPECULATIVE_PASSES` passes for a
-        speculative engine (whose calls are waited for: several passes a call save host round
-        trips, which overlap hides for the plain engine)."""
+        speculative engine (several passes a call: each call has a cost of its own on the device,
+        which overlap does not hide, and a call stops early once its rows are done)."""
         if self.decode_steps is not None:
             return self.decode_steps
         return 1 if self.speculative is None else SPECULATIVE_PASSES
