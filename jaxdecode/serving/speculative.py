@@ -3,8 +3,8 @@
 
 A speculative engine keeps each decoding slot as :func:`jaxdecode.speculative.speculative_tokens`
 keeps a row: the target's cache holds the row's context without its last token (the *pending*
-token, which the host sends with each call), and the draft keeps its own state for the slot. One
-engine step is one *pass* for every decoding slot, of one of two kinds:
+token), and the draft keeps its own state for the slot. One engine step is one device call of up
+to ``decode_steps`` *passes* for every decoding slot (:func:`_passes`), each of one of two kinds:
 
 - a speculative pass (:func:`_spec_pass`): the draft proposes ``gamma`` tokens, the target scores
   the pending token and the proposals in one ``extend`` over the slots' caches, and each slot
@@ -21,6 +21,11 @@ exact draw from the processed target given the text before it. A row whose passe
 speculative has exactly :func:`~jaxdecode.speculative.speculative_generate`'s text for its seed
 and row id. After plain passes the slot's draft state is behind; the next speculative pass first
 builds it again from the row's text (:func:`_draft_rows`).
+
+A call leaves each slot's pass number, cache length, pending token and tokens left on the device,
+and the next call takes them from there: the engine sends it before it reads the last call's
+tokens (``overlap``, as for the plain engine), except when a row's draft state must be built
+again from its text.
 """
 
 from __future__ import annotations
