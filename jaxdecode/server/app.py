@@ -19,7 +19,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette.sse import AppStatus
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
@@ -89,9 +88,6 @@ def build_app(server: Server) -> FastAPI:
         yield
         server.runner.stop()
 
-    # sse-starlette ends every open stream when uvicorn is told to exit; a draining server lets the
-    # requests in flight finish instead (each ends within its max_tokens)
-    AppStatus.disable_automatic_graceful_drain()
     # (not FastAPI's max_body_size: its 413 is plain text, and it replaces the app's own answer)
     app = FastAPI(title="jaxdecode", lifespan=lifespan)
     app.router.route_class = _Route  # (before any route is added: the request bodies every route reads)

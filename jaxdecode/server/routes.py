@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
+import anyio
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
+from starlette.responses import StreamingResponse
 
 from jaxdecode.serving.engine import Request
 from jaxdecode.server import handlers as H
@@ -233,7 +234,32 @@ def _finish(d):
     return None if d.finish_reason is None else H.FINISH[d.finish_reason]
 
 
-def _event_stream(job, body, head, first: list, parts, usage) -> EventSourceResponse:
+class EventStream(StreamingResponse):
+    """A stream of server-sent events (``data: ...`` lines), each event written as it comes. The
+    stream ends, its generator closed, as soon as the client leaves (whatever ASGI version the
+    server speaks: its disconnect is watched, not only seen at the next write)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events):
+        super().__init__(events, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        async with anyio.create_task_group() as group:
+            async def stream():
+                await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+def _event(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
+
+
+def _event_stream(job, body, head, first: list, parts, usage) -> EventStream:
     """A streamed answer: the ``first`` chunks, then one chunk per batch of deltas (``parts(k,
     deltas)`` gives its choices), a usage chunk if asked for (``usage()``), then ``[DONE]``. A
     client that leaves before the end aborts the job. ``job`` None: the first chunks are all."""
@@ -243,25 +269,25 @@ def _event_stream(job, body, head, first: list, parts, usage) -> EventSourceResp
         finished = False
         try:
             for chunk in first:
-                yield _chunk(head, chunk, with_usage)
+                yield _event(_chunk(head, chunk, with_usage))
             if job is not None:
                 try:
                     async for k, deltas in job.deltas():
-                        yield _chunk(head, parts(k, deltas), with_usage)
+                        yield _event(_chunk(head, parts(k, deltas), with_usage))
                 except APIError as e:  # the engine failed mid-stream: the error as the stream's last event
-                    yield json.dumps(e.body())
-                    yield "[DONE]"
+                    yield _event(json.dumps(e.body()))
+                    yield _event("[DONE]")
                     finished = True
                     return
             if with_usage:
-                yield json.dumps(dict(head, choices=[], usage=usage()))
-            yield "[DONE]"
+                yield _event(json.dumps(dict(head, choices=[], usage=usage())))
+            yield _event("[DONE]")
             finished = True
         finally:
             if not finished and job is not None:
                 job.abort()
 
-    return EventSourceResponse(events(), sep="\n")
+    return EventStream(events())
 
 
 def _chunk(head, parts, with_usage) -> str:
