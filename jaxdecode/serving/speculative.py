@@ -20,12 +20,8 @@ Every pass of a row, of either kind, draws from its own pass number's noise, so 
 exact draw from the processed target given the text before it. A row whose passes were all
 speculative has exactly :func:`~jaxdecode.speculative.speculative_generate`'s text for its seed
 and row id. After plain passes the slot's draft state is behind; the next speculative pass first
-builds it again from the row's text (:func:`_draft_rows`).
-
-A call leaves each slot's pass number, cache length, pending token and tokens left on the device,
-and the next call takes them from there: the engine sends it before it reads the last call's
-tokens (``overlap``, as for the plain engine), except when a row's draft state must be built
-again from its text.
+builds it again from the row's text (:func:`_draft_rows`). A call leaves each slot's values on the
+device for the next, which the engine sends before it reads the last one's tokens (``overlap``).
 """
 
 from __future__ import annotations
