@@ -124,7 +124,6 @@ def test_samples_concurrent_requests_and_constraints_share_a_prefix(lm):
     _served(wall, lm, at_once)  # again: now every prompt finds its start in a free slot
 
 
-@pytest.mark.quick
 def test_a_slot_whose_piece_read_another_source_is_not_written_again_while_it_decodes(lm):
     """Four slots. V leaves its history in slot 3, whose first position decode calls then spoil.
     W1 and W2 arrive together with V's prompt: W1 takes slot 3 (a free source wins a tie), W2 reads
