@@ -592,7 +592,9 @@ def test_noise_drawn_up_front_is_the_same_noise(small_drafts, monkeypatch, segme
     assert len(calls) == (1 if segments == "one" else 2), calls
     (a, b) = runs
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.sample_logprobs, b.sample_logprobs)
+    # the same noise, so the same tokens; the log-probabilities come from two programs that XLA
+    # fuses differently (a table input against draws in the loop): equal up to a float32 unit or two
+    np.testing.assert_allclose(a.sample_logprobs, b.sample_logprobs, rtol=0, atol=2e-6)
     assert a.stats == b.stats
     assert sum(s.passes for s in a.stats) > len(prompts)  # several iterations per row
 
