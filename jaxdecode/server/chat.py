@@ -167,6 +167,11 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _file_names(origin: str) -> str:
+    """``origin`` with each path in it cut to its file's name (``chat template chat_template.jinja``)."""
+    return " ".join(Path(word).name if "/" in word or "\\" in word else word for word in origin.split(" "))
+
+
 def _failure(exc: BaseException, origin: str) -> ChatTemplateError:
     """One sentence for an exception raised while rendering the template from ``origin``."""
     if isinstance(exc, jinja2.exceptions.SecurityError):
@@ -410,7 +415,7 @@ class ChatTemplate:
         except ChatTemplateError:  # the template's own raise_exception, message unchanged
             raise
         except Exception as e:  # a template is code from the model's authors: any failure is theirs
-            raise _failure(e, self.origin) from e
+            raise _failure(e, _file_names(self.origin)) from e  # (a client reads it: no server paths)
         if final is not None:
             mark = _CONTINUE.strip()
             if final.strip() not in text or mark not in text:

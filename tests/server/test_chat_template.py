@@ -195,6 +195,20 @@ def test_a_folder_with_chat_template_jinja():
     assert t.render(MESSAGES) == "<s><|im_start|>user\nHi.</s>\n<|im_start|>assistant\n"
 
 
+def test_a_failure_at_render_names_the_template_file_but_not_the_servers_folders(tmp_path):
+    """A render error reaches the client: it names the file, not where the server keeps it (a
+    load error, which the operator reads, keeps the whole path)."""
+    for f in (_folder(tmp_path, jinja="{{ 1 / 0 }}"), _folder(tmp_path, {"chat_template": "{{ 1 / 0 }}"}, name="c")):
+        t = load_chat_template(f)
+        assert str(f) in t.origin
+        with pytest.raises(ChatTemplateError) as info:
+            t.render(MESSAGES)
+        message = str(info.value)
+        assert message.startswith("the chat template") and "failed" in message
+        assert str(tmp_path) not in message and (f.name + "/") not in message
+        assert ("chat_template.jinja" in message) or ("tokenizer_config.json" in message)
+
+
 def test_a_string_template_in_tokenizer_config(tmp_path):
     f = _folder(tmp_path, {"bos_token": {"content": "<B>", "lstrip": False, "__type": "AddedToken"},
                            "eos_token": "<E>", "unk_token": None, "chat_template": "{{ bos_token }}{{ eos_token }}"})
