@@ -375,6 +375,8 @@ _Settings = create_model("Settings", __config__=ConfigDict(extra="forbid"),
 
 
 class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # (documents it; _body refuses them)
+
     prompt: str = Field(min_length=1)
     settings: _Settings | None = None
 
@@ -447,13 +449,19 @@ def _inline(schema, defs: dict):
 # ----------------------------------------------------------------------------- routes
 
 
-async def _body(request: HTTPRequest) -> dict:
+async def _body(request: HTTPRequest, model: type[BaseModel]) -> dict:
+    """The request's JSON object, its fields those of ``model`` (a misspelt one is refused by name,
+    as on ``/v1/``, not ignored)."""
     try:
         body = await request.json()
     except ValueError:
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        raise APIError(400, f"unknown field(s): {', '.join(map(str, unknown))}; this endpoint takes "
+                            f"{', '.join(model.model_fields)}", param=str(unknown[0]))
     return body
 
 
@@ -504,14 +512,14 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
     @app.post("/explore/next", **_documented(NextBody))
     async def next_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, NextBody)
         top = _field(body, "top", int, 30, 1, LIMITS["top"])
         prompt, settings = _prompt(body), _settings(body)
         return await ex.run(lambda lm: next_token(lm, prompt, _path(body, lm.decoder.V), settings, top))
 
     @app.post("/explore/sample", **_documented(SampleBody))
     async def sample_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, SampleBody)
         prompt, settings = _prompt(body), _settings(body)
         seed = _field(body, "seed", int, 0, 0, 2**63 - 1)
         n = _field(body, "n", int, 1, 1, LIMITS["n"])
@@ -520,7 +528,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
     @app.post("/explore/compare", **_documented(CompareBody))
     async def compare_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, CompareBody)
         prompt, settings = _prompt(body), _settings(body)
         n = _field(body, "n", int, 12, 1, LIMITS["n"])
         k = _field(body, "k", int, 4, 1, LIMITS["k"])
@@ -533,7 +541,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
     @app.post("/explore/beam", **_documented(BeamBody))
     async def beam_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, BeamBody)
         prompt, settings = _prompt(body), _settings(body)
         n = _field(body, "n", int, 6, 1, LIMITS["tree_steps"])
         k = _field(body, "k", int, 3, 1, LIMITS["k"])
@@ -542,7 +550,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
     @app.post("/explore/constrained", **_documented(ConstrainedBody))
     async def constrained_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, ConstrainedBody)
         prompt, settings = _prompt(body), _settings(body)
         regex, choices = _field(body, "regex", str), _field(body, "choices", list)
         if (regex is None) == (choices is None):
@@ -558,7 +566,7 @@ def add_explorer(app, explorer: Explorer | None, api_key: str | None = None) -> 
 
     @app.post("/explore/speculative", **_documented(SpeculativeBody, 501))
     async def speculative_view(request: HTTPRequest):
-        ex, body = need(request), await _body(request)
+        ex, body = need(request), await _body(request, SpeculativeBody)
         if ex.speculate is None:
             raise APIError(501, "this server offers no speculative runs")
         prompt, settings = _prompt(body), _settings(body)

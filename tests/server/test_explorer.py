@@ -250,6 +250,7 @@ def test_bad_input_is_one_clear_error(server):
         ("/explore/beam", {"prompt": "a", "n": 99}, "n must lie in [1, 16], got 99"),
         ("/explore/constrained", {"prompt": "a"}, "give one of regex (a string) or choices (a list of strings)"),
         ("/explore/speculative", {"prompt": "a", "draft": "ngram"}, "draft must be 'lookup' or 'draft'"),
+        ("/explore/sample", {"prompt": "a", "seeed": 3}, "seeed"),  # a misspelt field, refused as on /v1/
     ]
     for path, body, message in cases:
         got = server.post(path, body, status=400)
