@@ -29,7 +29,7 @@ from jaxdecode.serving.simulator import StepClock
 
 CACHES = ("dense", "paged")
 SCHEDULES = 1000  # per cache, in CHUNKS tests (so that the suite's workers share them); CI runs the
-CHUNKS = 4  # first chunk of each cache (250 schedules), the full suite all of them
+CHUNKS = 8  # first chunk of the dense cache (125 schedules), the full suite all of them
 SLOTS = 3  # one slot count: every engine runs the same compiled programs
 
 
